@@ -1,0 +1,75 @@
+"""The cache a sequence owns: one entry per layer, plus the monotonic `offset`."""
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from kestrel.cache.kv import LayerKVCache
+
+
+@dataclass(frozen=True)
+class CacheSpec:
+    """What a layer keeps per sequence: `kind` "full", "sliding" (with `window`), or a kind a
+    model family registers in `CACHE_KINDS` (e.g. recurrent state, a latent KV)."""
+
+    kind: str = "full"
+    window: int | None = None
+
+
+CACHE_KINDS: dict[str, Callable[[CacheSpec], object]] = {
+    "full": lambda spec: LayerKVCache(None),
+    "sliding": lambda spec: LayerKVCache(spec.window),
+}
+
+
+class SequenceCache:
+    """Per-sequence state across layers.
+
+    `offset` counts every token ever written (RoPE positions use it; it only grows). The live
+    window is positions [live_start, offset) plus the sinks [0, min(keep, live_start)).
+    """
+
+    def __init__(self, specs: list[CacheSpec]):
+        self.specs = specs
+        self.layers = [CACHE_KINDS[spec.kind](spec) for spec in specs]
+        self.offset = 0
+        self.live_start = 0
+        self.keep = 0
+
+    @property
+    def live_tokens(self) -> int:
+        """Tokens the full-attention layers hold (what `--max-kv-size` bounds)."""
+        return min(self.keep, self.live_start) + self.offset - self.live_start
+
+    def trim_front(self, n: int, keep: int = 0) -> None:
+        """Drop the `n` oldest tokens after the first `keep` (sinks), in every layer."""
+        if n <= 0:
+            return
+        self.keep = keep
+        self.live_start = min(max(self.live_start, keep) + n, self.offset)
+        for layer in self.layers:
+            if hasattr(layer, "trim"):
+                layer.trim(self.live_start, self.keep)
+
+    def make_room(self, m: int, max_kv_size: int | None, keep: int = 0) -> int:
+        """Before appending `m` tokens, trim so that live + m <= max_kv_size; returns tokens trimmed."""
+        if not max_kv_size:
+            return 0
+        if m > max_kv_size - keep:
+            raise ValueError(f"chunk of {m} tokens exceeds max_kv_size {max_kv_size} - keep {keep}")
+        excess = self.live_tokens + m - max_kv_size
+        if excess <= 0:
+            return 0
+        self.trim_front(excess, keep)
+        return excess
+
+    def advance(self, m: int) -> None:
+        self.offset += m
+
+    def checkpoint(self) -> tuple:
+        layers = [layer.checkpoint() for layer in self.layers]
+        return (self.offset, self.live_start, self.keep, layers)
+
+    def restore(self, state: tuple) -> None:
+        self.offset, self.live_start, self.keep, layers = state
+        for layer, saved in zip(self.layers, layers, strict=True):
+            layer.restore(saved)

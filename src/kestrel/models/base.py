@@ -1,0 +1,57 @@
+"""What every model family provides to the runner and the loaders."""
+
+import torch
+from torch import nn
+
+from kestrel.cache import CacheSpec
+from kestrel.models.batch import ForwardBatch
+
+
+def rope_parameters(config, layer_type: str | None = None) -> dict:
+    """The RoPE dict of transformers >= 5 (`rope_parameters`, per layer type when nested)."""
+    params = getattr(config, "rope_parameters", None) or {}
+    if layer_type is not None and layer_type in params:
+        params = params[layer_type]
+    if "rope_theta" not in params:
+        params = {**params, "rope_theta": getattr(config, "rope_theta", 10000.0)}
+    return params
+
+
+class CausalLM(nn.Module):
+    """A decoder-only model: `forward(batch)` returns logits (R, V) for `batch.logits_rows`.
+
+    Families keep Hugging Face parameter names so checkpoints load without renaming; GGUF quirks
+    live in `gguf_tensor` (e.g. undoing llama.cpp's Q/K row permutation).
+    """
+
+    config_class_name = "PretrainedConfig"
+
+    def __init__(self, config):
+        super().__init__()
+        self.config = config
+
+    def cache_specs(self) -> list[CacheSpec]:
+        """One spec per layer: what each layer keeps per sequence."""
+        raise NotImplementedError
+
+    def forward(self, batch: ForwardBatch) -> torch.Tensor:
+        raise NotImplementedError
+
+    def checkpoint_name(self, name: str) -> str | None:
+        """Map a checkpoint tensor name to a parameter name (None: not ours, skip it)."""
+        return name
+
+    def gguf_tensor(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
+        """Undo llama.cpp's conversion of one tensor (named with our parameter name)."""
+        return tensor
+
+    def tie_weights(self) -> None:
+        if getattr(self.config, "tie_word_embeddings", False) and hasattr(self, "lm_head"):
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def kv_bytes_per_token(self, dtype: torch.dtype) -> int:
+        """Bytes of KV cache one token costs across all layers (for `inspect` and pool sizing)."""
+        c = self.config
+        head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+        per_layer = 2 * c.num_key_value_heads * head_dim
+        return per_layer * c.num_hidden_layers * torch.finfo(dtype).bits // 8

@@ -1,0 +1,109 @@
+"""Gemma 3 text decoder (transformers' Gemma3ForCausalLM).
+
+Interleaved sliding/global layers (`layer_types`), a RoPE base per layer type, (1 + w) RMSNorms
+around both sublayers, per-head q/k norms, query scale from `query_pre_attn_scalar`, embeddings
+scaled by sqrt(hidden), a GELU-tanh gated MLP, tied embeddings, optional final logit soft-capping.
+"""
+
+import torch
+from torch import nn
+
+from kestrel.cache import CacheSpec
+from kestrel.models.base import CausalLM, rope_parameters
+from kestrel.models.batch import ForwardBatch
+from kestrel.models.layers import Attention, GatedMLP, RMSNorm, RotaryEmbedding
+
+
+def gemma_norm(dim: int, eps: float) -> RMSNorm:
+    return RMSNorm(dim, eps, unit_offset=True)
+
+
+class Gemma3Block(nn.Module):
+    def __init__(self, config, layer_idx: int, window: int | None, rope: RotaryEmbedding):
+        super().__init__()
+        hidden, eps = config.hidden_size, config.rms_norm_eps
+        self.layer_type = config.layer_types[layer_idx]
+        self.self_attn = Attention(
+            layer_idx,
+            hidden,
+            config.num_attention_heads,
+            config.num_key_value_heads,
+            config.head_dim,
+            rope,
+            scale=config.query_pre_attn_scalar**-0.5,
+            window=window,
+            qkv_bias=config.attention_bias,
+            o_bias=config.attention_bias,
+            qk_norm_factory=lambda d: gemma_norm(d, eps),
+        )
+        self.mlp = GatedMLP(hidden, config.intermediate_size, config.hidden_activation)
+        self.input_layernorm = gemma_norm(hidden, eps)
+        self.post_attention_layernorm = gemma_norm(hidden, eps)
+        self.pre_feedforward_layernorm = gemma_norm(hidden, eps)
+        self.post_feedforward_layernorm = gemma_norm(hidden, eps)
+
+    def forward(self, x, batch: ForwardBatch, cos_sin) -> torch.Tensor:
+        x = x + self.post_attention_layernorm(self.self_attn(self.input_layernorm(x), batch, cos_sin))
+        return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
+
+
+class Gemma3Model(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.embed_scale = config.hidden_size**0.5
+        self.layer_types = config.layer_types
+        self.windows = [
+            config.sliding_window if t == "sliding_attention" else None for t in self.layer_types
+        ]
+        # one rotary table per layer type: sliding layers use the local base, full ones the global
+        self.rotary = nn.ModuleDict(
+            {t: self._rotary(config, t) for t in sorted(set(self.layer_types))}
+        )
+        self.layers = nn.ModuleList(
+            Gemma3Block(config, i, w, self.rotary[t])
+            for i, (w, t) in enumerate(zip(self.windows, self.layer_types, strict=True))
+        )
+        self.norm = gemma_norm(config.hidden_size, config.rms_norm_eps)
+
+    @staticmethod
+    def _rotary(config, layer_type: str) -> RotaryEmbedding:
+        params = rope_parameters(config, layer_type)
+        return RotaryEmbedding(config.head_dim, params["rope_theta"], params)
+
+    def forward(self, batch: ForwardBatch) -> torch.Tensor:
+        x = self.embed_tokens(batch.input_ids)
+        x = x * torch.tensor(self.embed_scale, dtype=x.dtype)
+        cos_sin = {t: rope(batch.positions) for t, rope in self.rotary.items()}
+        for layer in self.layers:
+            x = layer(x, batch, cos_sin[layer.layer_type])
+        return self.norm(x[batch.logits_rows])
+
+
+class Gemma3ForCausalLM(CausalLM):
+    def __init__(self, config):
+        super().__init__(config)
+        self.model = Gemma3Model(config)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.softcap = getattr(config, "final_logit_softcapping", None)
+        self.tie_weights()
+
+    def cache_specs(self) -> list[CacheSpec]:
+        return [CacheSpec("sliding", w) if w else CacheSpec("full") for w in self.model.windows]
+
+    def forward(self, batch: ForwardBatch) -> torch.Tensor:
+        logits = self.lm_head(self.model(batch))
+        if self.softcap:
+            logits = self.softcap * torch.tanh(logits / self.softcap)
+        return logits
+
+    def checkpoint_name(self, name: str) -> str | None:
+        # multimodal Gemma 3 checkpoints nest the text model; we serve the text part
+        name = name.replace("model.language_model.", "model.")
+        if name.startswith(("model.vision_tower", "model.multi_modal_projector")):
+            return None
+        return name
+
+    def gguf_tensor(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
+        # llama.cpp stores Gemma's RMSNorm weights as (1 + w)
+        return tensor - 1 if name.endswith("norm.weight") else tensor

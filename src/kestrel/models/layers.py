@@ -1,0 +1,193 @@
+"""Shared building blocks for the model families: norms, RoPE, MLPs, attention over the cache.
+
+Tensors are packed across sequences: (T, ...) where T is the total tokens of the batch.
+"""
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kestrel.cache import visible_mask
+from kestrel.models.batch import ForwardBatch
+
+ACTIVATIONS = {
+    "silu": F.silu,
+    "gelu": F.gelu,
+    "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
+    "gelu_tanh": lambda x: F.gelu(x, approximate="tanh"),
+    "relu2": lambda x: F.relu(x).square(),
+}
+
+
+class RMSNorm(nn.Module):
+    """RMSNorm; `unit_offset` scales by (1 + w) as Gemma does. Computed in fp32."""
+
+    def __init__(self, dim: int, eps: float = 1e-6, unit_offset: bool = False):
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(dim) if unit_offset else torch.ones(dim))
+        self.eps = eps
+        self.unit_offset = unit_offset
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        if self.unit_offset:
+            return (x * (1.0 + self.weight.float())).to(dtype)
+        return self.weight * x.to(dtype)
+
+
+def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None = None) -> torch.Tensor:
+    """Inverse frequencies (head_dim/2,) for RoPE, with HF's `rope_type` scalings."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
+    rope_type = (scaling or {}).get("rope_type", "default")
+    if rope_type == "linear":
+        inv_freq = inv_freq / scaling["factor"]
+    elif rope_type == "llama3":
+        inv_freq = _llama3_scaling(inv_freq, scaling)
+    elif rope_type != "default":
+        raise ValueError(f"unsupported rope_type {rope_type!r}; supported: default, linear, llama3")
+    return inv_freq.float()
+
+
+def _llama3_scaling(inv_freq: torch.Tensor, s: dict) -> torch.Tensor:
+    # Llama 3.1: long wavelengths divided by `factor`, short kept, a smooth ramp between.
+    factor, low, high = s["factor"], s["low_freq_factor"], s["high_freq_factor"]
+    old_len = s["original_max_position_embeddings"]
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
+    smooth = (old_len / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = (wavelen >= old_len / high) & (wavelen <= old_len / low)
+    return torch.where(medium, smoothed, scaled)
+
+
+class RotaryEmbedding(nn.Module):
+    """Rotate-half RoPE (HF layout) at absolute positions; `attention_scaling` scales cos/sin."""
+
+    def __init__(self, head_dim: int, theta: float, scaling: dict | None = None):
+        super().__init__()
+        self.register_buffer("inv_freq", rope_inv_freq(head_dim, theta, scaling), persistent=False)
+
+    def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        freqs = positions[:, None].float() * self.inv_freq[None, :]  # (T, D/2)
+        emb = torch.cat([freqs, freqs], dim=-1)
+        return emb.cos(), emb.sin()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x: (T, H, D); cos/sin: (T, D). Rotates the first cos.shape[-1] dims (partial rotary)."""
+    rot = cos.shape[-1]
+    x_rot, x_pass = x[..., :rot], x[..., rot:]
+    half = rot // 2
+    rotated = torch.cat([-x_rot[..., half:], x_rot[..., :half]], dim=-1)
+    out = x_rot * cos[:, None, :].to(x.dtype) + rotated * sin[:, None, :].to(x.dtype)
+    return torch.cat([out, x_pass], dim=-1) if x_pass.shape[-1] else out
+
+
+class GatedMLP(nn.Module):
+    """down(act(gate(x)) * up(x))."""
+
+    def __init__(self, hidden: int, intermediate: int, act: str = "silu", bias: bool = False):
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden, intermediate, bias=bias)
+        self.up_proj = nn.Linear(hidden, intermediate, bias=bias)
+        self.down_proj = nn.Linear(intermediate, hidden, bias=bias)
+        self.act = ACTIVATIONS[act]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
+
+
+def cached_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    layer_idx: int,
+    batch: ForwardBatch,
+    scale: float,
+    window: int | None = None,
+    cache_layer_idx: int | None = None,
+) -> torch.Tensor:
+    """Append k/v to each sequence's cache and attend. q: (T, Hq, D), k/v: (T, Hkv, D) -> (T, Hq, Dv).
+
+    The mask comes from the positions of the keys the cache returned (DESIGN.md section 1).
+    `cache_layer_idx` lets a layer read another layer's cache (KV sharing) without appending.
+    """
+    out = q.new_empty(q.shape[0], q.shape[1], v.shape[-1])
+    for chunk in batch.chunks:
+        rows = chunk.rows
+        q_pos = batch.positions[rows]
+        if cache_layer_idx is None:
+            layer = chunk.cache.layers[layer_idx]
+            keys, values, k_pos = layer.update(k[rows].transpose(0, 1), v[rows].transpose(0, 1), q_pos)
+        else:
+            layer = chunk.cache.layers[cache_layer_idx]
+            keys, values, k_pos = layer.keys, layer.values, layer.positions
+        mask = visible_mask(q_pos, k_pos, window)
+        out[rows] = attend(q[rows].transpose(0, 1), keys, values, mask, scale).transpose(0, 1)
+    return out
+
+
+def attend(q, keys, values, mask, scale, softcap: float | None = None) -> torch.Tensor:
+    """q: (Hq, m, D), keys/values: (Hkv, L, D), mask: (m, L) bool -> (Hq, m, Dv). GQA by repeat."""
+    if softcap is None:
+        return F.scaled_dot_product_attention(
+            q, keys, values, attn_mask=mask, scale=scale, enable_gqa=q.shape[0] != keys.shape[0]
+        )
+    groups = q.shape[0] // keys.shape[0]
+    keys = keys.repeat_interleave(groups, 0)
+    values = values.repeat_interleave(groups, 0)
+    scores = (q @ keys.transpose(-1, -2)).float() * scale
+    scores = softcap * torch.tanh(scores / softcap)
+    scores = scores.masked_fill(~mask, float("-inf"))
+    return (scores.softmax(-1).to(values.dtype)) @ values
+
+
+class Attention(nn.Module):
+    """GQA self-attention over the cache: optional qkv bias, per-head q/k norms, RoPE, window."""
+
+    def __init__(
+        self,
+        layer_idx: int,
+        hidden: int,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        rope: RotaryEmbedding | None,
+        scale: float | None = None,
+        window: int | None = None,
+        qkv_bias: bool = False,
+        o_bias: bool = False,
+        qk_norm_factory=None,
+    ):
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        self.q_proj = nn.Linear(hidden, num_heads * head_dim, bias=qkv_bias)
+        self.k_proj = nn.Linear(hidden, num_kv_heads * head_dim, bias=qkv_bias)
+        self.v_proj = nn.Linear(hidden, num_kv_heads * head_dim, bias=qkv_bias)
+        self.o_proj = nn.Linear(num_heads * head_dim, hidden, bias=o_bias)
+        if qk_norm_factory is not None:
+            self.q_norm = qk_norm_factory(head_dim)
+            self.k_norm = qk_norm_factory(head_dim)
+        else:
+            self.q_norm = self.k_norm = None
+        self.rope = rope
+        self.scale = scale if scale is not None else head_dim**-0.5
+        self.window = window
+
+    def forward(self, x: torch.Tensor, batch: ForwardBatch, rope_cos_sin=None) -> torch.Tensor:
+        T = x.shape[0]
+        q = self.q_proj(x).view(T, self.num_heads, self.head_dim)
+        k = self.k_proj(x).view(T, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(x).view(T, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        if self.rope is not None:
+            cos, sin = rope_cos_sin if rope_cos_sin is not None else self.rope(batch.positions)
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        out = cached_attention(q, k, v, self.layer_idx, batch, self.scale, self.window)
+        return self.o_proj(out.reshape(T, -1))

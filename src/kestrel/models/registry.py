@@ -1,0 +1,30 @@
+"""model_type -> model class. One file per family; add a line here to serve a new one."""
+
+import importlib
+
+from kestrel.errors import UnsupportedModelError
+
+# model_type (as in config.json) -> "module:Class" under kestrel.models
+ARCHITECTURES: dict[str, str] = {
+    "llama": "llama:LlamaForCausalLM",
+    "mistral": "llama:LlamaForCausalLM",
+    "qwen2": "llama:LlamaForCausalLM",
+    "qwen3": "llama:LlamaForCausalLM",
+    "gemma3_text": "gemma3:Gemma3ForCausalLM",
+    "gemma3": "gemma3:Gemma3ForCausalLM",
+}
+
+
+def supported_architectures() -> list[str]:
+    return sorted(ARCHITECTURES)
+
+
+def model_class(model_type: str):
+    """The class serving `model_type`, or a clear error listing what is supported."""
+    target = ARCHITECTURES.get(model_type)
+    if target is None:
+        raise UnsupportedModelError(
+            f"unknown architecture {model_type!r}; supported: {', '.join(supported_architectures())}"
+        )
+    module, cls = target.split(":")
+    return getattr(importlib.import_module(f"kestrel.models.{module}"), cls)

@@ -1,0 +1,154 @@
+"""Resolve a model argument (alias, .gguf file, HF folder) and build the model with its weights."""
+
+import os
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from kestrel.errors import ModelLoadError
+from kestrel.models.base import CausalLM
+from kestrel.models.registry import model_class
+from kestrel.weights import gguf as gguf_weights
+from kestrel.weights import safetensors as st_weights
+from kestrel.weights.embedded import EMBEDDED, embedded_path
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    """Where a model's files are: `path` is a .gguf file or a Hugging Face folder."""
+
+    name: str
+    path: Path
+
+    @property
+    def is_gguf(self) -> bool:
+        return self.path.suffix == ".gguf"
+
+
+def resolve(model: str) -> ModelSource:
+    """An embedded alias, a .gguf path or a folder with config.json; a clear error otherwise."""
+    local = embedded_path(model)
+    if local is not None:
+        return ModelSource(model, local)
+    path = Path(model).expanduser()
+    if not path.exists():
+        raise ModelLoadError(
+            f"model {model!r} not found: not a file, a folder or an embedded alias "
+            f"({', '.join(EMBEDDED)})"
+        )
+    if path.is_file() and path.suffix != ".gguf":
+        raise ModelLoadError(f"model file {path} is not a .gguf file")
+    if path.is_dir() and not (path / "config.json").exists():
+        raise ModelLoadError(f"model folder {path} has no config.json")
+    return ModelSource(path.name, path.resolve())
+
+
+def load_config(source: ModelSource):
+    from transformers import AutoConfig
+
+    try:
+        if source.is_gguf:
+            gguf_weights.open_gguf(source.path)  # validates the file before transformers reads it
+            return AutoConfig.from_pretrained(source.path.parent, gguf_file=source.path.name)
+        return AutoConfig.from_pretrained(source.path)
+    except ModelLoadError:
+        raise
+    except (ValueError, KeyError, OSError) as e:
+        raise ModelLoadError(f"{source.path}: cannot read the model config ({e})") from e
+
+
+def text_config(config):
+    """Multimodal checkpoints nest the decoder's config; the text families read that one."""
+    return getattr(config, "text_config", None) or config
+
+
+def load_tokenizer(source: ModelSource):
+    """transformers' AutoTokenizer; a GGUF vocabulary is converted once and cached on disk."""
+    from transformers import AutoTokenizer
+
+    if not source.is_gguf:
+        return AutoTokenizer.from_pretrained(source.path)
+    stat = source.path.stat()
+    cached = _cache_dir() / "tokenizers" / f"{source.path.stem}-{stat.st_size}-{int(stat.st_mtime)}"
+    if (cached / "tokenizer_config.json").exists():
+        return AutoTokenizer.from_pretrained(cached)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        tokenizer = AutoTokenizer.from_pretrained(source.path.parent, gguf_file=source.path.name)
+    try:
+        tokenizer.save_pretrained(cached)
+    except OSError:
+        pass  # a read-only cache only costs the conversion next time
+    return tokenizer
+
+
+def _cache_dir() -> Path:
+    return Path(os.environ.get("KESTREL_CACHE_DIR", Path.home() / ".cache" / "kestrel"))
+
+
+def build_model(config, dtype: torch.dtype, device: torch.device) -> CausalLM:
+    cls = model_class(config.model_type)
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):
+            model = cls(config)
+    finally:
+        torch.set_default_dtype(previous)
+    return model.eval().requires_grad_(False)
+
+
+def load_weights(model: CausalLM, source: ModelSource, progress: bool = True) -> None:
+    """Copy every checkpoint tensor into its parameter; fail naming any parameter left unset."""
+    params = dict(model.named_parameters(remove_duplicate=False))
+    tensors, total = _checkpoint_tensors(model, source, list(params))
+    loaded = set()
+    for name, tensor in tqdm(tensors, total=total, desc=f"loading {source.name}", unit="tensor",
+                             disable=not progress, leave=False):
+        name = model.checkpoint_name(name)
+        if name is None or name not in params:
+            continue
+        if source.is_gguf:
+            tensor = model.gguf_tensor(name, tensor)
+        param = params[name]
+        if tuple(tensor.shape) != tuple(param.shape):
+            raise ModelLoadError(
+                f"{source.path}: tensor {name} has shape {tuple(tensor.shape)}, "
+                f"expected {tuple(param.shape)}"
+            )
+        param.copy_(tensor)
+        loaded.add(name)
+    _check_all_loaded(model, params, loaded, source)
+
+
+def _checkpoint_tensors(model, source: ModelSource, names: list[str]):
+    if source.is_gguf:
+        reader = gguf_weights.open_gguf(source.path)
+        gguf_weights.check_quant_types(reader, source.path)
+        return gguf_weights.read_tensors(reader, names), len(reader.tensors)
+    return st_weights.read_tensors(source.path), st_weights.count_tensors(source.path)
+
+
+def _check_all_loaded(model, params: dict, loaded: set, source: ModelSource) -> None:
+    tied = {"lm_head.weight"} if getattr(model.config, "tie_word_embeddings", False) else set()
+    missing = sorted(set(params) - loaded - tied)
+    if missing:
+        raise ModelLoadError(
+            f"{source.path}: checkpoint lacks {len(missing)} tensors, e.g. {missing[:3]}"
+        )
+
+
+def load_model(source: ModelSource, dtype: torch.dtype, device: torch.device, progress=True):
+    config = text_config(load_config(source))
+    model = build_model(config, dtype, device)
+    load_weights(model, source, progress)
+    return model
+
+
+def load(model: str, dtype: torch.dtype, device: torch.device, progress: bool = True):
+    """(model, tokenizer, source) for a model argument."""
+    source = resolve(model)
+    return load_model(source, dtype, device, progress), load_tokenizer(source), source
