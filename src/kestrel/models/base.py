@@ -1,5 +1,7 @@
 """What every model family provides to the runner and the loaders."""
 
+from dataclasses import dataclass
+
 import torch
 from torch import nn
 
@@ -15,6 +17,17 @@ def rope_parameters(config, layer_type: str | None = None) -> dict:
     if "rope_theta" not in params:
         params = {**params, "rope_theta": getattr(config, "rope_theta", 10000.0)}
     return params
+
+
+@dataclass(frozen=True)
+class Slot:
+    """Part of a parameter that one checkpoint tensor fills: `param[index]`, transposed first when
+    `transpose` (e.g. expert 3's gate rows of a stacked (E, 2I, H) weight). `checkpoint_name` may
+    return a Slot instead of a name; a parameter counts as loaded once its slots cover it."""
+
+    name: str
+    index: tuple = ()
+    transpose: bool = False
 
 
 class CausalLM(nn.Module):
@@ -37,8 +50,8 @@ class CausalLM(nn.Module):
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         raise NotImplementedError
 
-    def checkpoint_name(self, name: str) -> str | None:
-        """Map a checkpoint tensor name to a parameter name (None: not ours, skip it)."""
+    def checkpoint_name(self, name: str) -> str | Slot | None:
+        """Map a checkpoint tensor name to a parameter name or a `Slot` (None: not ours, skip it)."""
         return name
 
     def gguf_tensor(self, name: str, tensor: torch.Tensor) -> torch.Tensor:

@@ -9,7 +9,7 @@ import torch
 from tqdm import tqdm
 
 from kestrel.errors import ModelLoadError
-from kestrel.models.base import CausalLM
+from kestrel.models.base import CausalLM, Slot
 from kestrel.models.registry import model_class
 from kestrel.weights import gguf as gguf_weights
 from kestrel.weights import safetensors as st_weights
@@ -105,22 +105,26 @@ def load_weights(model: CausalLM, source: ModelSource, progress: bool = True) ->
     """Copy every checkpoint tensor into its parameter; fail naming any parameter left unset."""
     params = dict(model.named_parameters(remove_duplicate=False))
     tensors, total = _checkpoint_tensors(model, source, list(params))
-    loaded = set()
+    filled: dict[str, int] = {}  # parameter name -> elements copied (several slots may fill one)
     for name, tensor in tqdm(tensors, total=total, desc=f"loading {source.name}", unit="tensor",
                              disable=not progress, leave=False):
-        name = model.checkpoint_name(name)
-        if name is None or name not in params:
+        target = model.checkpoint_name(name)
+        slot = Slot(target) if isinstance(target, str) else target
+        if slot is None or slot.name not in params:
             continue
         if source.is_gguf:
-            tensor = model.gguf_tensor(name, tensor)
-        param = params[name]
-        if tuple(tensor.shape) != tuple(param.shape):
+            tensor = model.gguf_tensor(slot.name, tensor)
+        if slot.transpose:
+            tensor = tensor.transpose(-1, -2)
+        dest = params[slot.name][slot.index]
+        if tuple(tensor.shape) != tuple(dest.shape):
             raise ModelLoadError(
                 f"{source.path}: tensor {name} has shape {tuple(tensor.shape)}, "
-                f"expected {tuple(param.shape)}"
+                f"expected {tuple(dest.shape)} for {slot.name}"
             )
-        param.copy_(tensor)
-        loaded.add(name)
+        dest.copy_(tensor)
+        filled[slot.name] = filled.get(slot.name, 0) + tensor.numel()
+    loaded = {n for n, count in filled.items() if count >= params[n].numel()}
     _check_all_loaded(model, params, loaded, source)
 
 

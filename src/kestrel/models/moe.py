@@ -1,0 +1,233 @@
+"""Mixture-of-experts feed-forward shared by every MoE family.
+
+Routing follows transformers' routers: softmax (Mixtral, Qwen-MoE, Jamba) or sigmoid (DeepSeek-V3,
+EXAONE-MoE, GLM-4.5) scores, an optional score-correction bias that only steers the choice,
+group-limited top-k (pick `topk_group` of `n_group` expert groups first), renormalised top-k
+weights and a routed scaling factor; then shared experts that every token passes through.
+
+Expert weights are stacked as transformers >= 5 keeps them, `experts.gate_up_proj` (E, 2I, H) and
+`experts.down_proj` (E, H, I); checkpoints that store one tensor per expert load through
+`expert_slot`. The expert computation is batched: a decode-sized batch gathers the chosen experts'
+weights and runs one bmm; a larger one sorts (token, expert) pairs by expert and runs one matmul
+per expert over a contiguous slice. Neither loops over tokens in Python.
+"""
+
+import re
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kestrel.models.base import Slot
+from kestrel.models.layers import ACTIVATIONS, GatedMLP
+
+
+def route_topk(
+    logits: torch.Tensor,
+    top_k: int,
+    scoring: str = "softmax",
+    correction_bias: torch.Tensor | None = None,
+    n_group: int = 1,
+    topk_group: int = 1,
+    group_score: str = "top2",
+    normalize: bool = True,
+    scaling: float = 1.0,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Router logits (T, E) -> (weights (T, k) fp32, expert ids (T, k)).
+
+    The correction bias is added only to choose experts; weights come from the unbiased scores.
+    With n_group > 1, groups are ranked by the sum of their two best scores ("top2", DeepSeek-V3)
+    or their best one ("max", DeepSeek-V2) and only the best `topk_group` groups stay eligible.
+    """
+    logits = logits.float()
+    if scoring == "softmax":
+        scores = logits.softmax(-1)
+    elif scoring == "sigmoid":
+        scores = logits.sigmoid()
+    else:
+        raise ValueError(f"unsupported MoE scoring {scoring!r}; supported: softmax, sigmoid")
+    choice = scores if correction_bias is None else scores + correction_bias.float()
+    if n_group > 1 and topk_group < n_group:
+        choice = _limit_groups(choice, n_group, topk_group, group_score)
+    ids = choice.topk(top_k, dim=-1).indices
+    weights = scores.gather(1, ids)
+    if normalize:
+        weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
+    return weights * scaling, ids
+
+
+def _limit_groups(choice: torch.Tensor, n_group: int, topk_group: int, group_score: str):
+    # (T, G, E/G): rank groups, then hide every expert of a group not kept
+    T, E = choice.shape
+    grouped = choice.view(T, n_group, E // n_group)
+    if group_score == "top2":
+        ranks = grouped.topk(2, dim=-1).values.sum(-1)  # (T, G)
+    else:
+        ranks = grouped.max(-1).values
+    kept = ranks.topk(topk_group, dim=-1).indices
+    group_mask = torch.zeros_like(ranks, dtype=torch.bool).scatter_(1, kept, True)
+    return grouped.masked_fill(~group_mask[..., None], float("-inf")).view(T, E)
+
+
+class Experts(nn.Module):
+    """E gated experts, stacked: gate_up_proj (E, 2I, H) with gate rows first, down_proj (E, H, I)."""
+
+    def __init__(self, num_experts: int, hidden: int, intermediate: int, act: str = "silu"):
+        super().__init__()
+        self.num_experts, self.intermediate = num_experts, intermediate
+        self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * intermediate, hidden))
+        self.down_proj = nn.Parameter(torch.empty(num_experts, hidden, intermediate))
+        self.act = ACTIVATIONS[act]
+
+    def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """x (T, H), weights/ids (T, k) -> (T, H): sum over k of weight * expert_id(x)."""
+        T, k = ids.shape
+        flat = ids.reshape(-1)  # (P,) one (token, expert) pair per row, P = T * k
+        if flat.numel() <= self.num_experts:
+            out = self._gathered(x.repeat_interleave(k, 0), flat)
+        else:
+            out = self._grouped(x, flat, k)
+        out = out.view(T, k, -1).float() * weights.float()[..., None]
+        return out.sum(1).to(x.dtype)
+
+    def _mlp(self, h: torch.Tensor) -> torch.Tensor:
+        gate, up = h.split(self.intermediate, dim=-1)
+        return self.act(gate) * up
+
+    def _gathered(self, xs: torch.Tensor, flat: torch.Tensor) -> torch.Tensor:
+        # few pairs (decode): fetch each pair's expert weights, one bmm each way; (P, H)
+        h = torch.bmm(self.gate_up_proj[flat], xs[:, :, None])[..., 0]  # (P, 2I)
+        return torch.bmm(self.down_proj[flat], self._mlp(h)[:, :, None])[..., 0]
+
+    def _grouped(self, x: torch.Tensor, flat: torch.Tensor, k: int) -> torch.Tensor:
+        # many pairs (prefill): sort pairs by expert so each expert multiplies one contiguous slice
+        order = flat.argsort(stable=True)
+        counts = torch.bincount(flat, minlength=self.num_experts).tolist()
+        xs = x[order // k]  # (P, H) in expert order
+        out_sorted = torch.empty_like(xs)
+        start = 0
+        for expert, n in enumerate(counts):
+            if n:
+                rows = slice(start, start + n)
+                h = self._mlp(xs[rows] @ self.gate_up_proj[expert].t())
+                out_sorted[rows] = h @ self.down_proj[expert].t()
+                start += n
+        out = torch.empty_like(out_sorted)
+        out[order] = out_sorted
+        return out
+
+
+class Router(nn.Module):
+    """Linear router (`weight` (E, H), fp32 logits) with an optional `e_score_correction_bias`."""
+
+    def __init__(
+        self, hidden: int, num_experts: int, correction_bias: bool = False, bias: bool = False
+    ):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(num_experts, hidden))
+        self.bias = nn.Parameter(torch.zeros(num_experts)) if bias else None
+        # a Parameter (not a buffer) so the loader fills it from the checkpoint
+        self.e_score_correction_bias = (
+            nn.Parameter(torch.zeros(num_experts)) if correction_bias else None
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        bias = None if self.bias is None else self.bias.float()
+        return F.linear(x.float(), self.weight.float(), bias)  # (T, E)
+
+
+class SparseMoE(nn.Module):
+    """Routed experts plus optional shared experts; parameter names follow transformers.
+
+    hidden, intermediate: model width and each routed expert's width; num_experts, top_k: E and k.
+    act: expert activation (key of ACTIVATIONS). scoring: "softmax" or "sigmoid".
+    normalize: renormalise the k weights to sum to 1; routed_scaling: multiplies them afterwards.
+    n_group, topk_group, group_score: group-limited routing (see `route_topk`).
+    correction_bias: the router has `e_score_correction_bias` (choice only); router_bias: a linear bias.
+    shared_intermediate: width of the shared experts MLP (`shared_experts`, 0 for none);
+    shared_gate: scale the shared output by sigmoid(`shared_expert_gate`(x)) (Qwen2-MoE).
+    """
+
+    def __init__(
+        self,
+        hidden: int,
+        intermediate: int,
+        num_experts: int,
+        top_k: int,
+        *,
+        act: str = "silu",
+        scoring: str = "softmax",
+        normalize: bool = True,
+        routed_scaling: float = 1.0,
+        n_group: int = 1,
+        topk_group: int = 1,
+        group_score: str = "top2",
+        correction_bias: bool = False,
+        router_bias: bool = False,
+        shared_intermediate: int = 0,
+        shared_gate: bool = False,
+    ):
+        super().__init__()
+        if num_experts % n_group:
+            raise ValueError(f"{num_experts} experts do not split into {n_group} groups")
+        self.top_k, self.scoring, self.normalize, self.scaling = (
+            top_k,
+            scoring,
+            normalize,
+            routed_scaling,
+        )
+        self.n_group, self.topk_group, self.group_score = n_group, topk_group, group_score
+        self.gate = Router(hidden, num_experts, correction_bias, router_bias)
+        self.experts = Experts(num_experts, hidden, intermediate, act)
+        self.shared_experts = (
+            GatedMLP(hidden, shared_intermediate, act) if shared_intermediate else None
+        )
+        self.shared_expert_gate = nn.Linear(hidden, 1, bias=False) if shared_gate else None
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x (T, H) -> weights (T, k), expert ids (T, k)."""
+        return route_topk(
+            self.gate(x),
+            self.top_k,
+            self.scoring,
+            self.gate.e_score_correction_bias,
+            self.n_group,
+            self.topk_group,
+            self.group_score,
+            self.normalize,
+            self.scaling,
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.experts(x, *self.route(x))
+        if self.shared_experts is not None:
+            shared = self.shared_experts(x)
+            if self.shared_expert_gate is not None:
+                shared = torch.sigmoid(self.shared_expert_gate(x)) * shared
+            out = out + shared
+        return out
+
+
+_EXPERT_TENSOR = re.compile(r"^(?P<prefix>.*\.experts)\.(?P<expert>\d+)\.(?P<proj>\w+)\.weight$")
+
+
+def expert_slot(
+    name: str,
+    intermediate: int,
+    gate: str = "gate_proj",
+    up: str = "up_proj",
+    down: str = "down_proj",
+) -> Slot | None:
+    """`<prefix>.experts.<i>.<proj>.weight` (one tensor per expert) -> the part of the stacked
+    weight it fills; None for any other name. Mixtral names its projections w1/w3/w2."""
+    match = _EXPERT_TENSOR.match(name)
+    if match is None:
+        return None
+    prefix, expert, proj = match["prefix"], int(match["expert"]), match["proj"]
+    if proj == gate:
+        return Slot(f"{prefix}.gate_up_proj", (expert, slice(0, intermediate)))
+    if proj == up:
+        return Slot(f"{prefix}.gate_up_proj", (expert, slice(intermediate, 2 * intermediate)))
+    if proj == down:
+        return Slot(f"{prefix}.down_proj", (expert,))
+    return None
