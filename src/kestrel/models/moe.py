@@ -70,14 +70,29 @@ def _limit_groups(choice: torch.Tensor, n_group: int, topk_group: int, group_sco
 
 
 class Experts(nn.Module):
-    """E gated experts, stacked: gate_up_proj (E, 2I, H) with gate rows first, down_proj (E, H, I)."""
+    """E gated experts, stacked: gate_up_proj (E, 2I, H) with gate rows first, down_proj (E, H, I).
+    With `gated=False` (Nemotron-H) each expert is down(act(up(x))): up_proj (E, I, H) instead."""
 
-    def __init__(self, num_experts: int, hidden: int, intermediate: int, act: str = "silu"):
+    def __init__(
+        self,
+        num_experts: int,
+        hidden: int,
+        intermediate: int,
+        act: str = "silu",
+        gated: bool = True,
+    ):
         super().__init__()
-        self.num_experts, self.intermediate = num_experts, intermediate
-        self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * intermediate, hidden))
+        self.num_experts, self.intermediate, self.gated = num_experts, intermediate, gated
+        if gated:
+            self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * intermediate, hidden))
+        else:
+            self.up_proj = nn.Parameter(torch.empty(num_experts, intermediate, hidden))
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden, intermediate))
         self.act = ACTIVATIONS[act]
+
+    @property
+    def in_proj(self) -> nn.Parameter:
+        return self.gate_up_proj if self.gated else self.up_proj
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """x (T, H), weights/ids (T, k) -> (T, H): sum over k of weight * expert_id(x)."""
@@ -91,12 +106,14 @@ class Experts(nn.Module):
         return out.sum(1).to(x.dtype)
 
     def _mlp(self, h: torch.Tensor) -> torch.Tensor:
+        if not self.gated:
+            return self.act(h)
         gate, up = h.split(self.intermediate, dim=-1)
         return self.act(gate) * up
 
     def _gathered(self, xs: torch.Tensor, flat: torch.Tensor) -> torch.Tensor:
         # few pairs (decode): fetch each pair's expert weights, one bmm each way; (P, H)
-        h = torch.bmm(self.gate_up_proj[flat], xs[:, :, None])[..., 0]  # (P, 2I)
+        h = torch.bmm(self.in_proj[flat], xs[:, :, None])[..., 0]  # (P, 2I), (P, I) ungated
         return torch.bmm(self.down_proj[flat], self._mlp(h)[:, :, None])[..., 0]
 
     def _grouped(self, x: torch.Tensor, flat: torch.Tensor, k: int) -> torch.Tensor:
@@ -109,7 +126,7 @@ class Experts(nn.Module):
         for expert, n in enumerate(counts):
             if n:
                 rows = slice(start, start + n)
-                h = self._mlp(xs[rows] @ self.gate_up_proj[expert].t())
+                h = self._mlp(xs[rows] @ self.in_proj[expert].t())
                 out_sorted[rows] = h @ self.down_proj[expert].t()
                 start += n
         out = torch.empty_like(out_sorted)
@@ -214,16 +231,19 @@ _EXPERT_TENSOR = re.compile(r"^(?P<prefix>.*\.experts)\.(?P<expert>\d+)\.(?P<pro
 def expert_slot(
     name: str,
     intermediate: int,
-    gate: str = "gate_proj",
+    gate: str | None = "gate_proj",
     up: str = "up_proj",
     down: str = "down_proj",
 ) -> Slot | None:
     """`<prefix>.experts.<i>.<proj>.weight` (one tensor per expert) -> the part of the stacked
-    weight it fills; None for any other name. Mixtral names its projections w1/w3/w2."""
+    weight it fills; None for any other name. Mixtral names its projections w1/w3/w2.
+    `gate=None`: experts without a gate (Experts(gated=False)), `up` fills `up_proj`."""
     match = _EXPERT_TENSOR.match(name)
     if match is None:
         return None
     prefix, expert, proj = match["prefix"], int(match["expert"]), match["proj"]
+    if gate is None and proj == up:
+        return Slot(f"{prefix}.up_proj", (expert,))
     if proj == gate:
         return Slot(f"{prefix}.gate_up_proj", (expert, slice(0, intermediate)))
     if proj == up:
