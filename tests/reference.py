@@ -1,5 +1,6 @@
 """Helpers that compare kestrel with transformers on tiny random-weight checkpoints."""
 
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -9,11 +10,15 @@ from kestrel.models.batch import ForwardBatch
 from kestrel.weights.loader import load_model, resolve
 
 
-def save_tiny(model_cls, config, folder: Path, tokenizer=None, seed: int = 0) -> Path:
-    """Build a transformers model from `config` with random weights and save it to `folder`."""
+def save_tiny(model_cls, config, folder: Path, tokenizer=None, seed: int = 0, tweak=None) -> Path:
+    """Build a transformers model from `config` with random weights and save it to `folder`.
+    `tweak(model)`, when given, runs before saving (e.g. to randomize a zero-initialised buffer)."""
     torch.manual_seed(seed)
     model = model_cls(config).eval()
     _randomize_norms(model)
+    if tweak is not None:
+        with torch.no_grad():
+            tweak(model)
     model.save_pretrained(folder)
     if tokenizer is not None:
         tokenizer.save_pretrained(folder)
@@ -65,3 +70,74 @@ def decode_logits(model, ids: list[int], prefill: int) -> torch.Tensor:
 
 def assert_close(actual: torch.Tensor, expected: torch.Tensor, rtol=1e-4, atol=1e-4) -> None:
     torch.testing.assert_close(actual, expected, rtol=rtol, atol=atol)
+
+
+# --- `--max-kv-size` checks: the dense reference of DESIGN.md section 1 -------------------------
+
+
+def trimmed_visibility(
+    n: int, chunk: int, max_kv_size: int, keep: int = 0, window: int | None = None
+) -> torch.Tensor:
+    """(n, n) bool: may query i see key j when `n` tokens are prefilled in chunks of `chunk` under
+    `max_kv_size` (sinks `keep`)? visible = j <= i, within `window`, and j still live when i's
+    chunk ran (a sink j < keep, or j >= that chunk's live_start). The trims come from kestrel's
+    own `make_room` on a layerless cache; the rule itself is written out here."""
+    cache = SequenceCache([])
+    q = torch.arange(n)[:, None]
+    k = torch.arange(n)[None, :]
+    visible = (k <= q) if window is None else (k <= q) & (q - k < window)
+    live = torch.zeros(n, n, dtype=torch.bool)
+    for start in range(0, n, chunk):
+        m = min(chunk, n - start)
+        cache.make_room(m, max_kv_size, keep)
+        sinks = min(cache.keep, cache.live_start)
+        live[start : start + m] = (k[0] < sinks) | (k[0] >= cache.live_start)
+        cache.advance(m)
+    return visible & live
+
+
+def masked_reference_logits(folder: Path, model_cls, ids: list[int], masks) -> torch.Tensor:
+    """transformers' full-prompt forward with custom dense masks: `masks` is an (n, n) bool tensor
+    or {layer_type: (n, n) bool} for models with several layer types. (n, V) float32 logits."""
+    model = model_cls.from_pretrained(folder, torch_dtype=torch.float32).eval()
+
+    def additive(mask: torch.Tensor) -> torch.Tensor:
+        # (1, 1, n, n) float: 0 where visible, the most negative float elsewhere
+        return torch.zeros(mask.shape).masked_fill(~mask, torch.finfo(torch.float32).min)[None, None]
+
+    if isinstance(masks, dict):
+        attention_mask = {t: additive(m) for t, m in masks.items()}
+    else:
+        attention_mask = additive(masks)
+    with torch.no_grad():
+        return model(torch.tensor([ids]), attention_mask=attention_mask).logits[0].float()
+
+
+@contextmanager
+def assert_masks_match_keys():
+    """Within the block, every `attend` call of kestrel's models checks that its mask is (m, L)
+    with L the number of keys (and values) it was given; yields the list of (m, L) seen."""
+    import sys
+
+    from kestrel.models import layers
+
+    original = layers.attend
+    seen: list[tuple[int, int]] = []
+
+    def checked(q, keys, values, mask, *args, **kwargs):
+        assert keys.shape[-2] == values.shape[-2], (keys.shape, values.shape)
+        assert tuple(mask.shape) == (q.shape[-2], keys.shape[-2]), (mask.shape, q.shape, keys.shape)
+        seen.append(tuple(mask.shape))
+        return original(q, keys, values, mask, *args, **kwargs)
+
+    patched = [
+        m for name, m in list(sys.modules.items())
+        if name.startswith("kestrel.models") and getattr(m, "attend", None) is original
+    ]
+    for module in patched:
+        module.attend = checked
+    try:
+        yield seen
+    finally:
+        for module in patched:
+            module.attend = original

@@ -12,6 +12,10 @@ ARCHITECTURES: dict[str, str] = {
     "qwen3": "llama:LlamaForCausalLM",
     "gemma3_text": "gemma3:Gemma3ForCausalLM",
     "gemma3": "gemma3:Gemma3ForCausalLM",
+    "minicpm3": "minicpm3:MiniCPM3ForCausalLM",
+    "mistral4": "mistral4:Mistral4ForCausalLM",
+    "glm4_moe_lite": "glm4_moe_lite:Glm4MoeLiteForCausalLM",
+    "exaone_moe": "exaone_moe:ExaoneMoeForCausalLM",
 }
 
 

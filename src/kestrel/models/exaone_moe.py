@@ -1,0 +1,106 @@
+"""EXAONE-MoE decoder (transformers' ExaoneMoeForCausalLM; K-EXAONE).
+
+Sliding/full layers from `layer_types`; in a hybrid model only sliding layers use RoPE (the full
+layers are NoPE). Per-head q/k RMSNorm. The feed-forward is a dense gated MLP where
+`mlp_layer_types` says "dense", else the shared MoE: sigmoid scores, score-correction bias,
+group-limited top-k, renormalised weights times `routed_scaling_factor`, plus shared experts.
+Checkpoints store one tensor per expert; `checkpoint_name` maps them into the stacked weights.
+"""
+
+import torch
+from torch import nn
+
+from kestrel.cache import CacheSpec
+from kestrel.models.base import CausalLM, Slot, rope_parameters
+from kestrel.models.batch import ForwardBatch
+from kestrel.models.layers import Attention, GatedMLP, RMSNorm, RotaryEmbedding
+from kestrel.models.moe import SparseMoE, expert_slot
+
+
+def head_dim(config) -> int:
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
+def moe_layer(config) -> SparseMoE:
+    return SparseMoE(
+        config.hidden_size,
+        config.moe_intermediate_size,
+        config.num_experts,
+        config.num_experts_per_tok,
+        act=config.hidden_act,
+        scoring="sigmoid",
+        normalize=config.norm_topk_prob,
+        routed_scaling=config.routed_scaling_factor,
+        n_group=config.n_group,
+        topk_group=config.topk_group,
+        correction_bias=True,
+        shared_intermediate=config.moe_intermediate_size * config.num_shared_experts,
+    )
+
+
+class ExaoneMoeBlock(nn.Module):
+    def __init__(self, config, layer_idx: int, rope: RotaryEmbedding):
+        super().__init__()
+        hidden, eps = config.hidden_size, config.rms_norm_eps
+        sliding = config.layer_types[layer_idx] == "sliding_attention"
+        uses_rope = config.sliding_window is None or sliding  # hybrid models: full layers are NoPE
+        self.self_attn = Attention(
+            layer_idx,
+            hidden,
+            config.num_attention_heads,
+            config.num_key_value_heads,
+            head_dim(config),
+            rope if uses_rope else None,
+            window=config.sliding_window if sliding else None,
+            qk_norm_factory=lambda d: RMSNorm(d, eps),
+        )
+        if config.mlp_layer_types[layer_idx] == "sparse":
+            self.mlp = moe_layer(config)
+        else:
+            self.mlp = GatedMLP(hidden, config.intermediate_size, config.hidden_act)
+        self.input_layernorm = RMSNorm(hidden, eps)
+        self.post_attention_layernorm = RMSNorm(hidden, eps)
+
+    def forward(self, x: torch.Tensor, batch: ForwardBatch, cos_sin) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), batch, cos_sin)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class ExaoneMoeModel(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        rope = rope_parameters(config)
+        self.rotary_emb = RotaryEmbedding(head_dim(config), rope["rope_theta"], rope)
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(
+            ExaoneMoeBlock(config, i, self.rotary_emb) for i in range(config.num_hidden_layers)
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, batch: ForwardBatch) -> torch.Tensor:
+        x = self.embed_tokens(batch.input_ids)
+        cos_sin = self.rotary_emb(batch.positions)  # (T, D) each, shared by the RoPE layers
+        for layer in self.layers:
+            x = layer(x, batch, cos_sin)
+        return self.norm(x[batch.logits_rows])
+
+
+class ExaoneMoeForCausalLM(CausalLM):
+    def __init__(self, config):
+        super().__init__(config)
+        self.model = ExaoneMoeModel(config)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.tie_weights()
+
+    def cache_specs(self) -> list[CacheSpec]:
+        windows = [layer.self_attn.window for layer in self.model.layers]
+        return [CacheSpec("sliding", w) if w else CacheSpec("full") for w in windows]
+
+    def forward(self, batch: ForwardBatch) -> torch.Tensor:
+        return self.lm_head(self.model(batch))
+
+    def checkpoint_name(self, name: str) -> str | Slot | None:
+        if name.startswith("mtp."):
+            return None  # multi-token-prediction head: not used for decoding
+        name = name.replace("mlp.e_score_correction_bias", "mlp.gate.e_score_correction_bias")
+        return expert_slot(name, self.config.moe_intermediate_size) or name
