@@ -47,13 +47,19 @@ def resolve(model: str) -> ModelSource:
 
 
 def load_config(source: ModelSource):
+    """transformers' config; a GGUF file's metadata is converted once and cached on disk."""
     from transformers import AutoConfig
 
     try:
-        if source.is_gguf:
-            gguf_weights.open_gguf(source.path)  # validates the file before transformers reads it
-            return AutoConfig.from_pretrained(source.path.parent, gguf_file=source.path.name)
-        return AutoConfig.from_pretrained(source.path)
+        if not source.is_gguf:
+            return AutoConfig.from_pretrained(source.path)
+        cached = _gguf_cache(source, "configs")
+        if (cached / "config.json").exists():
+            return AutoConfig.from_pretrained(cached)
+        gguf_weights.open_gguf(source.path)  # validates the file before transformers reads it
+        config = AutoConfig.from_pretrained(source.path.parent, gguf_file=source.path.name)
+        _save(config, cached)
+        return config
     except ModelLoadError:
         raise
     except (ValueError, KeyError, OSError) as e:
@@ -71,22 +77,28 @@ def load_tokenizer(source: ModelSource):
 
     if not source.is_gguf:
         return AutoTokenizer.from_pretrained(source.path)
-    stat = source.path.stat()
-    cached = _cache_dir() / "tokenizers" / f"{source.path.stem}-{stat.st_size}-{int(stat.st_mtime)}"
+    cached = _gguf_cache(source, "tokenizers")
     if (cached / "tokenizer_config.json").exists():
         return AutoTokenizer.from_pretrained(cached)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         tokenizer = AutoTokenizer.from_pretrained(source.path.parent, gguf_file=source.path.name)
-    try:
-        tokenizer.save_pretrained(cached)
-    except OSError:
-        pass  # a read-only cache only costs the conversion next time
+    _save(tokenizer, cached)
     return tokenizer
 
 
-def _cache_dir() -> Path:
-    return Path(os.environ.get("KESTREL_CACHE_DIR", Path.home() / ".cache" / "kestrel"))
+def _gguf_cache(source: ModelSource, kind: str) -> Path:
+    """Where the converted config/tokenizer of one GGUF file (by name, size, mtime) is kept."""
+    root = Path(os.environ.get("KESTREL_CACHE_DIR", Path.home() / ".cache" / "kestrel"))
+    stat = source.path.stat()
+    return root / kind / f"{source.path.stem}-{stat.st_size}-{int(stat.st_mtime)}"
+
+
+def _save(obj, folder: Path) -> None:
+    try:
+        obj.save_pretrained(folder)
+    except OSError:
+        pass  # a read-only cache only costs the conversion next time
 
 
 def build_model(config, dtype: torch.dtype, device: torch.device) -> CausalLM:

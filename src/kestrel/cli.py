@@ -1,0 +1,214 @@
+"""`kestrel run|generate|serve|bench|inspect|arch`: argument parsing, then one call each."""
+
+import argparse
+import json
+import sys
+
+from kestrel.weights.embedded import DEFAULT_MODEL
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not getattr(args, "command", None):
+        parser.print_help()
+        return 2
+    from kestrel.errors import KestrelError
+
+    try:
+        return args.func(args) or 0
+    except KestrelError as e:
+        print(f"kestrel: error: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130
+
+
+def serve_main() -> int:
+    """`kestrel-server`: the same as `kestrel serve`."""
+    return main(["serve", *sys.argv[1:]])
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="kestrel", description=__doc__)
+    sub = parser.add_subparsers(dest="command")
+    _generate_parser(sub)
+    _run_parser(sub)
+    _serve_parser(sub)
+    _bench_parser(sub)
+    inspect = sub.add_parser("inspect", help="describe a model: architecture, size, KV per token")
+    inspect.add_argument("-m", "--model", default=DEFAULT_MODEL)
+    inspect.set_defaults(func=cmd_inspect)
+    arch = sub.add_parser("arch", help="list the supported architectures (model_type)")
+    arch.set_defaults(func=cmd_arch)
+    return parser
+
+
+def add_engine_args(p: argparse.ArgumentParser) -> None:
+    """Model and engine flags shared by generate, run, serve and bench."""
+    p.add_argument("-m", "--model", default=DEFAULT_MODEL, help="alias, .gguf file or HF folder")
+    p.add_argument("--dtype", default="auto", help="auto (float32 on CPU, bfloat16 on CUDA), float32, bfloat16, float16")
+    p.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N")
+    p.add_argument("--max-kv-size", type=int, default=0, help="per-sequence KV bound in tokens (0 = off)")
+    p.add_argument("--keep", type=int, default=4, help="sink tokens kept when trimming")
+    p.add_argument("-c", "--ctx-size", type=int, default=0, help="context length (0 = the model's)")
+    p.add_argument("--prefill-chunk-size", "-b", "--batch-size", dest="prefill_chunk_size", type=int, default=512)
+
+
+def add_sampling_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("-n", "--n-predict", "--max-tokens", dest="max_tokens", type=int, default=256)
+    p.add_argument("--temp", "--temperature", dest="temperature", type=float, default=0.8)
+    p.add_argument("--top-p", type=float, default=0.95)
+    p.add_argument("--top-k", type=int, default=40)
+    p.add_argument("--min-p", type=float, default=0.05)
+    p.add_argument("--repeat-penalty", dest="repetition_penalty", type=float, default=1.0)
+    p.add_argument("--presence-penalty", type=float, default=0.0)
+    p.add_argument("--frequency-penalty", type=float, default=0.0)
+    p.add_argument("-s", "--seed", type=int, default=None)
+    p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+
+
+def _generate_parser(sub) -> None:
+    p = sub.add_parser("generate", help="complete a prompt, streaming the text")
+    add_engine_args(p)
+    add_sampling_args(p)
+    p.add_argument("-p", "--prompt", required=True)
+    p.set_defaults(func=cmd_generate)
+
+
+def _run_parser(sub) -> None:
+    p = sub.add_parser("run", help="chat with a model (interactive, or one shot with -p)")
+    p.add_argument("model_arg", nargs="?", metavar="MODEL", help="alias, .gguf file or HF folder")
+    add_engine_args(p)
+    add_sampling_args(p)
+    p.add_argument("-p", "--prompt", help="one message; print the answer and exit")
+    p.add_argument("--system", help="system prompt")
+    p.set_defaults(func=cmd_run)
+
+
+def _serve_parser(sub) -> None:
+    from kestrel.server.args import add_serve_args
+
+    p = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
+    add_serve_args(p)
+    p.set_defaults(func=cmd_serve)
+
+
+def _bench_parser(sub) -> None:
+    p = sub.add_parser("bench", help="measure throughput and latency")
+    add_engine_args(p)
+    p.add_argument("--prompt-tokens", type=int, default=128)
+    p.add_argument("--output-tokens", type=int, default=64)
+    p.add_argument("--num-requests", type=int, default=1)
+    p.set_defaults(func=cmd_bench)
+
+
+def sampling_params(args):
+    from kestrel.sampling import SamplingParams
+
+    return SamplingParams(
+        max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+        top_k=args.top_k, min_p=args.min_p, repetition_penalty=args.repetition_penalty,
+        presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty,
+        seed=args.seed, stop=args.stop,
+    )
+
+
+def load_llm(args, model: str | None = None):
+    from kestrel.llm import LLM
+
+    return LLM(
+        model or args.model, max_kv_size=args.max_kv_size, keep=args.keep,
+        prefill_chunk_size=args.prefill_chunk_size, ctx_size=args.ctx_size or None,
+        dtype=args.dtype, device=args.device,
+    )
+
+
+def stream(llm, prompt_ids: list[int], params) -> str:
+    """Generate for one prompt, writing text to stdout as it comes; returns the whole text."""
+    engine = llm.engine
+    request_id = f"cli-{id(prompt_ids)}"
+    engine.add_request(request_id, prompt_ids, params)
+    text = []
+    while engine.has_unfinished():
+        for out in engine.step():
+            if out.error is not None:
+                raise out.error
+            print(out.new_text, end="", flush=True)
+            text.append(out.new_text)
+    print()
+    return "".join(text)
+
+
+def cmd_generate(args) -> int:
+    from kestrel.tokenizer import encode
+
+    llm = load_llm(args)
+    stream(llm, encode(llm.tokenizer, args.prompt), sampling_params(args))
+    return 0
+
+
+def cmd_run(args) -> int:
+    from kestrel.tokenizer import apply_chat_template
+
+    llm = load_llm(args, args.model_arg)
+    messages = [{"role": "system", "content": args.system}] if args.system else []
+    params = sampling_params(args)
+    turns = [args.prompt] if args.prompt else _read_turns()
+    for turn in turns:
+        messages.append({"role": "user", "content": turn})
+        answer = stream(llm, apply_chat_template(llm.tokenizer, messages), params)
+        messages.append({"role": "assistant", "content": answer})
+    return 0
+
+
+def _read_turns():
+    print("kestrel chat: type a message, Ctrl-D to quit.", file=sys.stderr)
+    while True:
+        try:
+            line = input("> ")
+        except EOFError:
+            return
+        if line.strip():
+            yield line
+
+
+def cmd_serve(args) -> int:
+    from kestrel.server.main import serve
+
+    return serve(args)
+
+
+def cmd_bench(args) -> int:
+    from kestrel.bench import run_bench
+
+    return run_bench(args)
+
+
+def cmd_inspect(args) -> int:
+    import torch
+
+    from kestrel.weights.loader import build_model, load_config, resolve, text_config
+
+    source = resolve(args.model)
+    config = text_config(load_config(source))
+    model = build_model(config, torch.float32, torch.device("meta"))
+    info = {
+        "model": str(source.path),
+        "architecture": config.model_type,
+        "parameters": sum(p.numel() for p in model.parameters()),
+        "dtype": str(getattr(config, "dtype", None) or "float32"),
+        "context_length": getattr(config, "max_position_embeddings", None),
+        "layers": [spec.kind for spec in model.cache_specs()],
+        "kv_bytes_per_token": {"float32": model.kv_bytes_per_token(torch.float32),
+                               "bfloat16": model.kv_bytes_per_token(torch.bfloat16)},
+    }
+    print(json.dumps(info, indent=2))
+    return 0
+
+
+def cmd_arch(args) -> int:
+    from kestrel.models.registry import supported_architectures
+
+    print("\n".join(supported_architectures()))
+    return 0

@@ -1,0 +1,1 @@
+"""The engine: requests -> scheduler (pure Python) -> runner (owns the device) -> outputs."""

@@ -1,0 +1,178 @@
+"""Engine: add_request / step / abort. Turns runner results into text, stops and finish reasons."""
+
+import logging
+from dataclasses import dataclass, field
+
+import torch
+
+from kestrel.engine.request import Request
+from kestrel.engine.runner import ModelRunner, StepResult
+from kestrel.engine.scheduler import Scheduler, SchedulerConfig
+from kestrel.errors import InvalidRequestError
+from kestrel.sampling import SamplingParams, check_token_ids
+from kestrel.tokenizer import IncrementalDetokenizer, StopStringMatcher, encode, stop_token_ids
+
+log = logging.getLogger("kestrel.engine")
+
+
+@dataclass
+class EngineConfig:
+    max_kv_size: int | None = None  # default per-sequence KV bound (tokens); None/0 = off
+    keep: int = 4  # sink tokens kept when trimming
+    ctx_size: int | None = None  # context length; default: the model's max_position_embeddings
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+
+
+@dataclass
+class RequestOutput:
+    """One step's progress of one request. Text and ids are deltas since the previous output."""
+
+    request_id: str
+    new_text: str = ""
+    new_token_ids: list[int] = field(default_factory=list)
+    new_logprobs: list[dict[int, float]] = field(default_factory=list)
+    finished: bool = False
+    finish_reason: str | None = None
+    error: BaseException | None = None
+    num_prompt_tokens: int = 0
+    num_generated_tokens: int = 0
+
+
+class _TextState:
+    """Per-request detokenizer and stop-string matcher; `emitted` counts characters streamed."""
+
+    def __init__(self, tokenizer, request: Request):
+        params = request.params
+        self.detokenizer = IncrementalDetokenizer(tokenizer, request.prompt_ids, params.skip_special_tokens)
+        self.matcher = StopStringMatcher(params.stop, params.include_stop_str_in_output)
+        self.emitted = 0
+
+
+class Engine:
+    def __init__(self, model, tokenizer, config: EngineConfig | None = None, device=None):
+        self.config = config or EngineConfig()
+        self.tokenizer = tokenizer
+        self.device = torch.device(device or "cpu")
+        self.runner = ModelRunner(model, self.device)
+        self.scheduler = Scheduler(self.config.scheduler)
+        self.vocab_size = model.config.vocab_size
+        self.eos_ids = stop_token_ids(tokenizer, model.config)
+        self.ctx_size = self.config.ctx_size or getattr(model.config, "max_position_embeddings", 4096)
+        self.requests: dict[str, Request] = {}
+        self.text: dict[str, _TextState] = {}
+        # test-only: called as hook("detokenize", request) before each detokenization
+        self.fault_hook = None
+
+    def add_request(
+        self, request_id: str, prompt: str | list[int], params: SamplingParams,
+        max_kv_size: int | None = None,
+    ) -> Request:
+        """Validate and queue a request; raises InvalidRequestError or QueueFullError."""
+        if request_id in self.requests:
+            raise InvalidRequestError(f"duplicate request id {request_id!r}")
+        prompt_ids = encode(self.tokenizer, prompt)
+        self._validate(prompt_ids, params)
+        kv_bound = self._kv_bound(max_kv_size)
+        request = Request(
+            request_id, prompt_ids, params, self._max_tokens(prompt_ids, params, kv_bound),
+            max_kv_size=kv_bound, keep=self.config.keep,
+        )
+        self.scheduler.add(request)
+        self.requests[request_id] = request
+        self.text[request_id] = _TextState(self.tokenizer, request)
+        return request
+
+    def _validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
+        if not prompt_ids:
+            raise InvalidRequestError("the prompt is empty", param="prompt")
+        if not all(isinstance(t, int) and 0 <= t < self.vocab_size for t in prompt_ids):
+            raise InvalidRequestError(f"prompt token ids must be in [0, {self.vocab_size})", param="prompt")
+        check_token_ids(params, self.vocab_size)
+
+    def _kv_bound(self, requested: int | None) -> int | None:
+        """The request's KV bound: its own if smaller than the server's, else the server's."""
+        bounds = [b for b in (requested, self.config.max_kv_size) if b]
+        bound = min(bounds) if bounds else None
+        if bound is not None and bound <= self.config.keep:
+            raise InvalidRequestError(f"max_kv_size must exceed keep ({self.config.keep})", param="max_kv_size")
+        return bound
+
+    def _max_tokens(self, prompt_ids, params: SamplingParams, kv_bound: int | None) -> int:
+        """Without a KV bound the prompt must fit the context; max_tokens is clamped to what fits."""
+        room = self.ctx_size - len(prompt_ids)
+        if kv_bound is None:
+            if room < 1:
+                raise InvalidRequestError(
+                    f"prompt has {len(prompt_ids)} tokens; the context holds {self.ctx_size} "
+                    "(start the server with a larger --ctx-size or a --max-kv-size)",
+                    param="messages", code="context_length_exceeded",
+                )
+            return min(params.max_tokens or room, room)
+        return params.max_tokens or self.ctx_size
+
+    def step(self) -> list[RequestOutput]:
+        plan = self.scheduler.schedule()
+        if not plan.chunks:
+            return []
+        results = self.runner.execute(plan.chunks)
+        for chunk in plan.chunks:
+            chunk.request.num_computed += chunk.num_tokens
+        outputs = [out for result in results if (out := self._process(result)) is not None]
+        for request in self.scheduler.remove_finished():
+            self._release(request.request_id)
+        return outputs
+
+    def _process(self, result: StepResult) -> RequestOutput | None:
+        request = result.request
+        if result.error is not None:
+            request.finish("error")
+            return self._output(request, error=result.error)
+        if result.token is None:
+            return None  # a prefill chunk that did not reach the end of the prompt
+        request.output_ids.append(result.token)
+        try:
+            new_text = self._append_text(request, result.token)
+        except Exception as error:
+            log.exception("request %s failed in detokenization", request.request_id)
+            request.finish("error")
+            return self._output(request, error=error)
+        logprobs = [result.logprobs] if result.logprobs is not None else []
+        return self._output(request, new_text, [result.token], logprobs)
+
+    def _append_text(self, request: Request, token: int) -> str:
+        if self.fault_hook:
+            self.fault_hook("detokenize", request)
+        state = self.text[request.request_id]
+        is_stop_token = token in request.params.stop_token_ids or (
+            token in self.eos_ids and not request.params.ignore_eos
+        )
+        if not is_stop_token:
+            state.matcher.feed(state.detokenizer.push(token))
+        if is_stop_token or state.matcher.stopped:
+            request.finish("stop")
+        elif len(request.output_ids) >= request.max_tokens:
+            request.finish("length")
+        visible = state.matcher.streamable(request.finished)
+        new_text = visible[state.emitted :]
+        state.emitted = len(visible)
+        return new_text
+
+    def _output(self, request: Request, text="", ids=(), logprobs=(), error=None) -> RequestOutput:
+        return RequestOutput(
+            request.request_id, text, list(ids), list(logprobs), request.finished,
+            request.finish_reason, error, len(request.prompt_ids), len(request.output_ids),
+        )
+
+    def abort(self, request_id: str) -> bool:
+        """Stop a request wherever it is and free its cache at once."""
+        request = self.scheduler.abort(request_id)
+        self._release(request_id)
+        return request is not None
+
+    def _release(self, request_id: str) -> None:
+        self.runner.release(request_id)
+        self.requests.pop(request_id, None)
+        self.text.pop(request_id, None)
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_work()

@@ -1,0 +1,55 @@
+"""A generation request as the scheduler sees it: token counts and state, no tensors."""
+
+import time
+from dataclasses import dataclass, field
+from enum import Enum
+
+from kestrel.sampling import SamplingParams
+
+
+class Status(Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass
+class Request:
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    max_tokens: int
+    max_kv_size: int | None = None  # per-sequence KV bound (tokens); None = unbounded
+    keep: int = 0  # sink tokens kept at the front when trimming
+    output_ids: list[int] = field(default_factory=list)
+    num_computed: int = 0  # tokens already written into the cache
+    status: Status = Status.WAITING
+    finish_reason: str | None = None
+    arrival_time: float = field(default_factory=time.monotonic)
+
+    @property
+    def all_ids(self) -> list[int]:
+        return self.prompt_ids + self.output_ids
+
+    @property
+    def num_pending(self) -> int:
+        """Known tokens not yet in the cache: the prompt's rest while prefilling, 1 when decoding."""
+        return len(self.prompt_ids) + len(self.output_ids) - self.num_computed
+
+    @property
+    def is_prefilling(self) -> bool:
+        return self.num_computed < len(self.prompt_ids)
+
+    @property
+    def finished(self) -> bool:
+        return self.status is Status.FINISHED
+
+    def max_chunk(self, chunk_size: int) -> int:
+        """Largest chunk this request may take: at most max_kv_size - keep under a KV bound."""
+        if self.max_kv_size:
+            return min(chunk_size, self.max_kv_size - self.keep)
+        return chunk_size
+
+    def finish(self, reason: str) -> None:
+        self.status = Status.FINISHED
+        self.finish_reason = reason

@@ -1,0 +1,107 @@
+"""The runner owns the device: per-sequence caches, batch packing, the forward, and sampling.
+
+A step that raises is undone (every cache restored from its checkpoint) and retried one request at
+a time, so a fault fails only the request that caused it and the batch goes on.
+"""
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from kestrel.cache import SequenceCache
+from kestrel.engine.request import Request
+from kestrel.engine.scheduler import ScheduledChunk
+from kestrel.models.base import CausalLM
+from kestrel.models.batch import ForwardBatch, SeqChunk
+from kestrel.sampling import make_generator, sample, top_logprobs
+
+log = logging.getLogger("kestrel.runner")
+
+
+@dataclass
+class StepResult:
+    """What one chunk produced: a sampled token (when the chunk samples) or the error it raised."""
+
+    request: Request
+    token: int | None = None
+    logprobs: dict[int, float] | None = None
+    error: BaseException | None = None
+
+
+class ModelRunner:
+    def __init__(self, model: CausalLM, device: torch.device):
+        self.model = model
+        self.device = device
+        self.caches: dict[str, SequenceCache] = {}
+        self.generators: dict[str, torch.Generator] = {}
+        self.tokens_trimmed = 0
+        # test-only fault injection: called as hook(stage, request) at "forward" and "sample"
+        self.fault_hook: Callable[[str, Request], None] | None = None
+
+    def execute(self, chunks: list[ScheduledChunk]) -> list[StepResult]:
+        saved = [self._cache(c.request).checkpoint() for c in chunks]
+        try:
+            return self._run(chunks)
+        except Exception as error:
+            for chunk, state in zip(chunks, saved, strict=True):
+                self.caches[chunk.request.request_id].restore(state)
+            if len(chunks) == 1:
+                log.exception("request %s failed in the forward", chunks[0].request.request_id)
+                return [StepResult(chunks[0].request, error=error)]
+            return [result for chunk in chunks for result in self.execute([chunk])]
+
+    @torch.inference_mode()
+    def _run(self, chunks: list[ScheduledChunk]) -> list[StepResult]:
+        batch = self._pack(chunks)
+        logits = self.model(batch)  # (R, V): one row per sampling chunk
+        for chunk in chunks:
+            self.caches[chunk.request.request_id].advance(chunk.num_tokens)
+        sampling = [c for c in chunks if c.samples]
+        results = [self._sample(c.request, row) for c, row in zip(sampling, logits, strict=True)]
+        return results + [StepResult(c.request) for c in chunks if not c.samples]
+
+    def _pack(self, chunks: list[ScheduledChunk]) -> ForwardBatch:
+        ids, positions, seq_chunks, rows = [], [], [], []
+        start = 0
+        for chunk in chunks:
+            request, n = chunk.request, chunk.num_tokens
+            if self.fault_hook:
+                self.fault_hook("forward", request)
+            cache = self.caches[request.request_id]
+            self.tokens_trimmed += cache.make_room(n, request.max_kv_size, request.keep)
+            ids.extend(request.all_ids[request.num_computed : request.num_computed + n])
+            positions.extend(range(cache.offset, cache.offset + n))
+            seq_chunks.append(SeqChunk(cache, start, n))
+            start += n
+            if chunk.samples:
+                rows.append(start - 1)
+        as_tensor = lambda x: torch.tensor(x, dtype=torch.long, device=self.device)  # noqa: E731
+        return ForwardBatch(as_tensor(ids), as_tensor(positions), seq_chunks, as_tensor(rows))
+
+    def _sample(self, request: Request, logits: torch.Tensor) -> StepResult:
+        try:
+            if self.fault_hook:
+                self.fault_hook("sample", request)
+            params = request.params
+            generator = self.generators[request.request_id]
+            token = sample(logits, params, generator, request.prompt_ids, request.output_ids)
+            logprobs = None if params.logprobs is None else top_logprobs(logits, token, params.logprobs)
+            return StepResult(request, token, logprobs)
+        except Exception as error:
+            log.exception("request %s failed in sampling", request.request_id)
+            return StepResult(request, error=error)
+
+    def _cache(self, request: Request) -> SequenceCache:
+        if request.request_id not in self.caches:
+            self.caches[request.request_id] = SequenceCache(self.model.cache_specs())
+            self.generators[request.request_id] = make_generator(request.params.seed, self.device)
+        return self.caches[request.request_id]
+
+    def release(self, request_id: str) -> None:
+        self.caches.pop(request_id, None)
+        self.generators.pop(request_id, None)
+
+    def kv_tokens_in_use(self) -> int:
+        return sum(cache.live_tokens for cache in self.caches.values())

@@ -1,0 +1,112 @@
+"""The offline Python API, in vLLM's shape: `LLM(model=...).generate(prompts, SamplingParams())`."""
+
+import itertools
+from dataclasses import dataclass, field
+
+import torch
+
+from kestrel.engine.engine import Engine, EngineConfig, RequestOutput
+from kestrel.engine.scheduler import SchedulerConfig
+from kestrel.sampling import SamplingParams
+from kestrel.tokenizer import apply_chat_template, encode
+from kestrel.weights.embedded import DEFAULT_MODEL
+from kestrel.weights.loader import load
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def resolve_device(device: str | None) -> torch.device:
+    if device in (None, "auto"):
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(device)
+
+
+def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype:
+    """"auto": float32 on the CPU (the reference path), bfloat16 on CUDA."""
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    if dtype not in DTYPES:
+        raise ValueError(f"unknown dtype {dtype!r}; choose auto, {', '.join(DTYPES)}")
+    return DTYPES[dtype]
+
+
+@dataclass
+class CompletionOutput:
+    index: int
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    finish_reason: str | None = None
+    logprobs: list[dict[int, float]] | None = None
+
+
+@dataclass
+class GenerationResult:
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+
+
+class LLM:
+    """Load a model once; generate for many prompts with continuous batching."""
+
+    def __init__(
+        self,
+        model: str = DEFAULT_MODEL,
+        max_kv_size: int | None = None,
+        keep: int = 4,
+        prefill_chunk_size: int = 512,
+        max_num_seqs: int = 8,
+        ctx_size: int | None = None,
+        dtype: str | torch.dtype = "auto",
+        device: str | None = None,
+        progress: bool = True,
+    ):
+        self.device = resolve_device(device)
+        self.model, self.tokenizer, self.source = load(
+            model, resolve_dtype(dtype, self.device), self.device, progress
+        )
+        scheduler = SchedulerConfig(max_running=max_num_seqs, prefill_chunk_size=prefill_chunk_size,
+                                    max_queue_depth=1 << 30)
+        config = EngineConfig(max_kv_size=max_kv_size or None, keep=keep, ctx_size=ctx_size,
+                              scheduler=scheduler)
+        self.engine = Engine(self.model, self.tokenizer, config, self.device)
+        self._ids = itertools.count()
+
+    def generate(self, prompts, params: SamplingParams | None = None) -> list[GenerationResult]:
+        """Each prompt is a string or a list of token ids; one result per prompt, in order."""
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        return self._run([encode(self.tokenizer, p) for p in prompts], params or SamplingParams())
+
+    def chat(self, messages, params: SamplingParams | None = None) -> list[GenerationResult]:
+        """One conversation (a list of {"role", "content"}) or a list of conversations."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        prompts = [apply_chat_template(self.tokenizer, c) for c in conversations]
+        return self._run(prompts, params or SamplingParams())
+
+    def _run(self, prompts: list[list[int]], params: SamplingParams) -> list[GenerationResult]:
+        results, outputs = [], {}
+        for prompt in prompts:
+            result = GenerationResult(prompt, [])
+            for index in range(params.n):
+                request_id = f"llm-{next(self._ids)}"
+                self.engine.add_request(request_id, prompt, params.for_choice(index))
+                wants_logprobs = params.logprobs is not None
+                outputs[request_id] = CompletionOutput(index, logprobs=[] if wants_logprobs else None)
+                result.outputs.append(outputs[request_id])
+            results.append(result)
+        while self.engine.has_unfinished():
+            for step in self.engine.step():
+                _accumulate(outputs[step.request_id], step)
+        return results
+
+
+def _accumulate(output: CompletionOutput, step: RequestOutput) -> None:
+    if step.error is not None:
+        raise step.error
+    output.text += step.new_text
+    output.token_ids += step.new_token_ids
+    if output.logprobs is not None:
+        output.logprobs += step.new_logprobs
+    output.finish_reason = step.finish_reason

@@ -1,0 +1,144 @@
+"""SamplingParams (vLLM's shape) and the sampling functions.
+
+Order, as in vLLM: logit bias, repetition/presence/frequency penalties, temperature, top-k, top-p,
+min-p, then a draw from a per-request generator (seeded => reproducible). Log-probs are those of the
+model's raw distribution, before any of these transformations.
+"""
+
+import math
+from dataclasses import dataclass, field, replace
+
+import torch
+
+from kestrel.errors import InvalidRequestError
+
+MAX_LOGPROBS = 20
+MAX_STOP_STRINGS = 16
+
+
+@dataclass
+class SamplingParams:
+    n: int = 1
+    max_tokens: int | None = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: dict[int, float] | None = None
+    seed: int | None = None
+    stop: list[str] | str | None = None
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    logprobs: int | None = None
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+
+    def __post_init__(self):
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop = list(self.stop or [])
+        self.validate()
+
+    def validate(self) -> None:
+        """Raise InvalidRequestError naming the first parameter out of range."""
+        for check, param, message in self._checks():
+            if not check:
+                raise InvalidRequestError(f"{param} {message}", param=param)
+
+    def _checks(self):
+        finite = lambda x: isinstance(x, (int, float)) and math.isfinite(x)  # noqa: E731
+        yield (isinstance(self.n, int) and 1 <= self.n <= 128), "n", "must be an integer in [1, 128]"
+        yield (self.max_tokens is None or (isinstance(self.max_tokens, int) and self.max_tokens >= 1)), "max_tokens", "must be at least 1"
+        yield finite(self.temperature) and 0 <= self.temperature <= 100, "temperature", "must be in [0, 100]"
+        yield finite(self.top_p) and 0 < self.top_p <= 1, "top_p", "must be in (0, 1]"
+        yield isinstance(self.top_k, int) and self.top_k >= -1, "top_k", "must be -1, 0 (off) or positive"
+        yield finite(self.min_p) and 0 <= self.min_p <= 1, "min_p", "must be in [0, 1]"
+        yield finite(self.repetition_penalty) and 0 < self.repetition_penalty <= 10, "repetition_penalty", "must be in (0, 10]"
+        yield finite(self.presence_penalty) and -2 <= self.presence_penalty <= 2, "presence_penalty", "must be in [-2, 2]"
+        yield finite(self.frequency_penalty) and -2 <= self.frequency_penalty <= 2, "frequency_penalty", "must be in [-2, 2]"
+        yield self.seed is None or (isinstance(self.seed, int) and 0 <= self.seed < 2**63), "seed", "must be an integer in [0, 2^63)"
+        yield self.logprobs is None or (isinstance(self.logprobs, int) and 0 <= self.logprobs <= MAX_LOGPROBS), "logprobs", f"must be in [0, {MAX_LOGPROBS}]"
+        yield len(self.stop) <= MAX_STOP_STRINGS, "stop", f"allows at most {MAX_STOP_STRINGS} strings"
+        yield all(isinstance(s, str) and s for s in self.stop), "stop", "strings must be non-empty"
+        yield all(finite(v) and -100 <= v <= 100 for v in (self.logit_bias or {}).values()), "logit_bias", "values must be in [-100, 100]"
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+    def for_choice(self, index: int) -> "SamplingParams":
+        """The params of the `index`-th of n choices: one sequence each, distinct seeds."""
+        seed = None if self.seed is None else (self.seed + index) % 2**63
+        return replace(self, n=1, seed=seed)
+
+
+def check_token_ids(params: SamplingParams, vocab_size: int) -> None:
+    """logit_bias keys and stop ids must be tokens of this model."""
+    for token in list(params.logit_bias or {}) + list(params.stop_token_ids):
+        if not (isinstance(token, int) and 0 <= token < vocab_size):
+            raise InvalidRequestError(f"token id {token!r} is not in [0, {vocab_size})", param="logit_bias")
+
+
+def make_generator(seed: int | None, device: torch.device) -> torch.Generator:
+    generator = torch.Generator(device=device)
+    if seed is None:
+        generator.seed()
+    else:
+        generator.manual_seed(seed)
+    return generator
+
+
+def process_logits(logits: torch.Tensor, params: SamplingParams, prompt_ids, output_ids) -> torch.Tensor:
+    """(V,) raw logits -> (V,) logits to sample from (float32)."""
+    logits = logits.float().clone()
+    if params.logit_bias:
+        ids = torch.tensor(list(params.logit_bias), device=logits.device)
+        logits[ids] += torch.tensor(list(params.logit_bias.values()), device=logits.device)
+    if params.repetition_penalty != 1.0 and (prompt_ids or output_ids):
+        seen = torch.tensor(sorted(set(prompt_ids) | set(output_ids)), device=logits.device)
+        values = logits[seen]
+        p = params.repetition_penalty
+        logits[seen] = torch.where(values > 0, values / p, values * p)
+    if (params.presence_penalty or params.frequency_penalty) and output_ids:
+        counts = torch.bincount(torch.tensor(output_ids, device=logits.device), minlength=logits.shape[0])
+        logits -= params.frequency_penalty * counts + params.presence_penalty * (counts > 0)
+    return logits
+
+
+def truncate(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """Temperature, then top-k, top-p and min-p as -inf masks. (V,) -> (V,)."""
+    logits = logits / params.temperature
+    if params.top_k > 0 and params.top_k < logits.shape[0]:
+        kth = torch.topk(logits, params.top_k).values[-1]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if params.top_p < 1.0:
+        sorted_logits, order = logits.sort(descending=True)
+        cumulative = sorted_logits.softmax(-1).cumsum(-1)
+        drop = cumulative - sorted_logits.softmax(-1) >= params.top_p  # keep the token crossing p
+        logits = logits.masked_fill(torch.zeros_like(drop).scatter(0, order, drop), float("-inf"))
+    if params.min_p > 0:
+        probs = logits.softmax(-1)
+        logits = logits.masked_fill(probs < params.min_p * probs.max(), float("-inf"))
+    return logits
+
+
+def sample(logits: torch.Tensor, params: SamplingParams, generator, prompt_ids, output_ids) -> int:
+    """Draw the next token from (V,) raw logits."""
+    processed = process_logits(logits, params, prompt_ids, output_ids)
+    if params.greedy:
+        return int(processed.argmax())
+    probs = truncate(processed, params).softmax(-1)
+    return int(torch.multinomial(probs, 1, generator=generator))
+
+
+def top_logprobs(logits: torch.Tensor, token: int, k: int) -> dict[int, float]:
+    """{token id: log-prob} for the sampled token and the k most likely ones, from raw logits."""
+    logprobs = logits.float().log_softmax(-1)
+    result = {token: float(logprobs[token])}
+    if k:
+        values, ids = logprobs.topk(k)
+        result.update(zip(ids.tolist(), values.tolist(), strict=True))
+    return result
