@@ -26,6 +26,8 @@ class SequenceCache:
 
     `offset` counts every token ever written (RoPE positions use it; it only grows). The live
     window is positions [live_start, offset) plus the sinks [0, min(keep, live_start)).
+    `rope_delta`: multimodal RoPE (models/mrope.py) puts the text after an image at RoPE position
+    `position + rope_delta`; 0 for text-only sequences.
     """
 
     def __init__(self, specs: list[CacheSpec]):
@@ -34,6 +36,7 @@ class SequenceCache:
         self.offset = 0
         self.live_start = 0
         self.keep = 0
+        self.rope_delta = 0
 
     @property
     def live_tokens(self) -> int:
@@ -67,9 +70,9 @@ class SequenceCache:
 
     def checkpoint(self) -> tuple:
         layers = [layer.checkpoint() for layer in self.layers]
-        return (self.offset, self.live_start, self.keep, layers)
+        return (self.offset, self.live_start, self.keep, self.rope_delta, layers)
 
     def restore(self, state: tuple) -> None:
-        self.offset, self.live_start, self.keep, layers = state
+        self.offset, self.live_start, self.keep, self.rope_delta, layers = state
         for layer, saved in zip(self.layers, layers, strict=True):
             layer.restore(saved)

@@ -1,7 +1,7 @@
 """Attention metadata: the explicit argument that tells every layer which tokens belong to which
 sequence and where each sequence's cache is. Built by the runner, read by the models."""
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -9,12 +9,34 @@ from kestrel.cache import SequenceCache
 
 
 @dataclass
+class ImageRows:
+    """Vision features that replace the embeddings of some of a chunk's tokens (image tokens).
+
+    rows: (N,) indices within the chunk (0 is its first token); embeds: (N, hidden) merged vision
+    features for those rows; deepstack: per early decoder layer i, (N, hidden) features added to
+    those rows after layer i (Qwen3-VL's DeepStack; empty for models without it).
+    """
+
+    rows: torch.Tensor
+    embeds: torch.Tensor
+    deepstack: list[torch.Tensor] = field(default_factory=list)
+
+
+@dataclass
 class SeqChunk:
-    """Rows [start, start + length) of the packed batch are the next tokens of `cache`."""
+    """Rows [start, start + length) of the packed batch are the next tokens of `cache`.
+
+    Multimodal prompts (models/mrope.py) add `rope_positions`, (3, length) M-RoPE position ids
+    (temporal, height, width) of these tokens, and `images`, the vision features of the image
+    tokens among them. Without them a chunk is text: its RoPE position is its position plus the
+    sequence's `cache.rope_delta`. `positions` (caches, masks) never change meaning.
+    """
 
     cache: SequenceCache
     start: int
     length: int
+    rope_positions: torch.Tensor | None = None
+    images: ImageRows | None = None
 
     @property
     def rows(self) -> slice:
@@ -35,11 +57,18 @@ class ForwardBatch:
     logits_rows: torch.Tensor
 
     @classmethod
-    def single(cls, cache: SequenceCache, input_ids: torch.Tensor, all_logits: bool = True):
+    def single(
+        cls,
+        cache: SequenceCache,
+        input_ids: torch.Tensor,
+        all_logits: bool = True,
+        rope_positions: torch.Tensor | None = None,
+        images: ImageRows | None = None,
+    ):
         """One sequence's next `len(input_ids)` tokens, starting at its `offset`."""
         m = int(input_ids.shape[0])
         positions = torch.arange(cache.offset, cache.offset + m, device=input_ids.device)
         rows = torch.arange(m if all_logits else 1, device=input_ids.device)
         if not all_logits:
             rows += m - 1
-        return cls(input_ids, positions, [SeqChunk(cache, 0, m)], rows)
+        return cls(input_ids, positions, [SeqChunk(cache, 0, m, rope_positions, images)], rows)
