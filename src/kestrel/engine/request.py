@@ -1,10 +1,14 @@
 """A generation request as the scheduler sees it: token counts and state, no tensors."""
 
+from __future__ import annotations
+
 import time
 from dataclasses import dataclass, field
 from enum import Enum
+from typing import TYPE_CHECKING
 
-from kestrel.sampling import SamplingParams
+if TYPE_CHECKING:  # the scheduler side stays free of torch
+    from kestrel.sampling import SamplingParams
 
 
 class Status(Enum):
