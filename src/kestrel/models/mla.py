@@ -1,0 +1,170 @@
+"""Multi-head latent attention (MLA, DeepSeek-V2), shared by mistral4, glm4_moe_lite and minicpm3.
+
+Follows transformers' `Mistral4Attention` / `Glm4MoeLiteAttention` / `MiniCPM3Attention`. Each
+token's keys and values come from one low-rank latent: `kv_a_proj_with_mqa` gives the latent
+(`kv_lora_rank`, RMS-normed) and one RoPE key (`qk_rope_head_dim`) shared by all heads;
+`kv_b_proj` expands the latent into per-head no-RoPE keys and values. Queries come from `q_proj`
+or the low-rank `q_a_proj -> q_a_layernorm -> q_b_proj`, split into a no-RoPE and a RoPE part.
+
+The cache keeps the latent and the RoPE key (kind "latent"), so KV memory per token is
+`kv_lora_rank + qk_rope_head_dim`, not `2 * heads * head_dim`. Attention then either expands the
+cached latents into per-head keys/values (long chunks), or, for short chunks (decode), folds
+`kv_b_proj` into the query and the output and attends in latent space: q_nope . (W_uk c) equals
+(W_uk^T q_nope) . c, so every head attends one shared (MQA) latent key/value.
+"""
+
+import torch
+from torch import nn
+
+from kestrel.cache import LayerKVCache, visible_mask
+from kestrel.cache.sequence import CACHE_KINDS, CacheSpec
+from kestrel.models.batch import ForwardBatch
+from kestrel.models.layers import RMSNorm, apply_rope, apply_rope_interleaved, attend, yarn_mscale
+
+
+class LatentKVCache(LayerKVCache):
+    """A LayerKVCache whose `keys` are the normed latents (1, L, kv_lora_rank) and whose `values`
+    are the roped shared keys (1, L, qk_rope_head_dim), each with its absolute position.
+
+    Storage, trimming, window eviction and checkpoints are LayerKVCache's; the separate kind
+    tells the runner these layers cost `kv_lora_rank + qk_rope_head_dim` per token and hold no
+    per-head K/V (a paged pool or kernel must not treat them as heads).
+    """
+
+
+CACHE_KINDS["latent"] = lambda spec: LatentKVCache(spec.window)
+
+
+def latent_cache_specs(num_layers: int) -> list[CacheSpec]:
+    return [CacheSpec("latent") for _ in range(num_layers)]
+
+
+def latent_kv_bytes_per_token(config, dtype: torch.dtype) -> int:
+    """Bytes one token costs in the latent cache across all layers."""
+    per_layer = config.kv_lora_rank + config.qk_rope_head_dim
+    return per_layer * config.num_hidden_layers * torch.finfo(dtype).bits // 8
+
+
+def mla_scale(qk_head_dim: int, rope: dict) -> float:
+    """Softmax scale: 1/sqrt(qk_head_dim), times YaRN's mscale^2 when `mscale_all_dim` is set."""
+    scale = qk_head_dim**-0.5
+    if rope.get("rope_type", "default") != "default" and rope.get("mscale_all_dim"):
+        scale *= yarn_mscale(rope["factor"], rope["mscale_all_dim"]) ** 2
+    return scale
+
+
+class MultiHeadLatentAttention(nn.Module):
+    """MLA over the latent cache. `interleaved`: RoPE pairs are interleaved (DeepSeek layout).
+
+    Parameter names follow transformers; config keys: hidden_size, num_attention_heads,
+    q_lora_rank (None: a plain q_proj), kv_lora_rank, qk_nope_head_dim, qk_rope_head_dim,
+    v_head_dim, attention_bias (on q_a_proj, kv_a_proj_with_mqa and o_proj).
+    """
+
+    def __init__(self, config, layer_idx: int, scale: float, interleaved: bool):
+        super().__init__()
+        c = config
+        self.layer_idx, self.scale, self.interleaved = layer_idx, scale, interleaved
+        self.num_heads, self.rank = c.num_attention_heads, c.kv_lora_rank
+        self.nope_dim, self.rope_dim, self.v_dim = (
+            c.qk_nope_head_dim,
+            c.qk_rope_head_dim,
+            c.v_head_dim,
+        )
+        q_dim, bias = self.num_heads * (self.nope_dim + self.rope_dim), c.attention_bias
+        if c.q_lora_rank is None:
+            self.q_proj = nn.Linear(c.hidden_size, q_dim, bias=False)
+        else:
+            self.q_a_proj = nn.Linear(c.hidden_size, c.q_lora_rank, bias=bias)
+            self.q_a_layernorm = RMSNorm(c.q_lora_rank)  # transformers keeps the default eps here
+            self.q_b_proj = nn.Linear(c.q_lora_rank, q_dim, bias=False)
+        self.kv_a_proj_with_mqa = nn.Linear(c.hidden_size, self.rank + self.rope_dim, bias=bias)
+        self.kv_a_layernorm = RMSNorm(self.rank)
+        self.kv_b_proj = nn.Linear(
+            self.rank, self.num_heads * (self.nope_dim + self.v_dim), bias=False
+        )
+        self.o_proj = nn.Linear(self.num_heads * self.v_dim, c.hidden_size, bias=bias)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        batch: ForwardBatch,
+        cos_sin: tuple[torch.Tensor, torch.Tensor],
+        q_scale: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """x (T, hidden) -> (T, hidden). `q_scale` (T,) multiplies the queries (Llama-4 scaling)."""
+        T = x.shape[0]
+        q = self._query(x).view(T, self.num_heads, self.nope_dim + self.rope_dim)
+        q_nope, q_rot = q.split([self.nope_dim, self.rope_dim], dim=-1)
+        latent, k_rot = self.kv_a_proj_with_mqa(x).split([self.rank, self.rope_dim], dim=-1)
+        latent = self.kv_a_layernorm(latent)  # (T, r)
+        rope = apply_rope_interleaved if self.interleaved else apply_rope
+        q_rot, k_rot = rope(q_rot, *cos_sin), rope(k_rot[:, None], *cos_sin)[:, 0]  # k_rot (T, dr)
+        q = torch.cat([q_nope, q_rot], dim=-1)  # (T, H, dn + dr)
+        if q_scale is not None:
+            q = q * q_scale[:, None, None].to(q.dtype)
+        out = q.new_empty(T, self.num_heads, self.v_dim)
+        for chunk in batch.chunks:
+            rows = chunk.rows
+            out[rows] = self._attend_chunk(
+                q[rows], latent[rows], k_rot[rows], batch.positions[rows], chunk
+            )
+        return self.o_proj(out.reshape(T, -1))
+
+    def _query(self, x: torch.Tensor) -> torch.Tensor:
+        if hasattr(self, "q_proj"):
+            return self.q_proj(x)
+        return self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+
+    def _attend_chunk(self, q, latent, k_rot, q_pos, chunk) -> torch.Tensor:
+        """One sequence's m queries (m, H, dn + dr) over its cache -> (m, H, dv)."""
+        layer = chunk.cache.layers[self.layer_idx]
+        latents, rot_keys, k_pos = layer.update(
+            latent[None], k_rot[None], q_pos
+        )  # (1, L, r), (1, L, dr)
+        mask = visible_mask(q_pos, k_pos)  # (m, L): from the positions the cache returned
+        q = q.transpose(0, 1)  # (H, m, dn + dr)
+        m = q.shape[1]
+        # latent space costs ~m*(2r + dr) per key and head, expanding ~r*(dn + dv) per key
+        if m * (2 * self.rank + self.rope_dim) < self.rank * (self.nope_dim + self.v_dim):
+            out = self._attend_latent(q, latents, rot_keys, mask)
+        else:
+            out = self._attend_expanded(q, latents, rot_keys, mask)
+        return out.transpose(0, 1)
+
+    def _attend_expanded(self, q, latents, rot_keys, mask) -> torch.Tensor:
+        # per-head keys [W_uk c, k_rot] (H, L, dn + dr) and values W_uv c (H, L, dv)
+        L = latents.shape[1]
+        kv = self.kv_b_proj(latents[0]).view(L, self.num_heads, self.nope_dim + self.v_dim)
+        k_nope, values = kv.transpose(0, 1).split([self.nope_dim, self.v_dim], dim=-1)
+        keys = torch.cat([k_nope, rot_keys.expand(self.num_heads, L, self.rope_dim)], dim=-1)
+        return attend(q, keys, values, mask, self.scale)
+
+    def _attend_latent(self, q, latents, rot_keys, mask) -> torch.Tensor:
+        # fold W_uk into the query and W_uv into the output: MQA over keys [c, k_rot], values c
+        w = self.kv_b_proj.weight.view(self.num_heads, self.nope_dim + self.v_dim, self.rank)
+        w_uk, w_uv = w.split([self.nope_dim, self.v_dim], dim=1)  # (H, dn, r), (H, dv, r)
+        q_nope, q_rot = q.split([self.nope_dim, self.rope_dim], dim=-1)
+        q_latent = torch.cat([q_nope @ w_uk, q_rot], dim=-1)  # (H, m, r + dr)
+        keys = torch.cat([latents, rot_keys], dim=-1)  # (1, L, r + dr)
+        out = attend(q_latent, keys, latents, mask, self.scale)  # (H, m, r)
+        return out @ w_uv.transpose(1, 2)  # (H, m, dv)
+
+
+class MLABlock(nn.Module):
+    """Pre-norm decoder layer: MLA then a feed-forward (dense MLP or MoE), each residual branch
+    multiplied by `residual_scale` (MiniCPM3's depth scaling; 1 elsewhere)."""
+
+    def __init__(self, config, attn: MultiHeadLatentAttention, mlp: nn.Module, residual_scale=1.0):
+        super().__init__()
+        self.self_attn = attn
+        self.mlp = mlp
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.residual_scale = residual_scale
+
+    def forward(self, x, batch: ForwardBatch, cos_sin, q_scale=None) -> torch.Tensor:
+        h = self.self_attn(self.input_layernorm(x), batch, cos_sin, q_scale)
+        x = x + h * self.residual_scale if self.residual_scale != 1.0 else x + h
+        h = self.mlp(self.post_attention_layernorm(x))
+        return x + h * self.residual_scale if self.residual_scale != 1.0 else x + h
