@@ -38,6 +38,9 @@ class CausalLM(nn.Module):
     """
 
     config_class_name = "PretrainedConfig"
+    # True for families that serve images too: they get the checkpoint's whole config (with its
+    # vision_config), not just the nested text_config the text families read
+    multimodal = False
 
     def __init__(self, config):
         super().__init__()
@@ -56,6 +59,10 @@ class CausalLM(nn.Module):
 
     def gguf_tensor(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
         """Undo llama.cpp's conversion of one tensor (named with our parameter name)."""
+        return tensor
+
+    def checkpoint_tensor(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
+        """Fix the layout of one Hugging Face checkpoint tensor (named with our parameter name)."""
         return tensor
 
     def tie_weights(self) -> None:

@@ -10,7 +10,7 @@ from tqdm import tqdm
 
 from kestrel.errors import ModelLoadError
 from kestrel.models.base import CausalLM, Slot
-from kestrel.models.registry import model_class
+from kestrel.models.registry import ARCHITECTURES, model_class
 from kestrel.weights import gguf as gguf_weights
 from kestrel.weights import safetensors as st_weights
 from kestrel.weights.embedded import EMBEDDED, embedded_path
@@ -67,7 +67,10 @@ def load_config(source: ModelSource):
 
 
 def text_config(config):
-    """Multimodal checkpoints nest the decoder's config; the text families read that one."""
+    """Multimodal checkpoints nest the decoder's config; the text families read that one, the
+    families that serve the images too (`CausalLM.multimodal`) the whole config."""
+    if config.model_type in ARCHITECTURES and model_class(config.model_type).multimodal:
+        return config
     return getattr(config, "text_config", None) or config
 
 
@@ -126,6 +129,8 @@ def load_weights(model: CausalLM, source: ModelSource, progress: bool = True) ->
             continue
         if source.is_gguf:
             tensor = model.gguf_tensor(slot.name, tensor)
+        else:
+            tensor = model.checkpoint_tensor(slot.name, tensor)
         if slot.transpose:
             tensor = tensor.transpose(-1, -2)
         dest = params[slot.name][slot.index]
