@@ -6,7 +6,7 @@ from pathlib import Path
 import torch
 
 from kestrel.cache import SequenceCache
-from kestrel.models.batch import ForwardBatch
+from kestrel.models.batch import ForwardBatch, SeqChunk
 from kestrel.weights.loader import load_model, resolve
 
 
@@ -68,6 +68,34 @@ def decode_logits(model, ids: list[int], prefill: int) -> torch.Tensor:
     return torch.cat(out)
 
 
+def packed_logits(
+    model, seqs: list[list[int]], chunks: list[int], prefill=None
+) -> list[torch.Tensor]:
+    """Run several sequences batched as the server does: each step packs the next `chunks[i]`
+    tokens of every unfinished sequence (after a first chunk of `prefill[i]` when given) into one
+    ForwardBatch, in reverse sequence order. Per sequence, (len, V) logits of every token."""
+    caches = [SequenceCache(model.cache_specs()) for _ in seqs]
+    done = [0] * len(seqs)
+    outs: list[list[torch.Tensor]] = [[] for _ in seqs]
+    with torch.no_grad():
+        while live := [i for i in reversed(range(len(seqs))) if done[i] < len(seqs[i])]:
+            sizes = {i: (prefill[i] if prefill and done[i] == 0 else chunks[i]) for i in live}
+            pieces = {i: seqs[i][done[i] : done[i] + sizes[i]] for i in live}
+            starts = [sum(len(pieces[j]) for j in live[:n]) for n in range(len(live))]
+            batch = ForwardBatch(
+                torch.tensor([t for i in live for t in pieces[i]]),
+                torch.cat([torch.arange(len(pieces[i])) + caches[i].offset for i in live]),
+                [SeqChunk(caches[i], s, len(pieces[i])) for i, s in zip(live, starts, strict=True)],
+                torch.arange(sum(len(p) for p in pieces.values())),
+            )
+            logits = model(batch)
+            for i, s in zip(live, starts, strict=True):
+                outs[i].append(logits[s : s + len(pieces[i])])
+                caches[i].advance(len(pieces[i]))
+                done[i] += len(pieces[i])
+    return [torch.cat(o) for o in outs]
+
+
 def assert_close(actual: torch.Tensor, expected: torch.Tensor, rtol=1e-4, atol=1e-4) -> None:
     torch.testing.assert_close(actual, expected, rtol=rtol, atol=atol)
 
@@ -105,8 +133,8 @@ def masked_reference_logits(folder: Path, model_cls, ids: list[int], masks) -> t
         # (1, 1, n, n) float: 0 where visible, the most negative float elsewhere
         return torch.zeros(mask.shape).masked_fill(~mask, torch.finfo(torch.float32).min)[None, None]
 
-    if isinstance(masks, dict):
-        attention_mask = {t: additive(m) for t, m in masks.items()}
+    if isinstance(masks, dict):  # a None mask (e.g. for hybrids' Mamba layers) passes through
+        attention_mask = {t: None if m is None else additive(m) for t, m in masks.items()}
     else:
         attention_mask = additive(masks)
     with torch.no_grad():

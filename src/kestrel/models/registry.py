@@ -12,6 +12,8 @@ ARCHITECTURES: dict[str, str] = {
     "qwen3": "llama:LlamaForCausalLM",
     "gemma3_text": "gemma3:Gemma3ForCausalLM",
     "gemma3": "gemma3:Gemma3ForCausalLM",
+    "nemotron_h": "nemotron_h:NemotronHForCausalLM",
+    "jamba": "jamba:JambaForCausalLM",
     "minicpm3": "minicpm3:MiniCPM3ForCausalLM",
     "mistral4": "mistral4:Mistral4ForCausalLM",
     "glm4_moe_lite": "glm4_moe_lite:Glm4MoeLiteForCausalLM",

@@ -1,0 +1,166 @@
+"""NVIDIA Nemotron-H hybrid decoder (transformers' NemotronHForCausalLM; Nemotron-H, Nemotron 3).
+
+`layers_block_type` (older configs: the `hybrid_override_pattern` string) chooses each layer's
+mixer: Mamba2 with a grouped gated RMSNorm ("linear_attention", M), attention without RoPE
+("full_attention", *), a squared-ReLU MLP ("mlp", -) or a MoE ("moe", E: sigmoid routing with
+a score-correction bias, ungated experts, an optional latent projection, shared experts). Every
+layer is `x + mixer(norm(x))`. Mamba2 layers keep recurrent state, attention layers KV, the rest
+nothing. Checkpoints name the model `backbone` and store one tensor per expert.
+"""
+
+import torch
+from torch import nn
+
+from kestrel.cache import CacheSpec
+from kestrel.models.base import CausalLM, Slot
+from kestrel.models.batch import ForwardBatch
+from kestrel.models.layers import ACTIVATIONS, Attention, RMSNorm
+from kestrel.models.mamba import Mamba2Mixer, sequence_groups
+from kestrel.models.moe import Experts, SparseMoE, expert_slot
+
+CACHE_SPECS = {"linear_attention": CacheSpec("recurrent"), "full_attention": CacheSpec("full")}
+
+
+class NemotronHMLP(nn.Module):
+    """down(act(up(x))), no gate."""
+
+    def __init__(self, hidden: int, intermediate: int, act: str, bias: bool = False):
+        super().__init__()
+        self.up_proj = nn.Linear(hidden, intermediate, bias=bias)
+        self.down_proj = nn.Linear(intermediate, hidden, bias=bias)
+        self.act = ACTIVATIONS[act]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act(self.up_proj(x)))
+
+
+class NemotronHMoE(SparseMoE):
+    """The shared MoE with ungated experts that may run in a smaller latent width
+    (fc1_latent_proj in, fc2_latent_proj out), and an ungated shared-experts MLP."""
+
+    def __init__(self, c):
+        super().__init__(
+            c.hidden_size,
+            c.moe_intermediate_size,
+            c.n_routed_experts,
+            c.num_experts_per_tok,
+            act=c.mlp_hidden_act,
+            scoring="sigmoid",
+            normalize=c.norm_topk_prob,
+            routed_scaling=c.routed_scaling_factor,
+            n_group=c.n_group,
+            topk_group=c.topk_group,
+            correction_bias=True,
+        )
+        latent = c.moe_latent_size or c.hidden_size
+        self.experts = Experts(
+            c.n_routed_experts, latent, c.moe_intermediate_size, c.mlp_hidden_act, gated=False
+        )
+        self.shared_experts = NemotronHMLP(
+            c.hidden_size, c.moe_shared_expert_intermediate_size, c.mlp_hidden_act, c.mlp_bias
+        )
+        if c.moe_latent_size is not None:
+            self.fc1_latent_proj = nn.Linear(c.hidden_size, latent, bias=c.mlp_bias)
+            self.fc2_latent_proj = nn.Linear(latent, c.hidden_size, bias=c.mlp_bias)
+        else:
+            self.fc1_latent_proj = self.fc2_latent_proj = nn.Identity()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        routed = self.experts(self.fc1_latent_proj(x), *self.route(x))
+        return self.fc2_latent_proj(routed) + self.shared_experts(x)
+
+
+def make_mixer(c, layer_idx: int) -> nn.Module:
+    kind = c.layers_block_type[layer_idx]
+    if kind == "linear_attention":
+        return Mamba2Mixer(
+            layer_idx,
+            c.hidden_size,
+            c.mamba_num_heads,
+            c.mamba_head_dim,
+            c.ssm_state_size,
+            c.n_groups,
+            c.conv_kernel,
+            c.chunk_size,
+            c.layer_norm_epsilon,
+            c.mamba_hidden_act,
+            conv_bias=c.use_conv_bias,
+            bias=c.use_bias,
+            # transformers' mixer bounds dt below by time_step_min, whatever time_step_limit says
+            dt_limit=(c.time_step_min, float("inf")),
+        )
+    if kind == "full_attention":
+        head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+        return Attention(
+            layer_idx, c.hidden_size, c.num_attention_heads, c.num_key_value_heads, head_dim, None
+        )
+    if kind == "mlp":
+        return NemotronHMLP(c.hidden_size, c.intermediate_size, c.mlp_hidden_act, c.mlp_bias)
+    if kind == "moe":
+        return NemotronHMoE(c)
+    raise ValueError(f"unknown Nemotron-H layer type {kind!r}")
+
+
+class NemotronHBlock(nn.Module):
+    def __init__(self, config, layer_idx: int):
+        super().__init__()
+        self.block_type = config.layers_block_type[layer_idx]
+        self.norm = RMSNorm(config.hidden_size, config.layer_norm_epsilon)
+        self.mixer = make_mixer(config, layer_idx)
+
+    def forward(self, x: torch.Tensor, batch: ForwardBatch, groups) -> torch.Tensor:
+        h = self.norm(x)
+        if self.block_type == "linear_attention":
+            h = self.mixer(h, groups)
+        elif self.block_type == "full_attention":
+            h = self.mixer(h, batch)
+        else:
+            h = self.mixer(h)
+        return x + h
+
+
+class NemotronHModel(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        self.embeddings = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(
+            NemotronHBlock(config, i) for i in range(len(config.layers_block_type))
+        )
+        self.norm_f = RMSNorm(config.hidden_size, config.layer_norm_epsilon)
+
+    def forward(self, batch: ForwardBatch) -> torch.Tensor:
+        x = self.embeddings(batch.input_ids)
+        groups = sequence_groups(batch)  # shared by every Mamba2 layer
+        for layer in self.layers:
+            x = layer(x, batch, groups)
+        return self.norm_f(x[batch.logits_rows])
+
+
+class NemotronHForCausalLM(CausalLM):
+    def __init__(self, config):
+        super().__init__(config)
+        self.model = NemotronHModel(config)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.tie_weights()
+
+    def cache_specs(self) -> list[CacheSpec]:
+        return [CACHE_SPECS.get(t, CacheSpec("none")) for t in self.config.layers_block_type]
+
+    def forward(self, batch: ForwardBatch) -> torch.Tensor:
+        return self.lm_head(self.model(batch))
+
+    def tie_weights(self) -> None:
+        if getattr(self.config, "tie_word_embeddings", False):
+            self.lm_head.weight = self.model.embeddings.weight
+
+    def checkpoint_name(self, name: str) -> str | Slot | None:
+        if name.startswith("mtp."):
+            return None  # multi-token-prediction heads: speculative decoding, not served
+        name = name.replace("backbone.", "model.", 1)
+        return expert_slot(name, self.config.moe_intermediate_size, gate=None) or name
+
+    def kv_bytes_per_token(self, dtype: torch.dtype) -> int:
+        c = self.config
+        head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+        layers = c.layers_block_type.count("full_attention")
+        return 2 * c.num_key_value_heads * head_dim * layers * torch.finfo(dtype).bits // 8
