@@ -206,6 +206,8 @@ def cached_attention(
     The mask comes from the positions of the keys the cache returned (DESIGN.md section 1).
     `cache_layer_idx` lets a layer read another layer's cache (KV sharing) without appending.
     """
+    if getattr(batch, "attention", None) is not None:  # the GPU runner's paged KV pool
+        return batch.attention(q, k, v, layer_idx, scale, window, cache_layer_idx)
     out = q.new_empty(q.shape[0], q.shape[1], v.shape[-1])
     for chunk in batch.chunks:
         rows = chunk.rows

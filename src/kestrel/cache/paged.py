@@ -1,0 +1,171 @@
+"""Paged KV cache for the GPU runner: one preallocated pool of fixed-size blocks per layer, and a
+block table per sequence.
+
+A sequence's logical block `b` holds positions [b * block_size, (b + 1) * block_size): storage
+follows positions, so a key's position is known from where it sits and the mask rule of DESIGN.md
+section 1 (window, sinks, live start) is applied to those positions inside the attention kernel.
+Trimming (`--max-kv-size`) and sliding-window eviction free every block that holds no live key;
+partial blocks stay and the mask hides their dead keys. The held blocks are always the sinks'
+blocks [0, n_sink) followed by one contiguous run [main_start, ...).
+
+The pool is written in place, so `checkpoint()` records the table (not the tensors): a restore
+drops blocks allocated since and takes back blocks trimmed since. Freed blocks are only reused
+after `BlockPool.commit()` (the runner calls it once a step succeeded), so a restore never finds
+a trimmed block overwritten.
+"""
+
+from dataclasses import dataclass
+
+import torch
+
+from kestrel.cache.sequence import CacheSpec, SequenceCache
+
+
+class KVPoolExhaustedError(RuntimeError):
+    """No free block is left in the KV pool."""
+
+
+class BlockPool:
+    """K and V of every layer: (num_blocks, block_size, Hkv, D) each. Block 0 is a scratch block
+    never handed out (CUDA-graph padding rows write there)."""
+
+    def __init__(self, num_layers, num_blocks, block_size, num_kv_heads, head_dim, dtype, device):
+        shape = (num_blocks, block_size, num_kv_heads, head_dim)
+        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.num_blocks, self.block_size = num_blocks, block_size
+        self.free: list[int] = list(range(num_blocks - 1, 0, -1))  # pop() hands out low ids first
+        self.pending: set[int] = set()  # freed this step; reusable after commit()
+
+    @staticmethod
+    def bytes_per_block(num_layers, block_size, num_kv_heads, head_dim, dtype) -> int:
+        return 2 * num_layers * block_size * num_kv_heads * head_dim * torch.finfo(dtype).bits // 8
+
+    def allocate(self) -> int:
+        if not self.free:
+            raise KVPoolExhaustedError(
+                f"KV pool exhausted ({self.num_blocks} blocks of {self.block_size} tokens); "
+                "lower --max-num-seqs or raise --gpu-memory-utilization"
+            )
+        return self.free.pop()
+
+    def release(self, blocks, deferred: bool = True) -> None:
+        if deferred:
+            self.pending.update(blocks)
+        else:
+            self.free.extend(blocks)
+
+    def commit(self) -> None:
+        self.free.extend(self.pending)
+        self.pending.clear()
+
+    @property
+    def num_free(self) -> int:
+        return len(self.free)
+
+
+class PagedSequenceCache(SequenceCache):
+    """SequenceCache whose keys live in a `BlockPool`; `held` maps logical -> physical blocks."""
+
+    def __init__(self, specs: list[CacheSpec], pool: BlockPool):
+        super().__init__([])  # no per-layer objects: the pool holds every layer
+        self.specs = specs
+        self.pool = pool
+        self.held: list[tuple[int, int]] = []  # (logical block, physical block), ascending
+        windows = [s.window if s.kind == "sliding" else None for s in specs]
+        # blocks behind the largest window are dead only if every layer slides
+        self.evict_window = None if None in windows or not windows else max(windows)
+
+    def trim_front(self, n: int, keep: int = 0) -> None:
+        if n <= 0:
+            return
+        self.keep = keep
+        self.live_start = min(max(self.live_start, keep) + n, self.offset)
+        self._free_dead(self.offset)
+
+    def reserve(self, m: int) -> None:
+        """Make room for positions [offset, offset + m): evict dead blocks, allocate new ones."""
+        if self.evict_window is not None:
+            self._free_dead(self.offset)
+        bs = self.pool.block_size
+        have = self.held[-1][0] + 1 if self.held else 0
+        for logical in range(have, (self.offset + m + bs - 1) // bs):
+            self.held.append((logical, self.pool.allocate()))
+
+    def _free_dead(self, next_position: int) -> None:
+        bs, sinks = self.pool.block_size, min(self.keep, self.live_start)
+        first_live = self.live_start
+        if self.evict_window is not None:  # the next query sees keys > next_position - window
+            first_live = max(first_live, next_position - self.evict_window + 1)
+        alive = lambda b: b * bs < sinks or (b + 1) * bs > first_live  # noqa: E731
+        dead = [phys for logical, phys in self.held if not alive(logical)]
+        if dead:
+            self.held = [(lg, ph) for lg, ph in self.held if alive(lg)]
+            self.pool.release(dead)
+
+    def table(self) -> tuple[list[int], int, int]:
+        """(physical blocks in order, n_sink, main_start): entry j holds logical block j for
+        j < n_sink, else main_start + j - n_sink."""
+        blocks = [phys for _, phys in self.held]
+        n_sink = 0
+        while n_sink < len(self.held) and self.held[n_sink][0] == n_sink:
+            n_sink += 1
+        if n_sink == len(self.held):  # no gap: one contiguous run from block 0
+            return blocks, 0, 0
+        return blocks, n_sink, self.held[n_sink][0]
+
+    def free(self) -> None:
+        self.pool.release([phys for _, phys in self.held], deferred=False)
+        self.held = []
+
+    @property
+    def live_tokens(self) -> int:
+        return min(self.keep, self.live_start) + self.offset - self.live_start
+
+    def checkpoint(self) -> tuple:
+        return (self.offset, self.live_start, self.keep, self.rope_delta, list(self.held))
+
+    def restore(self, state: tuple) -> None:
+        self.offset, self.live_start, self.keep, self.rope_delta, held = state
+        before = {phys for _, phys in held}
+        now = {phys for _, phys in self.held}
+        self.pool.release(now - before, deferred=False)  # allocated since: never visible
+        self.pool.pending -= before - now  # trimmed since: take back
+        self.held = held
+
+
+@dataclass
+class PagedAttention:
+    """Attention metadata of one packed batch over a `BlockPool` (the explicit argument that
+    `cached_attention` dispatches to). All tensors are on the pool's device.
+
+    slot_mapping: (T,) flat slot (block * block_size + position % block_size) of each new token.
+    Per query tile (a run of at most `tile_tokens` tokens of one sequence): tile_seq, tile_start
+    (first row in T), tile_len. Per sequence: block_tables (S, W) physical blocks, num_blocks,
+    n_sink, main_start, live_start, keep (the mask rule's inputs).
+    """
+
+    pool: BlockPool
+    slot_mapping: torch.Tensor
+    positions: torch.Tensor
+    tile_seq: torch.Tensor
+    tile_start: torch.Tensor
+    tile_len: torch.Tensor
+    block_tables: torch.Tensor
+    num_blocks: torch.Tensor
+    n_sink: torch.Tensor
+    main_start: torch.Tensor
+    live_start: torch.Tensor
+    keep: torch.Tensor
+    tile_tokens: int
+    use_triton: bool = True
+
+    def __call__(self, q, k, v, layer_idx, scale, window=None, cache_layer_idx=None):
+        """q: (T, Hq, D), k/v: (T, Hkv, D) -> (T, Hq, D); writes k/v unless reading another layer."""
+        from kestrel.kernels.attention import paged_attention, write_kv
+
+        layer = layer_idx if cache_layer_idx is None else cache_layer_idx
+        k_cache, v_cache = self.pool.k[layer], self.pool.v[layer]
+        if cache_layer_idx is None:
+            write_kv(k_cache, v_cache, k, v, self.slot_mapping)
+        return paged_attention(q, k_cache, v_cache, self, scale, window, self.use_triton)

@@ -1,0 +1,315 @@
+"""The GPU runner: the reference runner's contract (execute / release, fault isolation) over a
+paged KV pool, one attention kernel for every batch shape, sampling on the device and CUDA graphs
+for decode steps.
+
+It also runs on the CPU (PyTorch fallbacks, no graphs), which is how its packing and paging are
+tested against the reference runner without a GPU.
+"""
+
+import logging
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+from kestrel.cache.paged import BlockPool, PagedAttention, PagedSequenceCache
+from kestrel.engine.request import Request
+from kestrel.engine.runner import ModelRunner, StepResult
+from kestrel.engine.scheduler import ScheduledChunk
+from kestrel.models.batch import ForwardBatch
+from kestrel.sampling import make_generator
+
+log = logging.getLogger("kestrel.gpu_runner")
+
+# families whose attention goes only through `cached_attention` (so the paged pool serves them)
+PAGED_FAMILIES = {"llama", "mistral", "qwen2", "qwen3", "gemma3", "gemma3_text"}
+GRAPH_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256, 320, 384, 448, 512)
+
+
+@dataclass
+class GPUConfig:
+    """Knobs of the paged runner (CLI: --gpu-memory-utilization, --no-cuda-graphs, --block-size)."""
+
+    gpu_memory_utilization: float = 0.9
+    cuda_graphs: bool = True
+    block_size: int = 64
+    num_blocks: int | None = None  # fixed pool size (tests, CPU); None: sized from free memory
+    fuse: bool = True  # fused Triton norms/RoPE/MLP on CUDA (kernels/fused.py)
+
+
+@dataclass
+class PagedBatch(ForwardBatch):
+    """A ForwardBatch whose attention runs over the pool (`cached_attention` dispatches to it)."""
+
+    attention: PagedAttention | None = None
+
+
+@dataclass
+class _Packed:
+    ids: list[int] = field(default_factory=list)
+    positions: list[int] = field(default_factory=list)
+    slots: list[int] = field(default_factory=list)
+    tiles: list[tuple[int, int, int]] = field(default_factory=list)  # (seq, start, len)
+    seqs: list[tuple] = field(default_factory=list)  # (blocks, n_sink, main_start, live, keep)
+    rows: list[int] = field(default_factory=list)
+
+
+def make_runner(model, device: torch.device, max_num_seqs: int, token_budget: int,
+                max_model_len: int, gpu: GPUConfig | None = None) -> ModelRunner:
+    """The paged runner on CUDA for families it serves; the reference runner otherwise."""
+    if device.type == "cuda" and model.config.model_type in PAGED_FAMILIES:
+        return GPURunner(model, device, max_num_seqs, token_budget, max_model_len, gpu)
+    return ModelRunner(model, device)
+
+
+class GPURunner(ModelRunner):
+    def __init__(self, model, device, max_num_seqs, token_budget, max_model_len, gpu=None):
+        super().__init__(model, device)
+        self.gpu = gpu or GPUConfig()
+        self.max_num_seqs, self.token_budget = max_num_seqs, token_budget
+        c = model.config
+        self.head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+        self.num_kv_heads = c.num_key_value_heads
+        self.group_pad = 1 << math.ceil(math.log2(c.num_attention_heads // self.num_kv_heads))
+        self.specs = model.cache_specs()
+        bs = self.gpu.block_size
+        self.table_width = (max_model_len + bs - 1) // bs + 2
+        self.dtype = next(model.parameters()).dtype
+        self.use_triton = device.type == "cuda"
+        if self.use_triton and self.gpu.fuse:
+            from kestrel.kernels.fused import fuse_model
+
+            fuse_model(model)
+        self.pool = self._make_pool(self.gpu.num_blocks or self._profile_num_blocks())
+        self.graphs: dict[int, tuple] = {}
+        if device.type == "cuda" and self.gpu.cuda_graphs:
+            self._capture_graphs()
+
+    # -- memory -------------------------------------------------------------------------------
+
+    def _make_pool(self, num_blocks: int) -> BlockPool:
+        n_layers = len(self.specs)
+        return BlockPool(n_layers, num_blocks, self.gpu.block_size, self.num_kv_heads,
+                         self.head_dim, self.dtype, self.device)
+
+    def _profile_num_blocks(self) -> int:
+        """Blocks that fit in --gpu-memory-utilization of the card after the weights and the
+        activations of the largest step (measured by running one)."""
+        if self.device.type != "cuda":
+            return 1024
+        torch.cuda.synchronize()
+        free, total = torch.cuda.mem_get_info(self.device)
+        before = torch.cuda.memory_allocated(self.device)
+        torch.cuda.reset_peak_memory_stats(self.device)
+        n = self.token_budget
+        self.pool = self._make_pool((n + self.gpu.block_size - 1) // self.gpu.block_size + 2)
+        probe = Request("profile", [0] * n, None, 1)
+        self.caches["profile"] = PagedSequenceCache(self.specs, self.pool)
+        with torch.inference_mode():
+            self.model(self._pack_batch([ScheduledChunk(probe, n)]))
+        self.release("profile")
+        torch.cuda.synchronize()
+        activations = torch.cuda.max_memory_allocated(self.device) - before
+        self.pool = None
+        torch.cuda.empty_cache()
+        graphs = 512 << 20 if self.gpu.cuda_graphs else 0
+        budget = total * self.gpu.gpu_memory_utilization - (total - free) - activations - graphs
+        per_block = BlockPool.bytes_per_block(len(self.specs), self.gpu.block_size,
+                                              self.num_kv_heads, self.head_dim, self.dtype)
+        blocks = int(budget // per_block)
+        if blocks < 2:
+            raise RuntimeError(f"no memory left for the KV cache ({budget / 2**30:.2f} GiB); "
+                               "raise --gpu-memory-utilization")
+        log.info("KV pool: %d blocks of %d tokens (%.1f GiB)", blocks, self.gpu.block_size,
+                 blocks * per_block / 2**30)
+        return blocks
+
+    # -- the step -----------------------------------------------------------------------------
+
+    def _cache(self, request: Request) -> PagedSequenceCache:
+        if request.request_id not in self.caches:
+            self.caches[request.request_id] = PagedSequenceCache(self.specs, self.pool)
+            self.generators[request.request_id] = make_generator(request.params.seed, self.device)
+        return self.caches[request.request_id]
+
+    def execute(self, chunks: list[ScheduledChunk]) -> list[StepResult]:
+        results = super().execute(chunks)
+        self.pool.commit()  # blocks trimmed in this step may now be reused
+        return results
+
+    def release(self, request_id: str) -> None:
+        cache = self.caches.get(request_id)
+        if cache is not None:
+            cache.free()
+        super().release(request_id)
+
+    @torch.inference_mode()
+    def _run(self, chunks: list[ScheduledChunk]) -> list[StepResult]:
+        packed = self._pack_host(chunks)
+        decode = all(c.num_tokens == 1 for c in chunks)
+        size = next((b for b in sorted(self.graphs) if b >= len(chunks)), None)
+        if decode and size is not None:
+            logits = self._replay(packed, size)[: len(chunks)]
+        else:
+            logits = self.model(self._to_batch(packed, tile_tokens=1 if decode else None))
+        for chunk in chunks:
+            self.caches[chunk.request.request_id].advance(chunk.num_tokens)
+        sampling = [c.request for c in chunks if c.samples]
+        results = self._sample_batch(sampling, logits)
+        return results + [StepResult(c.request) for c in chunks if not c.samples]
+
+    def _pack_batch(self, chunks) -> PagedBatch:
+        return self._to_batch(self._pack_host(chunks), None)
+
+    def _pack_host(self, chunks: list[ScheduledChunk]) -> _Packed:
+        """Trim and reserve each sequence's blocks; the batch's index lists on the host."""
+        p, bs = _Packed(), self.gpu.block_size
+        for s, chunk in enumerate(chunks):
+            request, n = chunk.request, chunk.num_tokens
+            if self.fault_hook:
+                self.fault_hook("forward", request)
+            cache = self._cache(request)
+            self.tokens_trimmed += cache.make_room(n, request.max_kv_size, request.keep)
+            cache.reserve(n)
+            start = len(p.ids)
+            p.ids.extend(_pending_ids(request, n))
+            p.positions.extend(range(cache.offset, cache.offset + n))
+            block_of = dict(cache.held)
+            p.slots.extend(block_of[q // bs] * bs + q % bs for q in range(cache.offset, cache.offset + n))
+            blocks, n_sink, main_start = cache.table()
+            p.seqs.append((blocks, n_sink, main_start, cache.live_start, cache.keep))
+            p.tiles.append((s, start, n))
+            if chunk.samples:
+                p.rows.append(start + n - 1)
+        return p
+
+    def _tile(self, p: _Packed, tile_tokens: int) -> list[tuple[int, int, int]]:
+        return [(s, start + i, min(tile_tokens, n - i))
+                for s, start, n in p.tiles for i in range(0, n, tile_tokens)]
+
+    def _to_batch(self, p: _Packed, tile_tokens: int | None) -> PagedBatch:
+        """One host->device copy of every index the forward needs."""
+        tile_tokens = tile_tokens or max(1, 64 // self.group_pad)
+        tiles = self._tile(p, tile_tokens)
+        width = max(len(s[0]) for s in p.seqs)
+        table = [blocks + [0] * (width - len(blocks)) for blocks, *_ in p.seqs]
+        per_seq = [list(col) for col in zip(*[(len(b), ns, ms, ls, k) for b, ns, ms, ls, k in p.seqs])]
+        flat = [p.ids, p.positions, p.slots, p.rows, *map(list, zip(*tiles)), *per_seq]
+        sizes = [len(x) for x in flat]
+        host = [v for part in flat for v in part] + [v for row in table for v in row]
+        dev = torch.tensor(host, dtype=torch.long).to(self.device, non_blocking=True)
+        parts = list(dev[: sum(sizes)].split(sizes))
+        tables = dev[sum(sizes):].view(len(p.seqs), width)
+        ids, positions, slots, rows, t_seq, t_start, t_len, nb, n_sink, main, live, keep = parts
+        meta = PagedAttention(self.pool, slots, positions, t_seq, t_start, t_len, tables, nb,
+                              n_sink, main, live, keep, tile_tokens, self.use_triton)
+        return PagedBatch(ids, positions, [], rows, attention=meta)
+
+    # -- CUDA graphs (decode steps) -----------------------------------------------------------
+
+    def _capture_graphs(self) -> None:
+        sizes = [b for b in GRAPH_SIZES if b <= self.max_num_seqs] or [1]
+        if self.max_num_seqs > sizes[-1]:
+            sizes.append(self.max_num_seqs)
+        big = sizes[-1]
+        zeros = lambda *shape: torch.zeros(shape, dtype=torch.long, device=self.device)  # noqa: E731
+        # one flat buffer: ids, positions, slots, tile_len, num_blocks, n_sink, main, live, keep
+        self.static = zeros(9, big)
+        self.static_table = zeros(big, self.table_width)
+        self.arange = torch.arange(big, device=self.device)
+        self.graph_pool = torch.cuda.graph_pool_handle()
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.inference_mode(), torch.cuda.stream(stream):
+            for b in reversed(sizes):
+                batch = self._static_batch(b)
+                self.model(batch)  # warm-up outside the graph (Triton compiles here)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=self.graph_pool, stream=stream):
+                    logits = self.model(batch)
+                self.graphs[b] = (graph, logits)
+        torch.cuda.current_stream().wait_stream(stream)
+        torch.cuda.synchronize()
+
+    def _static_batch(self, b: int) -> PagedBatch:
+        ids, pos, slots, t_len, nb, n_sink, main, live, keep = (row[:b] for row in self.static)
+        seq = self.arange[:b]
+        meta = PagedAttention(self.pool, slots, pos, seq, seq, t_len, self.static_table[:b], nb,
+                              n_sink, main, live, keep, 1, True)
+        return PagedBatch(ids, pos, [], seq, attention=meta)
+
+    def _replay(self, p: _Packed, size: int) -> torch.Tensor:
+        b = len(p.seqs)
+        width = max(len(s[0]) for s in p.seqs)
+        nb = [len(s[0]) for s in p.seqs]
+        cols = [p.ids, p.positions, p.slots, [1] * b, nb, *[list(c) for c in zip(*[s[1:] for s in p.seqs])]]
+        pad = size - b
+        host = torch.tensor([c + [0] * pad for c in cols], dtype=torch.long)
+        table = torch.tensor([s[0] + [0] * (width - len(s[0])) for s in p.seqs], dtype=torch.long)
+        self.static[:, :size].copy_(host, non_blocking=True)
+        self.static_table[:b, :width].copy_(table, non_blocking=True)
+        graph, logits = self.graphs[size]
+        graph.replay()
+        return logits
+
+    # -- sampling on the device ---------------------------------------------------------------
+
+    def _sample_batch(self, requests: list[Request], logits: torch.Tensor) -> list[StepResult]:
+        """Greedy and plain temperature/top-k/top-p/min-p rows are sampled together on the device
+        (one host read for all); rows with penalties, biases, seeds or log-probs go one by one."""
+        if not requests:
+            return []
+        simple = [i for i, r in enumerate(requests) if _batchable(r) and not self.fault_hook]
+        results: list[StepResult | None] = [None] * len(requests)
+        if simple:
+            index = torch.tensor(simple, device=logits.device)
+            tokens = sample_rows(logits.index_select(0, index), [requests[i].params for i in simple])
+            for i, token in zip(simple, tokens.tolist(), strict=True):
+                results[i] = StepResult(requests[i], token)
+        for i, request in enumerate(requests):
+            if results[i] is None:
+                results[i] = self._sample(request, logits[i])
+        return results
+
+
+def _pending_ids(request: Request, n: int) -> list[int]:
+    """The next n ids to feed, without copying the whole prompt + output (all_ids) per step."""
+    start, prompt = request.num_computed, request.prompt_ids
+    if start >= len(prompt):
+        return request.output_ids[start - len(prompt) : start - len(prompt) + n]
+    ids = prompt[start : start + n]
+    return ids + request.output_ids[: n - len(ids)] if len(ids) < n else ids
+
+
+def _batchable(request: Request) -> bool:
+    p = request.params
+    return (p.seed is None and p.logprobs is None and not p.logit_bias
+            and p.repetition_penalty == 1.0 and not p.presence_penalty and not p.frequency_penalty)
+
+
+def sample_rows(logits: torch.Tensor, params: list) -> torch.Tensor:
+    """(B, V) logits -> (B,) tokens: argmax where temperature is 0, else temperature, top-k,
+    top-p and min-p as masks and an exponential race (Gumbel-max) draw, all on the device."""
+    greedy = logits.argmax(-1)
+    if all(p.greedy for p in params):
+        return greedy
+    dev = logits.device
+    temp = torch.tensor([p.temperature or 1.0 for p in params], device=dev)[:, None]
+    x = logits.float() / temp
+    vocab = x.shape[-1]
+    top_k = torch.tensor([p.top_k if 0 < p.top_k < vocab else vocab for p in params], device=dev)
+    top_p = torch.tensor([p.top_p for p in params], device=dev)[:, None]
+    min_p = torch.tensor([p.min_p for p in params], device=dev)[:, None]
+    sorted_x, order = x.sort(-1, descending=True)
+    rank = torch.arange(vocab, device=dev)[None, :]
+    sorted_x = sorted_x.masked_fill(rank >= top_k[:, None], float("-inf"))  # as sampling.truncate:
+    probs = sorted_x.softmax(-1)  # top-k, then top-p and min-p on what is left
+    drop = probs.cumsum(-1) - probs >= top_p
+    drop[:, 0] = False
+    sorted_x = sorted_x.masked_fill(drop, float("-inf"))
+    probs = sorted_x.softmax(-1)
+    sorted_x = sorted_x.masked_fill(probs < min_p * probs[:, :1], float("-inf"))
+    race = sorted_x.softmax(-1) / torch.empty_like(probs).exponential_()
+    drawn = order.gather(-1, race.argmax(-1, keepdim=True))[:, 0]
+    is_greedy = torch.tensor([p.greedy for p in params], device=dev)
+    return torch.where(is_greedy, greedy, drawn)
