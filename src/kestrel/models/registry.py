@@ -18,6 +18,9 @@ ARCHITECTURES: dict[str, str] = {
     "mistral4": "mistral4:Mistral4ForCausalLM",
     "glm4_moe_lite": "glm4_moe_lite:Glm4MoeLiteForCausalLM",
     "exaone_moe": "exaone_moe:ExaoneMoeForCausalLM",
+    "gemma4": "gemma4:Gemma4ForCausalLM",
+    "gemma4_text": "gemma4:Gemma4ForCausalLM",
+    "nemotron-nas": "nemotron_nas:NemotronNasForCausalLM",
 }
 
 

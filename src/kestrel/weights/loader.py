@@ -1,5 +1,6 @@
 """Resolve a model argument (alias, .gguf file, HF folder) and build the model with its weights."""
 
+import json
 import os
 import warnings
 from dataclasses import dataclass
@@ -52,6 +53,7 @@ def load_config(source: ModelSource):
 
     try:
         if not source.is_gguf:
+            _import_family(source.path)
             return AutoConfig.from_pretrained(source.path)
         cached = _gguf_cache(source, "configs")
         if (cached / "config.json").exists():
@@ -64,6 +66,17 @@ def load_config(source: ModelSource):
         raise
     except (ValueError, KeyError, OSError) as e:
         raise ModelLoadError(f"{source.path}: cannot read the model config ({e})") from e
+
+
+def _import_family(folder: Path) -> None:
+    """Import the family serving the folder's model_type first: a family whose checkpoints ship
+    remote code (e.g. nemotron-nas) registers its config class with AutoConfig on import."""
+    try:
+        model_type = json.loads((folder / "config.json").read_text()).get("model_type")
+    except (OSError, ValueError):
+        return  # AutoConfig reports the unreadable file
+    if model_type in ARCHITECTURES:
+        model_class(model_type)
 
 
 def text_config(config):

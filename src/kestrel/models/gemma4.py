@@ -1,0 +1,268 @@
+"""Gemma 4 text decoder (transformers' Gemma4ForCausalLM, and the text part of Gemma4 checkpoints).
+
+Sliding/full layers from `layer_types`. Full layers have their own head dim and KV heads
+(`per_layer_config`, from `global_head_dim`/`num_global_key_value_heads`) and "proportional"
+partial RoPE; with `attention_k_eq_v` they have no v_proj: values are the raw k_proj output.
+q/k RMSNorms and a scale-free v norm replace the 1/sqrt(d) query scale. The last
+`num_kv_shared_layers` layers compute no K/V: they attend over the cache of the last earlier layer
+of their type. Per-layer input embeddings (PLE) gate a residual into every layer; the
+feed-forward is a dense gated MLP, plus routed experts when `enable_moe_block`; each layer ends
+with a learned `layer_scalar`; logits are soft-capped.
+"""
+
+import torch
+from torch import nn
+
+import kestrel.cache.recurrent  # noqa: F401  registers the "none" cache kind
+from kestrel.cache import CacheSpec, visible_mask
+from kestrel.models.base import CausalLM, rope_parameters
+from kestrel.models.batch import ForwardBatch
+from kestrel.models.layers import (
+    ACTIVATIONS,
+    GatedMLP,
+    RMSNorm,
+    RotaryEmbedding,
+    apply_rope,
+    attend,
+    cached_attention,
+)
+from kestrel.models.moe import Experts, route_topk
+
+
+def rms_norm(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm without a weight (Gemma 4's v norm and router norm), in fp32."""
+    xf = x.float()
+    return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+
+
+def layer_dims(config, layer_idx: int) -> tuple[int, int]:
+    """(KV heads, head dim) of a layer: full layers override both through `per_layer_config`."""
+    layer = config.per_layer_config[layer_idx] if hasattr(config, "per_layer_config") else config
+    return layer.num_key_value_heads, layer.head_dim
+
+
+def kv_sources(config) -> list[int]:
+    """For each layer, the layer whose cache it attends over: itself, or for the last
+    `num_kv_shared_layers` layers the last earlier non-shared layer of the same type."""
+    first_shared = config.num_hidden_layers - (config.num_kv_shared_layers or 0)
+    types = config.layer_types
+    sources = list(range(first_shared))
+    for i in range(first_shared, config.num_hidden_layers):
+        sources.append(max(j for j in range(first_shared) if types[j] == types[i]))
+    return sources
+
+
+def rotary(config, layer_type: str, head_dim: int) -> RotaryEmbedding:
+    params = rope_parameters(config, layer_type)
+    if params.get("rope_type", "default") != "proportional":
+        return RotaryEmbedding(head_dim, params["rope_theta"], params)
+    # proportional: the first `partial_rotary_factor` of the frequencies rotate, the rest are 0
+    # (cos 1, sin 0: unrotated), all over the full head dim
+    rope = RotaryEmbedding(head_dim, params["rope_theta"])
+    angles = int(params.get("partial_rotary_factor", 1.0) * head_dim // 2)
+    rope.inv_freq[angles:] = 0.0
+    rope.inv_freq /= params.get("factor", 1.0)
+    return rope
+
+
+def shared_attention(q: torch.Tensor, source: int, batch: ForwardBatch, window: int | None):
+    """Attend over layer `source`'s cache without appending (KV sharing). q: (T, Hq, D)."""
+    out = torch.empty_like(q)
+    for chunk in batch.chunks:
+        layer = chunk.cache.layers[source]
+        mask = visible_mask(batch.positions[chunk.rows], layer.positions, window)
+        q_rows = q[chunk.rows].transpose(0, 1)  # (Hq, m, D)
+        out[chunk.rows] = attend(q_rows, layer.keys, layer.values, mask, 1.0).transpose(0, 1)
+    return out
+
+
+class Gemma4Attention(nn.Module):
+    def __init__(self, config, layer_idx: int, kv_source: int):
+        super().__init__()
+        hidden, eps = config.hidden_size, config.rms_norm_eps
+        sliding = config.layer_types[layer_idx] == "sliding_attention"
+        self.layer_idx, self.kv_source, self.eps = layer_idx, kv_source, eps
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads, self.head_dim = layer_dims(config, layer_idx)
+        self.window = config.sliding_window if sliding else None
+        bias = config.attention_bias
+        self.q_proj = nn.Linear(hidden, self.num_heads * self.head_dim, bias=bias)
+        self.q_norm = RMSNorm(self.head_dim, eps)
+        self.o_proj = nn.Linear(self.num_heads * self.head_dim, hidden, bias=bias)
+        if kv_source == layer_idx:  # KV-shared layers own no K/V weights
+            self.k_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=bias)
+            self.k_norm = RMSNorm(self.head_dim, eps)
+            k_eq_v = config.attention_k_eq_v and not sliding
+            self.v_proj = (
+                None if k_eq_v else nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=bias)
+            )
+
+    def forward(self, x: torch.Tensor, batch: ForwardBatch, cos_sin) -> torch.Tensor:
+        T = x.shape[0]
+        cos, sin = cos_sin
+        q = apply_rope(self.q_norm(self.q_proj(x).view(T, self.num_heads, self.head_dim)), cos, sin)
+        if self.kv_source != self.layer_idx:
+            out = shared_attention(q, self.kv_source, batch, self.window)
+        else:
+            raw_k = self.k_proj(x).view(T, self.num_kv_heads, self.head_dim)
+            raw_v = (
+                raw_k
+                if self.v_proj is None
+                else self.v_proj(x).view(T, self.num_kv_heads, self.head_dim)
+            )
+            k = apply_rope(self.k_norm(raw_k), cos, sin)
+            v = rms_norm(raw_v, self.eps)
+            out = cached_attention(q, k, v, self.layer_idx, batch, 1.0, self.window)
+        return self.o_proj(out.reshape(T, -1))
+
+
+class Gemma4Router(nn.Module):
+    """Softmax top-k over experts on the normalised, scaled input; weights times per-expert scales."""
+
+    def __init__(self, config):
+        super().__init__()
+        hidden, self.eps, self.top_k = config.hidden_size, config.rms_norm_eps, config.top_k_experts
+        self.proj = nn.Linear(hidden, config.num_experts, bias=False)
+        self.scale = nn.Parameter(torch.ones(hidden))
+        self.per_expert_scale = nn.Parameter(torch.ones(config.num_experts))
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        x = rms_norm(x, self.eps) * self.scale * x.shape[-1] ** -0.5
+        weights, ids = route_topk(self.proj(x), self.top_k, "softmax", normalize=True)
+        return weights * self.per_expert_scale[ids].float(), ids
+
+
+class Gemma4Block(nn.Module):
+    def __init__(self, config, layer_idx: int, kv_source: int):
+        super().__init__()
+        hidden, eps = config.hidden_size, config.rms_norm_eps
+        self.layer_type = config.layer_types[layer_idx]
+        self.self_attn = Gemma4Attention(config, layer_idx, kv_source)
+        wide = config.use_double_wide_mlp and kv_source != layer_idx
+        self.mlp = GatedMLP(
+            hidden, config.intermediate_size * (2 if wide else 1), config.hidden_activation
+        )
+        for name in ("input", "post_attention", "pre_feedforward", "post_feedforward"):
+            setattr(self, f"{name}_layernorm", RMSNorm(hidden, eps))
+        self.layer_scalar = nn.Parameter(torch.ones(1))
+        self.per_layer = bool(config.hidden_size_per_layer_input)
+        if self.per_layer:
+            self.act = ACTIVATIONS[config.hidden_activation]
+            self.per_layer_input_gate = nn.Linear(
+                hidden, config.hidden_size_per_layer_input, bias=False
+            )
+            self.per_layer_projection = nn.Linear(
+                config.hidden_size_per_layer_input, hidden, bias=False
+            )
+            self.post_per_layer_input_norm = RMSNorm(hidden, eps)
+        self.moe = config.enable_moe_block
+        if self.moe:
+            self.router = Gemma4Router(config)
+            self.experts = Experts(
+                config.num_experts, hidden, config.moe_intermediate_size, config.hidden_activation
+            )
+            self.post_feedforward_layernorm_1 = RMSNorm(hidden, eps)
+            self.post_feedforward_layernorm_2 = RMSNorm(hidden, eps)
+            self.pre_feedforward_layernorm_2 = RMSNorm(hidden, eps)
+
+    def forward(self, x, batch: ForwardBatch, cos_sin, per_layer_input) -> torch.Tensor:
+        x = x + self.post_attention_layernorm(
+            self.self_attn(self.input_layernorm(x), batch, cos_sin)
+        )
+        x = x + self.post_feedforward_layernorm(self._feed_forward(x))
+        if self.per_layer:
+            gated = self.act(self.per_layer_input_gate(x)) * per_layer_input  # (T, P)
+            x = x + self.post_per_layer_input_norm(self.per_layer_projection(gated))
+        return x * self.layer_scalar
+
+    def _feed_forward(self, x: torch.Tensor) -> torch.Tensor:
+        dense = self.mlp(self.pre_feedforward_layernorm(x))
+        if not self.moe:
+            return dense
+        # the experts run beside the dense MLP, on the same residual, each with its own norms
+        routed = self.experts(self.pre_feedforward_layernorm_2(x), *self.router(x))
+        return self.post_feedforward_layernorm_1(dense) + self.post_feedforward_layernorm_2(routed)
+
+
+class Gemma4Model(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        hidden, layers = config.hidden_size, config.num_hidden_layers
+        self.embed_tokens = nn.Embedding(config.vocab_size, hidden)
+        self.embed_scale = hidden**0.5
+        self.kv_sources = kv_sources(config)
+        self.layers = nn.ModuleList(
+            Gemma4Block(config, i, s) for i, s in enumerate(self.kv_sources)
+        )
+        # one rotary table per layer type: full layers have their own head dim and RoPE
+        dims = {config.layer_types[i]: layer_dims(config, i)[1] for i in range(layers)}
+        self.rotary = nn.ModuleDict({t: rotary(config, t, d) for t, d in sorted(dims.items())})
+        self.norm = RMSNorm(hidden, config.rms_norm_eps)
+        self.per_layer_dim = config.hidden_size_per_layer_input
+        if self.per_layer_dim:
+            self.embed_tokens_per_layer = nn.Embedding(
+                config.vocab_size_per_layer_input, layers * self.per_layer_dim
+            )
+            self.per_layer_model_projection = nn.Linear(
+                hidden, layers * self.per_layer_dim, bias=False
+            )
+            self.per_layer_projection_norm = RMSNorm(self.per_layer_dim, config.rms_norm_eps)
+
+    def per_layer_inputs(self, input_ids: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """(T, L, P): a per-layer token embedding plus a projection of the scaled input embedding."""
+        T, P = x.shape[0], self.per_layer_dim
+        tokens = self.embed_tokens_per_layer(input_ids) * torch.tensor(P**0.5, dtype=x.dtype)
+        context = self.per_layer_model_projection(x) * x.shape[-1] ** -0.5
+        context = self.per_layer_projection_norm(context.view(T, -1, P))
+        return (context + tokens.view(T, -1, P)) * 2**-0.5
+
+    def forward(self, batch: ForwardBatch) -> torch.Tensor:
+        x = self.embed_tokens(batch.input_ids) * torch.tensor(
+            self.embed_scale, dtype=self.embed_tokens.weight.dtype
+        )
+        per_layer = self.per_layer_inputs(batch.input_ids, x) if self.per_layer_dim else None
+        cos_sin = {t: rope(batch.positions) for t, rope in self.rotary.items()}
+        for i, layer in enumerate(self.layers):
+            layer_input = per_layer[:, i] if per_layer is not None else None
+            x = layer(x, batch, cos_sin[layer.layer_type], layer_input)
+        return self.norm(x[batch.logits_rows])
+
+
+class Gemma4ForCausalLM(CausalLM):
+    def __init__(self, config):
+        super().__init__(config)
+        self.model = Gemma4Model(config)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.softcap = getattr(config, "final_logit_softcapping", None)
+        self.tie_weights()
+
+    def cache_specs(self) -> list[CacheSpec]:
+        specs = []
+        for i, layer in enumerate(self.model.layers):
+            window = layer.self_attn.window
+            if self.model.kv_sources[i] != i:
+                specs.append(CacheSpec("none"))  # reads its source layer's cache
+            else:
+                specs.append(CacheSpec("sliding", window) if window else CacheSpec("full"))
+        return specs
+
+    def forward(self, batch: ForwardBatch) -> torch.Tensor:
+        logits = self.lm_head(self.model(batch))
+        if self.softcap:
+            logits = self.softcap * torch.tanh(logits / self.softcap)
+        return logits
+
+    def kv_bytes_per_token(self, dtype: torch.dtype) -> int:
+        # only layers that own a cache count; full layers have their own head dim and KV heads
+        owners = [i for i, s in enumerate(self.model.kv_sources) if s == i]
+        elements = sum(
+            2
+            * self.model.layers[i].self_attn.num_kv_heads
+            * self.model.layers[i].self_attn.head_dim
+            for i in owners
+        )
+        return elements * torch.finfo(dtype).bits // 8
+
+    def checkpoint_name(self, name: str) -> str:
+        # multimodal Gemma 4 checkpoints nest the text model; the other towers match no parameter
+        return name.replace("model.language_model.", "model.", 1)

@@ -1,0 +1,133 @@
+"""gemma4 equals transformers' Gemma4ForCausalLM on tiny checkpoints (dense; KV sharing with
+per-layer inputs; MoE), for full, chunked and decoded prompts and under --max-kv-size."""
+
+import pytest
+import torch
+import transformers
+from tests.reference import (
+    assert_close,
+    assert_masks_match_keys,
+    chunked_logits,
+    decode_logits,
+    load_kestrel,
+    masked_reference_logits,
+    reference_logits,
+    save_tiny,
+    trimmed_visibility,
+)
+
+from kestrel.models.registry import supported_architectures
+
+WINDOW = 6
+S, F = "sliding_attention", "full_attention"
+COMMON = dict(
+    vocab_size=128,
+    hidden_size=32,
+    intermediate_size=48,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=8,
+    global_head_dim=16,
+    sliding_window=WINDOW,
+    max_position_embeddings=256,
+    final_logit_softcapping=20.0,
+    initializer_range=0.1,
+    rope_parameters={
+        S: {"rope_type": "default", "rope_theta": 10_000.0},
+        F: {"rope_type": "proportional", "partial_rotary_factor": 0.5, "rope_theta": 1_000_000.0},
+    },
+)
+VARIANTS = {
+    # full layers: K = V, a wider head with fewer KV heads, half-rotary proportional RoPE
+    "dense": dict(
+        num_hidden_layers=5,
+        layer_types=[S, S, F, S, F],
+        attention_k_eq_v=True,
+        num_global_key_value_heads=1,
+        hidden_size_per_layer_input=0,
+    ),
+    # the last 3 layers read the caches of layers 2 (sliding) and 3 (full); double-wide MLPs there
+    "kv_shared_ple": dict(
+        num_hidden_layers=7,
+        layer_types=[S, S, S, F, S, S, F],
+        num_kv_shared_layers=3,
+        hidden_size_per_layer_input=8,
+        vocab_size_per_layer_input=128,
+        use_double_wide_mlp=True,
+    ),
+    "moe": dict(
+        num_hidden_layers=4,
+        layer_types=[S, F, S, F],
+        hidden_size_per_layer_input=0,
+        enable_moe_block=True,
+        num_experts=8,
+        top_k_experts=2,
+        moe_intermediate_size=16,
+    ),
+}
+PROMPT = [(i * 37 + 11) % 128 for i in range(30)]
+MODEL_CLS = transformers.Gemma4ForCausalLM
+
+
+def _randomize_scalars(model) -> None:
+    # layer scalars and router scales start at one, which would hide one left out
+    for name, p in model.named_parameters():
+        if name.endswith(("router.scale", "per_expert_scale")):
+            p.copy_(1 + torch.randn_like(p) * 0.3)
+    for name, buf in model.named_buffers():
+        if name.endswith("layer_scalar"):
+            buf.copy_(1 + torch.randn_like(buf) * 0.3)
+
+
+@pytest.fixture(scope="module", params=sorted(VARIANTS))
+def tiny(request, tmp_path_factory):
+    config = transformers.Gemma4TextConfig(**COMMON, **VARIANTS[request.param])
+    folder = save_tiny(
+        MODEL_CLS, config, tmp_path_factory.mktemp(request.param), tweak=_randomize_scalars
+    )
+    return folder, load_kestrel(folder), reference_logits(folder, MODEL_CLS, PROMPT)
+
+
+def test_gemma4_is_registered():
+    assert {"gemma4", "gemma4_text"} <= set(supported_architectures())
+
+
+def test_full_prompt_forward_matches_transformers(tiny):
+    _, model, expected = tiny
+    assert type(model).__name__ == "Gemma4ForCausalLM"
+    assert_close(chunked_logits(model, PROMPT, len(PROMPT)), expected)
+
+
+@pytest.mark.parametrize("chunk", [1, 5, 64])
+def test_chunked_prefill_matches_transformers(tiny, chunk):
+    _, model, expected = tiny
+    assert_close(chunked_logits(model, PROMPT, chunk), expected)
+
+
+def test_prefill_then_decode_matches_transformers(tiny):
+    _, model, expected = tiny
+    assert_close(decode_logits(model, PROMPT, prefill=9), expected)
+
+
+@pytest.mark.parametrize("chunk", [1, 4, 10])
+def test_max_kv_size_chunks_match_dense_reference(tiny, chunk):
+    folder, model, _ = tiny
+    max_kv, keep = 12, 2
+    with assert_masks_match_keys() as seen:
+        actual = chunked_logits(model, PROMPT, chunk, max_kv_size=max_kv, keep=keep)
+    assert len(seen) == model.config.num_hidden_layers * -(-len(PROMPT) // chunk)
+    masks = {
+        F: trimmed_visibility(len(PROMPT), chunk, max_kv, keep),
+        S: trimmed_visibility(len(PROMPT), chunk, max_kv, keep, WINDOW),
+    }
+    assert_close(actual, masked_reference_logits(folder, MODEL_CLS, PROMPT, masks))
+
+
+def test_kv_bytes_per_token_counts_only_cache_owners(tiny):
+    _, model, _ = tiny
+    c = model.config
+    expected = 0
+    for t in c.layer_types[: c.num_hidden_layers - c.num_kv_shared_layers]:
+        kv_heads = 1 if (t == F and c.attention_k_eq_v) else 2
+        expected += 2 * kv_heads * (16 if t == F else 8)
+    assert model.kv_bytes_per_token(torch.float32) == expected * 4
