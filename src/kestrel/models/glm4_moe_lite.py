@@ -5,10 +5,8 @@ the cache keeps only each token's normed KV latent and shared RoPE key, so KV me
 is `kv_lora_rank + qk_rope_head_dim`. Feed-forward per `mlp_layer_types`: a dense MLP or a
 sigmoid-routed MoE with score-correction bias, group-limited top-k, routed scaling and shared
 experts (models/moe.py). Checkpoints store one tensor per expert and may carry multi-token
-prediction layers past `num_hidden_layers`, which we skip.
+prediction layers past `num_hidden_layers`, which match no parameter and are skipped.
 """
-
-import re
 
 import torch
 from torch import nn
@@ -25,8 +23,6 @@ from kestrel.models.mla import (
     mla_scale,
 )
 from kestrel.models.moe import SparseMoE, expert_slot
-
-_LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 
 
 def feed_forward(config, layer_idx: int) -> nn.Module:
@@ -94,9 +90,7 @@ class Glm4MoeLiteForCausalLM(CausalLM):
         return self.lm_head(self.model(batch))
 
     def checkpoint_name(self, name: str) -> str | Slot | None:
-        layer = _LAYER.match(name)
-        if layer and int(layer[1]) >= self.config.num_hidden_layers:
-            return None  # multi-token-prediction layers: not used for decoding
+        # multi-token-prediction layers (past num_hidden_layers) match no parameter: skipped
         return expert_slot(name, self.config.moe_intermediate_size) or name
 
     def kv_bytes_per_token(self, dtype: torch.dtype) -> int:
