@@ -68,7 +68,6 @@ PROMPT = [(i * 37 + 11) % 128 for i in range(30)]
 MAX_KV, PROMPT_TRIM = 12, PROMPT[:22]
 
 
-
 @pytest.fixture(scope="module", autouse=True)
 def one_thread():
     # tiny tensors: one thread avoids OpenMP overhead that dominates on a loaded 2-core machine
@@ -76,6 +75,7 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(previous)
+
 
 @pytest.fixture(scope="module", params=sorted(VARIANTS))
 def folder(request, tmp_path_factory):
@@ -134,3 +134,14 @@ def test_max_kv_size_chunks_match_dense_reference(folder, tiny, chunk, keep):
         actual = chunked_logits(tiny[0], PROMPT_TRIM, chunk, max_kv_size=MAX_KV, keep=keep)
     assert seen and max(keys for _, keys in seen) <= MAX_KV
     assert_close(actual, expected)
+
+
+def test_query_scaling_uses_monotonic_offset_after_trim(folder, tiny):
+    # Llama-4 scaling steps every 8 positions; after trimming to 8 live tokens the live length
+    # stays below 8 while positions reach 21, so a live-length scale would stay at 1.
+    ids, max_kv = PROMPT_TRIM, 8
+    expected = masked_reference_logits(folder, MODEL, ids, trimmed_visibility(len(ids), 3, max_kv))
+    actual = chunked_logits(tiny[0], ids, 3, max_kv_size=max_kv)
+    assert_close(actual, expected)
+    untrimmed = reference_logits(folder, MODEL, ids)
+    assert not torch.allclose(actual[max_kv:], untrimmed[max_kv:], atol=1e-3)  # trims took effect
