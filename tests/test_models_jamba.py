@@ -62,15 +62,10 @@ def test_loads_by_model_type_with_attention_and_moe_periods(tiny):
     _, model, _ = tiny
     assert isinstance(model, JambaForCausalLM)
     kinds = [spec.kind for spec in model.cache_specs()]
-    assert kinds == [
-        "recurrent",
-        "full",
-        "recurrent",
-        "recurrent",
-        "full",
-        "recurrent",
-        "recurrent",
-    ]
+    recurrent, full = "recurrent", "full"
+    assert kinds == [recurrent, full, recurrent, recurrent, full, recurrent, recurrent]
+    # K and V of the 2 attention layers only: 2 kv heads x head_dim 16, fp32
+    assert model.kv_bytes_per_token(torch.float32) == 2 * 2 * (2 * 16) * 4
     moe = [type(layer.feed_forward).__name__ == "SparseMoE" for layer in model.model.layers]
     assert moe == [False, True, False, True, False, True, False]
 

@@ -70,6 +70,8 @@ def test_loads_by_model_type_with_a_cache_per_block_kind(tiny):
     assert isinstance(model, NemotronHForCausalLM)
     kinds = [spec.kind for spec in model.cache_specs()]
     assert kinds == ["recurrent", "full", "none", "none", "recurrent", "full", "none", "recurrent"]
+    # K and V of the 2 attention layers only: 2 kv heads x head_dim 16, fp32
+    assert model.kv_bytes_per_token(torch.float32) == 2 * 2 * (2 * 16) * 4
 
 
 def test_full_prompt_forward_matches_transformers(tiny):

@@ -56,7 +56,7 @@ def causal_conv(x: torch.Tensor, weight: torch.Tensor, bias, window: torch.Tenso
     window: (b, K-1, C) -> (b, m, C), new window (b, K-1, C)."""
     full = torch.cat([window.to(x.dtype), x], dim=1)  # (b, K-1+m, C)
     y = F.conv1d(full.transpose(1, 2), weight, bias, groups=weight.shape[0]).transpose(1, 2)
-    return y, full[:, -(weight.shape[-1] - 1) :]
+    return y, full[:, -(weight.shape[-1] - 1) :].clone()  # a copy: a view would keep `full` alive
 
 
 def conv_pass(x: torch.Tensor, conv: nn.Conv1d, layer_idx: int, groups) -> torch.Tensor:
@@ -111,7 +111,7 @@ def ssd_chunked(x, dt, A, B, C, state, chunk_size: int):
     across = torch.exp(segment_sum(F.pad(a_cum[..., -1], (1, 0))))  # (b, H, c+1, c+1)
     states = torch.einsum("bhzc,bchpn->bzhpn", across, states)
     y = y + torch.einsum("bclhn,bchpn,bhcl->bclhp", C, states[:, :-1], torch.exp(a_cum))
-    return y.reshape(b, -1, H, P)[:, :m], states[:, -1]
+    return y.reshape(b, -1, H, P)[:, :m], states[:, -1].clone()
 
 
 def ssd_step(x, dt, A, B, C, state):
@@ -223,7 +223,7 @@ def selective_scan(x, dt, A, B, C, state, chunk_size: int = 64):
         states = linear_scan(decay, inputs, state)
         ys.append(torch.einsum("bldn,bln->bld", states, Cc))
         state = states[:, -1]
-    return torch.cat(ys, dim=1), state
+    return torch.cat(ys, dim=1), state.clone()
 
 
 class MambaMixer(nn.Module):
@@ -244,12 +244,8 @@ class MambaMixer(nn.Module):
         norm_eps: float | None = None,
     ):
         super().__init__()
-        self.layer_idx, self.inner, self.state_size, self.dt_rank = (
-            layer_idx,
-            inner,
-            state_size,
-            dt_rank,
-        )
+        self.layer_idx, self.inner = layer_idx, inner
+        self.state_size, self.dt_rank = state_size, dt_rank
         self.in_proj = nn.Linear(hidden, 2 * inner, bias=bias)
         self.conv1d = nn.Conv1d(inner, inner, conv_kernel, groups=inner, bias=conv_bias)
         self.act = ACTIVATIONS[act]
@@ -270,12 +266,15 @@ class MambaMixer(nn.Module):
         dt, B, C = self.x_proj(xs).split([self.dt_rank, self.state_size, self.state_size], dim=-1)
         if self.normed:
             dt, B, C = self.dt_layernorm(dt), self.b_layernorm(B), self.c_layernorm(C)
-        dt = F.softplus(self.dt_proj(dt).float())  # (T, D)
-        A = -torch.exp(self.A_log.float())
+        # the bias joins in fp32, as in transformers' scan
+        dt = F.softplus(F.linear(dt, self.dt_proj.weight).float() + self.dt_proj.bias.float())
+        xs = xs.float()
         zeros = x.new_zeros(self.inner, self.state_size, dtype=torch.float32)
-        scan = lambda *args: selective_scan(*args[:2], A, *args[2:])  # noqa: E731
         y = scan_sequences(
-            groups, self.layer_idx, "ssm", zeros, scan, xs.float(), dt, B.float(), C.float()
-        )
-        y = (y + xs.float() * self.D.float()) * F.silu(z.float())
+            groups, self.layer_idx, "ssm", zeros, self._scan, xs, dt, B.float(), C.float()
+        )  # (T, D)
+        y = (y + xs * self.D.float()) * F.silu(z.float())
         return self.out_proj(y.to(x.dtype))
+
+    def _scan(self, x, dt, B, C, state):
+        return selective_scan(x, dt, -torch.exp(self.A_log.float()), B, C, state)
