@@ -10,6 +10,7 @@ from tests.reference import (
     decode_logits,
     load_kestrel,
     masked_reference_logits,
+    packed_logits,
     reference_logits,
     save_tiny,
     trimmed_visibility,
@@ -104,3 +105,12 @@ def test_max_kv_size_chunks_match_dense_reference(tiny, chunk):
 def test_kv_bytes_per_token(tiny):
     _, model, _ = tiny
     assert model.kv_bytes_per_token(torch.float32) == 2 * 2 * 8 * 5 * 4
+
+
+def test_batched_sequences_match_each_run_alone(tiny):
+    # different lengths, prefill and decode chunks of several sequences packed in one batch
+    model = tiny[1]
+    seqs = [PROMPT[:23], PROMPT[3:14], PROMPT[7:30]]
+    outs = packed_logits(model, seqs, chunks=[4, 1, 7], prefill=[5, 3, 2])
+    for seq, out in zip(seqs, outs, strict=True):
+        assert_close(out, chunked_logits(model, seq, len(seq)))

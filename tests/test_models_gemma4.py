@@ -11,6 +11,7 @@ from tests.reference import (
     decode_logits,
     load_kestrel,
     masked_reference_logits,
+    packed_logits,
     reference_logits,
     save_tiny,
     trimmed_visibility,
@@ -131,3 +132,12 @@ def test_kv_bytes_per_token_counts_only_cache_owners(tiny):
         kv_heads = 1 if (t == F and c.attention_k_eq_v) else 2
         expected += 2 * kv_heads * (16 if t == F else 8)
     assert model.kv_bytes_per_token(torch.float32) == expected * 4
+
+
+def test_batched_sequences_match_each_run_alone(tiny):
+    # different lengths, prefill and decode chunks of several sequences packed in one batch
+    model = tiny[1]
+    seqs = [PROMPT[:23], PROMPT[3:14], PROMPT[7:30]]
+    outs = packed_logits(model, seqs, chunks=[4, 1, 7], prefill=[5, 3, 2])
+    for seq, out in zip(seqs, outs, strict=True):
+        assert_close(out, chunked_logits(model, seq, len(seq)))

@@ -16,6 +16,7 @@ from tests.reference import (
     decode_logits,
     load_kestrel,
     masked_reference_logits,
+    packed_logits,
     reference_logits,
     save_tiny,
     trimmed_visibility,
@@ -285,3 +286,12 @@ def test_kv_bytes_count_only_gqa_layers_with_their_own_heads(mixed):
     model = mixed[3]
     assert model.kv_bytes_per_token(torch.float32) == 2 * (4 + 1 + 2) * 8 * 4
     assert [s.kind for s in model.cache_specs()] == ["full", "none", "full", "none", "full", "none"]
+
+
+def test_batched_sequences_match_each_run_alone(mixed):
+    # different lengths, prefill and decode chunks of several sequences packed in one batch
+    model = mixed[3]
+    seqs = [PROMPT[:23], PROMPT[3:14], PROMPT[7:30]]
+    outs = packed_logits(model, seqs, chunks=[4, 1, 7], prefill=[5, 3, 2])
+    for seq, out in zip(seqs, outs, strict=True):
+        assert_close(out, chunked_logits(model, seq, len(seq)))

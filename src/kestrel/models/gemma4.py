@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 import kestrel.cache.recurrent  # noqa: F401  registers the "none" cache kind
-from kestrel.cache import CacheSpec, visible_mask
+from kestrel.cache import CacheSpec
 from kestrel.models.base import CausalLM, rope_parameters
 from kestrel.models.batch import ForwardBatch
 from kestrel.models.layers import (
@@ -23,7 +23,6 @@ from kestrel.models.layers import (
     RMSNorm,
     RotaryEmbedding,
     apply_rope,
-    attend,
     cached_attention,
 )
 from kestrel.models.moe import Experts, route_topk
@@ -65,17 +64,6 @@ def rotary(config, layer_type: str, head_dim: int) -> RotaryEmbedding:
     return rope
 
 
-def shared_attention(q: torch.Tensor, source: int, batch: ForwardBatch, window: int | None):
-    """Attend over layer `source`'s cache without appending (KV sharing). q: (T, Hq, D)."""
-    out = torch.empty_like(q)
-    for chunk in batch.chunks:
-        layer = chunk.cache.layers[source]
-        mask = visible_mask(batch.positions[chunk.rows], layer.positions, window)
-        q_rows = q[chunk.rows].transpose(0, 1)  # (Hq, m, D)
-        out[chunk.rows] = attend(q_rows, layer.keys, layer.values, mask, 1.0).transpose(0, 1)
-    return out
-
-
 class Gemma4Attention(nn.Module):
     def __init__(self, config, layer_idx: int, kv_source: int):
         super().__init__()
@@ -102,7 +90,9 @@ class Gemma4Attention(nn.Module):
         cos, sin = cos_sin
         q = apply_rope(self.q_norm(self.q_proj(x).view(T, self.num_heads, self.head_dim)), cos, sin)
         if self.kv_source != self.layer_idx:
-            out = shared_attention(q, self.kv_source, batch, self.window)
+            out = cached_attention(
+                q, None, None, self.layer_idx, batch, 1.0, self.window, self.kv_source
+            )
         else:
             raw_k = self.k_proj(x).view(T, self.num_kv_heads, self.head_dim)
             raw_v = (

@@ -204,11 +204,12 @@ def cached_attention(
     """Append k/v to each sequence's cache and attend. q: (T, Hq, D), k/v: (T, Hkv, D) -> (T, Hq, Dv).
 
     The mask comes from the positions of the keys the cache returned (DESIGN.md section 1).
-    `cache_layer_idx` lets a layer read another layer's cache (KV sharing) without appending.
+    `cache_layer_idx` lets a layer read another layer's cache (KV sharing) without appending;
+    k/v are then None (values are taken to have q's head dim).
     """
     if getattr(batch, "attention", None) is not None:  # the GPU runner's paged KV pool
         return batch.attention(q, k, v, layer_idx, scale, window, cache_layer_idx)
-    out = q.new_empty(q.shape[0], q.shape[1], v.shape[-1])
+    out = q.new_empty(q.shape[0], q.shape[1], q.shape[-1] if v is None else v.shape[-1])
     for chunk in batch.chunks:
         rows = chunk.rows
         q_pos = batch.positions[rows]
