@@ -141,3 +141,17 @@ def test_batched_sequences_match_each_run_alone(tiny):
     outs = packed_logits(model, seqs, chunks=[4, 1, 7], prefill=[5, 3, 2])
     for seq, out in zip(seqs, outs, strict=True):
         assert_close(out, chunked_logits(model, seq, len(seq)))
+
+
+def test_multimodal_checkpoint_serves_its_text_model(tmp_path):
+    # released Gemma 4 checkpoints are Gemma4ForConditionalGeneration (model_type "gemma4")
+    text = transformers.Gemma4TextConfig(**COMMON, **VARIANTS["kv_shared_ple"])
+    config = transformers.Gemma4Config(
+        text_config=text.to_dict(), vision_config=None, audio_config=None
+    )
+    model_cls = transformers.Gemma4ForConditionalGeneration
+    save_tiny(model_cls, config, tmp_path, tweak=_randomize_scalars)
+    assert_close(
+        chunked_logits(load_kestrel(tmp_path), PROMPT, 5),
+        reference_logits(tmp_path, model_cls, PROMPT),
+    )
