@@ -21,6 +21,9 @@ ARCHITECTURES: dict[str, str] = {
     "gemma4": "gemma4:Gemma4ForCausalLM",
     "gemma4_text": "gemma4:Gemma4ForCausalLM",
     "nemotron-nas": "nemotron_nas:NemotronNasForCausalLM",
+    "qwen2_vl": "qwen2_vl:Qwen2VLForConditionalGeneration",
+    "qwen3_vl": "qwen3_vl:Qwen3VLForConditionalGeneration",
+    "qwen3_vl_moe": "qwen3_vl_moe:Qwen3VLMoeForConditionalGeneration",
 }
 
 

@@ -1,0 +1,178 @@
+"""The checks every vision-language family passes against transformers. A family's test file
+builds a `Tiny` in a module fixture named `tiny` and imports these tests."""
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import torch
+from tests.reference import (
+    assert_close,
+    assert_masks_match_keys,
+    chunked_logits,
+    decode_logits,
+    load_kestrel,
+    trimmed_visibility,
+)
+from tests.vl_reference import (
+    chunk_boundaries_inside_images,
+    hf_inputs,
+    hf_logits,
+    hf_masked_logits,
+    image_prompt,
+    kestrel_image_logits,
+    save_tiny_vl,
+    tiny_tokenizer,
+)
+
+from kestrel.cache import SequenceCache
+from kestrel.models.batch import ForwardBatch, SeqChunk
+from kestrel.models.registry import model_class
+from kestrel.multimodal import MultimodalPrompt
+
+PATCH, MERGE = 4, 2
+TEXT = "hello there, a text-only prompt of some length!"
+CONTINUATION = " ok, go"
+
+
+@dataclass
+class Tiny:
+    """A saved tiny checkpoint, kestrel's model and transformers' on it, and the test prompts."""
+
+    folder: Path
+    model: object
+    hf: object
+    image_token_id: int
+    windows: dict  # layer type -> sliding window (None: full attention)
+    text_ids: list[int]
+    prompt: MultimodalPrompt
+    continuation: list[int]
+    text_ref: torch.Tensor  # transformers' logits of text_ids
+    image_ref: torch.Tensor  # ... of the image prompt followed by the continuation
+
+
+def build_tiny(model_cls, config, folder: Path) -> Tiny:
+    tokenizer = tiny_tokenizer()
+    save_tiny_vl(model_cls, config, folder, tokenizer, PATCH, MERGE)
+    hf = model_cls.from_pretrained(folder, torch_dtype=torch.float32).eval()
+    text_ids = tokenizer(TEXT, add_special_tokens=False)["input_ids"]
+    continuation = tokenizer(CONTINUATION, add_special_tokens=False)["input_ids"]
+    prompt = image_prompt(folder, PATCH, MERGE)
+    text = config.text_config
+    windows = {"full_attention": None}
+    if "sliding_attention" in (getattr(text, "layer_types", None) or []):
+        windows["sliding_attention"] = text.sliding_window
+    return Tiny(
+        folder,
+        load_kestrel(folder),
+        hf,
+        config.image_token_id,
+        windows,
+        text_ids,
+        prompt,
+        continuation,
+        hf_logits(hf, input_ids=torch.tensor([text_ids])),
+        hf_logits(hf, **hf_inputs(prompt, config.image_token_id, continuation)),
+    )
+
+
+def test_loads_by_model_type(tiny):
+    model_type = tiny.hf.config.model_type
+    assert isinstance(tiny.model, model_class(model_type))
+    assert len(tiny.model.cache_specs()) == tiny.hf.config.text_config.num_hidden_layers
+
+
+# --- text-only prompts: the plain RoPE path -------------------------------------------------------
+
+
+def test_text_full_forward_matches_transformers(tiny):
+    assert_close(chunked_logits(tiny.model, tiny.text_ids, len(tiny.text_ids)), tiny.text_ref)
+
+
+@pytest.mark.parametrize("chunk", [1, 5, 64])
+def test_text_chunked_prefill_matches_transformers(tiny, chunk):
+    assert_close(chunked_logits(tiny.model, tiny.text_ids, chunk), tiny.text_ref)
+
+
+def test_text_prefill_then_decode_matches_transformers(tiny):
+    assert_close(decode_logits(tiny.model, tiny.text_ids, prefill=9), tiny.text_ref)
+
+
+# --- prompts with images --------------------------------------------------------------------------
+
+
+def test_image_prompt_full_forward_matches_transformers(tiny):
+    n = len(tiny.prompt.token_ids)
+    assert_close(kestrel_image_logits(tiny.model, tiny.prompt, n), tiny.image_ref[:n])
+
+
+@pytest.mark.parametrize("chunk", [1, 5, 7])
+def test_image_chunks_split_inside_images_match_transformers(tiny, chunk):
+    assert chunk_boundaries_inside_images(tiny.prompt, chunk) > 0
+    n = len(tiny.prompt.token_ids)
+    assert_close(kestrel_image_logits(tiny.model, tiny.prompt, chunk), tiny.image_ref[:n])
+
+
+@pytest.mark.parametrize("chunk", [5, 64])
+def test_decode_after_image_prompt_matches_transformers(tiny, chunk):
+    assert tiny.prompt.rope_delta != 0  # the images shift the text after them
+    logits = kestrel_image_logits(tiny.model, tiny.prompt, chunk, tiny.continuation)
+    assert_close(logits, tiny.image_ref)
+
+
+@pytest.mark.parametrize("chunk,keep", [(1, 0), (5, 2), (14, 2)])
+def test_max_kv_size_image_prefill_matches_dense_reference(tiny, chunk, keep):
+    """Under --max-kv-size 16 (prompt of ~50 tokens): no shape error, every mask as wide as the
+    keys returned, logits equal transformers' under the dense visibility rule of DESIGN.md."""
+    n, max_kv = len(tiny.prompt.token_ids), 16
+    masks = {t: trimmed_visibility(n, chunk, max_kv, keep, w) for t, w in tiny.windows.items()}
+    inputs = hf_inputs(tiny.prompt, tiny.image_token_id)
+    expected = hf_masked_logits(tiny.hf, inputs, masks)
+    assert not torch.allclose(expected, tiny.image_ref[:n], atol=1e-3)  # the trim matters
+    with assert_masks_match_keys() as seen:
+        logits = kestrel_image_logits(tiny.model, tiny.prompt, chunk, max_kv_size=max_kv, keep=keep)
+    assert seen and max(keys for _, keys in seen) <= max_kv
+    assert_close(logits, expected)
+
+
+def test_image_and_text_sequences_batched_match_alone(tiny):
+    """One batch holds an image prompt's chunk and another sequence's text tokens (prefill, then
+    decode): each sequence's logits equal its own run."""
+    prompt, chunk = tiny.prompt, 6
+    features = tiny.model.encode_images(prompt.pixel_values, prompt.image_grid_thw)
+    image_seq = prompt.token_ids + tiny.continuation
+    caches = [SequenceCache(tiny.model.cache_specs()) for _ in range(2)]
+    seqs, done, outs = [image_seq, tiny.text_ids], [0, 0], [[], []]
+    with torch.no_grad():
+        while done[0] < len(seqs[0]) or done[1] < len(seqs[1]):
+            sizes = [_next_size(prompt, done[0], chunk), 1 if done[1] else 9]
+            batch = _pack(tiny.model, prompt, features, seqs, done, sizes, caches)
+            logits = tiny.model(batch)
+            for c in batch.chunks:
+                seq = caches.index(c.cache)
+                outs[seq].append(logits[c.rows])
+                c.cache.advance(c.length)
+                done[seq] += c.length
+    assert_close(torch.cat(outs[0]), tiny.image_ref)
+    assert_close(torch.cat(outs[1]), tiny.text_ref)
+
+
+def _next_size(prompt: MultimodalPrompt, done: int, chunk: int) -> int:
+    # prefill in chunks up to the end of the prompt, then decode one token at a time
+    return min(chunk, len(prompt.token_ids) - done) if done < len(prompt.token_ids) else 1
+
+
+def _pack(model, prompt, features, seqs, done, sizes, caches) -> ForwardBatch:
+    ids, positions, chunks, row = [], [], [], 0
+    for seq in (1, 0):  # the text sequence first, so the image rows are offset in the batch
+        m = min(sizes[seq], len(seqs[seq]) - done[seq])
+        if m <= 0:
+            continue
+        rope = images = None
+        if seq == 0 and done[0] < len(prompt.token_ids):
+            rope, images = prompt.chunk_inputs(features, done[0], m)
+        ids += seqs[seq][done[seq] : done[seq] + m]
+        positions.append(torch.arange(m) + caches[seq].offset)
+        chunks.append(SeqChunk(caches[seq], row, m, rope, images))
+        row += m
+    return ForwardBatch(torch.tensor(ids), torch.cat(positions), chunks, torch.arange(row))
