@@ -22,15 +22,27 @@ def tiny_model(kind: str, window=None):
     torch.manual_seed(0)
     if kind == "gemma3":
         config = Gemma3TextConfig(
-            vocab_size=97, hidden_size=32, intermediate_size=48, num_hidden_layers=3,
-            num_attention_heads=4, num_key_value_heads=2, head_dim=8, sliding_window=window or 6,
+            vocab_size=97,
+            hidden_size=32,
+            intermediate_size=48,
+            num_hidden_layers=3,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=8,
+            sliding_window=window or 6,
             layer_types=["sliding_attention", "sliding_attention", "full_attention"],
             max_position_embeddings=256,
         )
     else:
         config = LlamaConfig(
-            vocab_size=97, hidden_size=48, intermediate_size=64, num_hidden_layers=2,
-            num_attention_heads=6, num_key_value_heads=2, head_dim=8, max_position_embeddings=256,
+            vocab_size=97,
+            hidden_size=48,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=6,
+            num_key_value_heads=2,
+            head_dim=8,
+            max_position_embeddings=256,
         )
         if window:  # every layer slides (Mistral-style): blocks behind the window are freed
             config.model_type = "mistral"
@@ -45,10 +57,18 @@ def tiny_model(kind: str, window=None):
 def run_both(model, prompts, schedule, max_kv_size=None, keep=0, block_size=4, num_blocks=64):
     """Feed the same chunks to the reference and the paged runner; compare every logits row."""
     ref = ModelRunner(model, torch.device("cpu"))
-    paged = GPURunner(model, torch.device("cpu"), 8, 64, 256,
-                      GPUConfig(block_size=block_size, num_blocks=num_blocks, cuda_graphs=False))
-    reqs = [Request(f"r{i}", p, SamplingParams(temperature=0), 10**6, max_kv_size, keep)
-            for i, p in enumerate(prompts)]
+    paged = GPURunner(
+        model,
+        torch.device("cpu"),
+        8,
+        64,
+        256,
+        GPUConfig(block_size=block_size, num_blocks=num_blocks, cuda_graphs=False),
+    )
+    reqs = [
+        Request(f"r{i}", p, SamplingParams(temperature=0), 10**6, max_kv_size, keep)
+        for i, p in enumerate(prompts)
+    ]
     for sizes in schedule:  # sizes[i]: tokens of request i this step (0: not scheduled)
         chunks = [ScheduledChunk(r, n) for r, n in zip(reqs, sizes, strict=True) if n]
         with torch.no_grad():
@@ -108,8 +128,7 @@ def test_gemma3_mixed_sliding_and_full_layers_match_dense():
 @pytest.mark.parametrize("block_size", [1, 3, 16])
 def test_block_sizes_agree(block_size):
     model = tiny_model("llama")
-    run_both(model, prompts(10, 6), [(10, 6), *[(1, 1)] * 4], block_size=block_size,
-             num_blocks=128)
+    run_both(model, prompts(10, 6), [(10, 6), *[(1, 1)] * 4], block_size=block_size, num_blocks=128)
 
 
 def test_restore_returns_allocated_and_trimmed_blocks():
@@ -130,10 +149,21 @@ def test_restore_returns_allocated_and_trimmed_blocks():
 def test_runner_generates_same_greedy_tokens_as_reference():
     model = tiny_model("llama")
     outs = []
-    for runner in (ModelRunner(model, torch.device("cpu")),
-                   GPURunner(model, torch.device("cpu"), 4, 32, 256,
-                             GPUConfig(block_size=4, num_blocks=64, cuda_graphs=False))):
-        reqs = [Request(f"q{i}", p, SamplingParams(temperature=0), 6) for i, p in enumerate(prompts(5, 8))]
+    for runner in (
+        ModelRunner(model, torch.device("cpu")),
+        GPURunner(
+            model,
+            torch.device("cpu"),
+            4,
+            32,
+            256,
+            GPUConfig(block_size=4, num_blocks=64, cuda_graphs=False),
+        ),
+    ):
+        reqs = [
+            Request(f"q{i}", p, SamplingParams(temperature=0), 6)
+            for i, p in enumerate(prompts(5, 8))
+        ]
         while any(not r.finished for r in reqs):
             chunks = [ScheduledChunk(r, r.num_pending) for r in reqs if not r.finished]
             results = runner.execute(chunks)

@@ -95,11 +95,11 @@ def _serve_parser(sub) -> None:
 
 
 def _bench_parser(sub) -> None:
-    p = sub.add_parser("bench", help="measure throughput and latency")
+    from kestrel.bench import add_bench_args
+
+    p = sub.add_parser("bench", help="measure throughput and latency (kestrel and peers)")
     add_engine_args(p)
-    p.add_argument("--prompt-tokens", type=int, default=128)
-    p.add_argument("--output-tokens", type=int, default=64)
-    p.add_argument("--num-requests", type=int, default=1)
+    add_bench_args(p)
     p.set_defaults(func=cmd_bench)
 
 

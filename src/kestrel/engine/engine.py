@@ -6,7 +6,8 @@ from dataclasses import dataclass, field
 import torch
 
 from kestrel.engine.request import Request
-from kestrel.engine.runner import ModelRunner, StepResult
+from kestrel.engine.gpu_runner import make_runner
+from kestrel.engine.runner import ModelRunner, StepResult  # noqa: F401
 from kestrel.engine.scheduler import Scheduler, SchedulerConfig
 from kestrel.errors import InvalidRequestError
 from kestrel.sampling import SamplingParams, check_token_ids
@@ -21,6 +22,7 @@ class EngineConfig:
     keep: int = 4  # sink tokens kept when trimming
     ctx_size: int | None = None  # context length; default: the model's max_position_embeddings
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    gpu: object = None  # engine.gpu_runner.GPUConfig of the paged CUDA runner; None: its defaults
 
 
 @dataclass
@@ -53,7 +55,10 @@ class Engine:
         self.config = config or EngineConfig()
         self.tokenizer = tokenizer
         self.device = torch.device(device or "cpu")
-        self.runner = ModelRunner(model, self.device)
+        ctx = self.config.ctx_size or getattr(model.config, "max_position_embeddings", 4096)
+        sched = self.config.scheduler  # CUDA: the paged runner (pool, kernels, graphs)
+        self.runner = make_runner(model, self.device, sched.max_running, sched.token_budget, ctx,
+                                  self.config.gpu)
         self.scheduler = Scheduler(self.config.scheduler)
         self.vocab_size = model.config.vocab_size
         self.eos_ids = stop_token_ids(tokenizer, model.config)

@@ -45,7 +45,7 @@ class PagedBatch(ForwardBatch):
 
 
 @dataclass
-class _Packed:
+class Packed:
     ids: list[int] = field(default_factory=list)
     positions: list[int] = field(default_factory=list)
     slots: list[int] = field(default_factory=list)
@@ -54,8 +54,14 @@ class _Packed:
     rows: list[int] = field(default_factory=list)
 
 
-def make_runner(model, device: torch.device, max_num_seqs: int, token_budget: int,
-                max_model_len: int, gpu: GPUConfig | None = None) -> ModelRunner:
+def make_runner(
+    model,
+    device: torch.device,
+    max_num_seqs: int,
+    token_budget: int,
+    max_model_len: int,
+    gpu: GPUConfig | None = None,
+) -> ModelRunner:
     """The paged runner on CUDA for families it serves; the reference runner otherwise."""
     if device.type == "cuda" and model.config.model_type in PAGED_FAMILIES:
         return GPURunner(model, device, max_num_seqs, token_budget, max_model_len, gpu)
@@ -89,8 +95,15 @@ class GPURunner(ModelRunner):
 
     def _make_pool(self, num_blocks: int) -> BlockPool:
         n_layers = len(self.specs)
-        return BlockPool(n_layers, num_blocks, self.gpu.block_size, self.num_kv_heads,
-                         self.head_dim, self.dtype, self.device)
+        return BlockPool(
+            n_layers,
+            num_blocks,
+            self.gpu.block_size,
+            self.num_kv_heads,
+            self.head_dim,
+            self.dtype,
+            self.device,
+        )
 
     def _profile_num_blocks(self) -> int:
         """Blocks that fit in --gpu-memory-utilization of the card after the weights and the
@@ -114,14 +127,21 @@ class GPURunner(ModelRunner):
         torch.cuda.empty_cache()
         graphs = 512 << 20 if self.gpu.cuda_graphs else 0
         budget = total * self.gpu.gpu_memory_utilization - (total - free) - activations - graphs
-        per_block = BlockPool.bytes_per_block(len(self.specs), self.gpu.block_size,
-                                              self.num_kv_heads, self.head_dim, self.dtype)
+        per_block = BlockPool.bytes_per_block(
+            len(self.specs), self.gpu.block_size, self.num_kv_heads, self.head_dim, self.dtype
+        )
         blocks = int(budget // per_block)
         if blocks < 2:
-            raise RuntimeError(f"no memory left for the KV cache ({budget / 2**30:.2f} GiB); "
-                               "raise --gpu-memory-utilization")
-        log.info("KV pool: %d blocks of %d tokens (%.1f GiB)", blocks, self.gpu.block_size,
-                 blocks * per_block / 2**30)
+            raise RuntimeError(
+                f"no memory left for the KV cache ({budget / 2**30:.2f} GiB); "
+                "raise --gpu-memory-utilization"
+            )
+        log.info(
+            "KV pool: %d blocks of %d tokens (%.1f GiB)",
+            blocks,
+            self.gpu.block_size,
+            blocks * per_block / 2**30,
+        )
         return blocks
 
     # -- the step -----------------------------------------------------------------------------
@@ -161,9 +181,9 @@ class GPURunner(ModelRunner):
     def _pack_batch(self, chunks) -> PagedBatch:
         return self._to_batch(self._pack_host(chunks), None)
 
-    def _pack_host(self, chunks: list[ScheduledChunk]) -> _Packed:
+    def _pack_host(self, chunks: list[ScheduledChunk]) -> Packed:
         """Trim and reserve each sequence's blocks; the batch's index lists on the host."""
-        p, bs = _Packed(), self.gpu.block_size
+        p, bs = Packed(), self.gpu.block_size
         for s, chunk in enumerate(chunks):
             request, n = chunk.request, chunk.num_tokens
             if self.fault_hook:
@@ -175,7 +195,9 @@ class GPURunner(ModelRunner):
             p.ids.extend(_pending_ids(request, n))
             p.positions.extend(range(cache.offset, cache.offset + n))
             block_of = dict(cache.held)
-            p.slots.extend(block_of[q // bs] * bs + q % bs for q in range(cache.offset, cache.offset + n))
+            p.slots.extend(
+                block_of[q // bs] * bs + q % bs for q in range(cache.offset, cache.offset + n)
+            )
             blocks, n_sink, main_start = cache.table()
             p.seqs.append((blocks, n_sink, main_start, cache.live_start, cache.keep))
             p.tiles.append((s, start, n))
@@ -183,27 +205,9 @@ class GPURunner(ModelRunner):
                 p.rows.append(start + n - 1)
         return p
 
-    def _tile(self, p: _Packed, tile_tokens: int) -> list[tuple[int, int, int]]:
-        return [(s, start + i, min(tile_tokens, n - i))
-                for s, start, n in p.tiles for i in range(0, n, tile_tokens)]
-
-    def _to_batch(self, p: _Packed, tile_tokens: int | None) -> PagedBatch:
-        """One host->device copy of every index the forward needs."""
+    def _to_batch(self, p: Packed, tile_tokens: int | None) -> PagedBatch:
         tile_tokens = tile_tokens or max(1, 64 // self.group_pad)
-        tiles = self._tile(p, tile_tokens)
-        width = max(len(s[0]) for s in p.seqs)
-        table = [blocks + [0] * (width - len(blocks)) for blocks, *_ in p.seqs]
-        per_seq = [list(col) for col in zip(*[(len(b), ns, ms, ls, k) for b, ns, ms, ls, k in p.seqs])]
-        flat = [p.ids, p.positions, p.slots, p.rows, *map(list, zip(*tiles)), *per_seq]
-        sizes = [len(x) for x in flat]
-        host = [v for part in flat for v in part] + [v for row in table for v in row]
-        dev = torch.tensor(host, dtype=torch.long).to(self.device, non_blocking=True)
-        parts = list(dev[: sum(sizes)].split(sizes))
-        tables = dev[sum(sizes):].view(len(p.seqs), width)
-        ids, positions, slots, rows, t_seq, t_start, t_len, nb, n_sink, main, live, keep = parts
-        meta = PagedAttention(self.pool, slots, positions, t_seq, t_start, t_len, tables, nb,
-                              n_sink, main, live, keep, tile_tokens, self.use_triton)
-        return PagedBatch(ids, positions, [], rows, attention=meta)
+        return build_batch(p, self.pool, tile_tokens, self.device, self.use_triton)
 
     # -- CUDA graphs (decode steps) -----------------------------------------------------------
 
@@ -234,15 +238,36 @@ class GPURunner(ModelRunner):
     def _static_batch(self, b: int) -> PagedBatch:
         ids, pos, slots, t_len, nb, n_sink, main, live, keep = (row[:b] for row in self.static)
         seq = self.arange[:b]
-        meta = PagedAttention(self.pool, slots, pos, seq, seq, t_len, self.static_table[:b], nb,
-                              n_sink, main, live, keep, 1, True)
+        meta = PagedAttention(
+            self.pool,
+            slots,
+            pos,
+            seq,
+            seq,
+            t_len,
+            self.static_table[:b],
+            nb,
+            n_sink,
+            main,
+            live,
+            keep,
+            1,
+            True,
+        )
         return PagedBatch(ids, pos, [], seq, attention=meta)
 
-    def _replay(self, p: _Packed, size: int) -> torch.Tensor:
+    def _replay(self, p: Packed, size: int) -> torch.Tensor:
         b = len(p.seqs)
         width = max(len(s[0]) for s in p.seqs)
         nb = [len(s[0]) for s in p.seqs]
-        cols = [p.ids, p.positions, p.slots, [1] * b, nb, *[list(c) for c in zip(*[s[1:] for s in p.seqs])]]
+        cols = [
+            p.ids,
+            p.positions,
+            p.slots,
+            [1] * b,
+            nb,
+            *[list(c) for c in zip(*[s[1:] for s in p.seqs], strict=False)],
+        ]
         pad = size - b
         host = torch.tensor([c + [0] * pad for c in cols], dtype=torch.long)
         table = torch.tensor([s[0] + [0] * (width - len(s[0])) for s in p.seqs], dtype=torch.long)
@@ -263,13 +288,55 @@ class GPURunner(ModelRunner):
         results: list[StepResult | None] = [None] * len(requests)
         if simple:
             index = torch.tensor(simple, device=logits.device)
-            tokens = sample_rows(logits.index_select(0, index), [requests[i].params for i in simple])
+            tokens = sample_rows(
+                logits.index_select(0, index), [requests[i].params for i in simple]
+            )
             for i, token in zip(simple, tokens.tolist(), strict=True):
                 results[i] = StepResult(requests[i], token)
         for i, request in enumerate(requests):
             if results[i] is None:
                 results[i] = self._sample(request, logits[i])
         return results
+
+
+def build_batch(p: Packed, pool, tile_tokens: int, device, use_triton: bool) -> PagedBatch:
+    """The device batch of packed host lists, with one host->device copy of every index."""
+    tiles = [
+        (s, start + i, min(tile_tokens, n - i))
+        for s, start, n in p.tiles
+        for i in range(0, n, tile_tokens)
+    ]
+    width = max(len(s[0]) for s in p.seqs)
+    table = [blocks + [0] * (width - len(blocks)) for blocks, *_ in p.seqs]
+    per_seq = [
+        list(col)
+        for col in zip(*[(len(b), ns, ms, ls, k) for b, ns, ms, ls, k in p.seqs], strict=False)
+    ]
+    flat = [p.ids, p.positions, p.slots, p.rows, *map(list, zip(*tiles, strict=False)), *per_seq]
+    sizes = [len(x) for x in flat]
+    host = [v for part in flat for v in part] + [v for row in table for v in row]
+    dev = torch.tensor(host, dtype=torch.long).to(device, non_blocking=True)
+    ids, positions, slots, rows, t_seq, t_start, t_len, nb, n_sink, main, live, keep = dev[
+        : sum(sizes)
+    ].split(sizes)
+    tables = dev[sum(sizes) :].view(len(p.seqs), width)
+    meta = PagedAttention(
+        pool,
+        slots,
+        positions,
+        t_seq,
+        t_start,
+        t_len,
+        tables,
+        nb,
+        n_sink,
+        main,
+        live,
+        keep,
+        tile_tokens,
+        use_triton,
+    )
+    return PagedBatch(ids, positions, [], rows, attention=meta)
 
 
 def _pending_ids(request: Request, n: int) -> list[int]:
@@ -283,8 +350,14 @@ def _pending_ids(request: Request, n: int) -> list[int]:
 
 def _batchable(request: Request) -> bool:
     p = request.params
-    return (p.seed is None and p.logprobs is None and not p.logit_bias
-            and p.repetition_penalty == 1.0 and not p.presence_penalty and not p.frequency_penalty)
+    return (
+        p.seed is None
+        and p.logprobs is None
+        and not p.logit_bias
+        and p.repetition_penalty == 1.0
+        and not p.presence_penalty
+        and not p.frequency_penalty
+    )
 
 
 def sample_rows(logits: torch.Tensor, params: list) -> torch.Tensor:

@@ -73,15 +73,40 @@ def paged_attention_triton(q, k_cache, v_cache, meta, scale, window=None) -> tor
     out = torch.empty_like(q)
     grid = (meta.tile_seq.shape[0], hkv)
     _paged_attention_kernel[grid](
-        q, k_cache, v_cache, out, meta.positions, meta.tile_seq, meta.tile_start, meta.tile_len,
-        meta.block_tables, meta.num_blocks, meta.n_sink, meta.main_start, meta.live_start,
-        meta.keep, scale * 1.4426950408889634, window or 0,
-        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        out.stride(0), out.stride(1), meta.block_tables.stride(0),
-        GROUP=group, GROUP_PAD=group_pad, ROWS=rows, BLOCK=bs, D=d,
-        D_PAD=triton.next_power_of_2(d), HAS_WINDOW=window is not None,
+        q,
+        k_cache,
+        v_cache,
+        out,
+        meta.positions,
+        meta.tile_seq,
+        meta.tile_start,
+        meta.tile_len,
+        meta.block_tables,
+        meta.num_blocks,
+        meta.n_sink,
+        meta.main_start,
+        meta.live_start,
+        meta.keep,
+        scale * 1.4426950408889634,
+        window or 0,
+        q.stride(0),
+        q.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        out.stride(0),
+        out.stride(1),
+        meta.block_tables.stride(0),
+        GROUP=group,
+        GROUP_PAD=group_pad,
+        ROWS=rows,
+        BLOCK=bs,
+        D=d,
+        D_PAD=triton.next_power_of_2(d),
+        HAS_WINDOW=window is not None,
         PREC="ieee" if q.dtype == torch.float32 else "tf32",
-        num_warps=4 if rows * d <= 64 * 128 else 8, num_stages=2,
+        num_warps=4 if rows * d <= 64 * 128 else 8,
+        num_stages=2,
     )
     return out
 
@@ -90,11 +115,38 @@ if triton is not None:
 
     @triton.jit
     def _paged_attention_kernel(
-        Q, K, V, O, POS, TILE_SEQ, TILE_START, TILE_LEN, TABLES, NUM_BLOCKS, N_SINK, MAIN_START,
-        LIVE_START, KEEP, scale_log2, window,
-        stride_qt, stride_qh, stride_kb, stride_kt, stride_kh, stride_ot, stride_oh, stride_tab,
-        GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr,
-        D: tl.constexpr, D_PAD: tl.constexpr, HAS_WINDOW: tl.constexpr, PREC: tl.constexpr,
+        Q,
+        K,
+        V,
+        OUT,
+        POS,
+        TILE_SEQ,
+        TILE_START,
+        TILE_LEN,
+        TABLES,
+        NUM_BLOCKS,
+        N_SINK,
+        MAIN_START,
+        LIVE_START,
+        KEEP,
+        scale_log2,
+        window,
+        stride_qt,
+        stride_qh,
+        stride_kb,
+        stride_kt,
+        stride_kh,
+        stride_ot,
+        stride_oh,
+        stride_tab,
+        GROUP: tl.constexpr,
+        GROUP_PAD: tl.constexpr,
+        ROWS: tl.constexpr,
+        BLOCK: tl.constexpr,
+        D: tl.constexpr,
+        D_PAD: tl.constexpr,
+        HAS_WINDOW: tl.constexpr,
+        PREC: tl.constexpr,
     ):
         tile = tl.program_id(0)
         kvh = tl.program_id(1)
@@ -151,5 +203,5 @@ if triton is not None:
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PREC)
             m_i = m_new
         out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
-        o_ptr = O + (start + tok)[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :]
-        tl.store(o_ptr, out.to(O.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
+        o_ptr = OUT + (start + tok)[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :]
+        tl.store(o_ptr, out.to(OUT.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])

@@ -35,8 +35,16 @@ def rms_norm(x, weight, eps: float, unit_offset: bool) -> torch.Tensor:
     h = x.shape[-1]
     rows = x.numel() // h
     out = torch.empty_like(x)
-    _rms_norm_kernel[(rows,)](x, weight, out, h, eps, UNIT=unit_offset,
-                              BLOCK=triton.next_power_of_2(h), num_warps=8 if h >= 4096 else 4)
+    _rms_norm_kernel[(rows,)](
+        x,
+        weight,
+        out,
+        h,
+        eps,
+        UNIT=unit_offset,
+        BLOCK=triton.next_power_of_2(h),
+        num_warps=8 if h >= 4096 else 4,
+    )
     return out
 
 
@@ -82,8 +90,9 @@ def rope_qk(qkv, cos, sin, hq: int, hkv: int, d: int) -> tuple[torch.Tensor, tor
         return rope_torch(q, cos, sin), rope_torch(k, cos, sin)
     q = qkv.new_empty(t, hq, d)
     k = qkv.new_empty(t, hkv, d)
-    _rope_kernel[(t, hq + hkv)](qkv, cos, sin, q, k, qkv.stride(0), cos.stride(0), hq,
-                                HALF=d // 2, num_warps=1)
+    _rope_kernel[(t, hq + hkv)](
+        qkv, cos, sin, q, k, qkv.stride(0), cos.stride(0), hq, HALF=d // 2, num_warps=1
+    )
     return q, k
 
 
@@ -181,8 +190,11 @@ def _concat_weights(module, names: list[str]) -> torch.Tensor:
 
 
 def _fusable(attn: Attention) -> bool:
-    return (attn.q_norm is None and type(attn.rope) is RotaryEmbedding
-            and attn.rope.attention_scaling == 1.0)
+    return (
+        attn.q_norm is None
+        and type(attn.rope) is RotaryEmbedding
+        and attn.rope.attention_scaling == 1.0
+    )
 
 
 def _norm_forward(self, x):

@@ -1,0 +1,494 @@
+"""`kestrel bench`: offline throughput and single-stream latency, with the peer in the same run.
+
+Models are a real checkpoint (`-m`) or random weights of a named shape (`--shape llama3-8b`).
+Each measurement prints one JSON line (engine, shape, numbers, its roofline ceiling, command, GPU,
+commit). Offline runs drive the scheduler and runner directly, ignoring EOS, with no detokenizer
+(the peer's batch API does not detokenize either). `kestrel bench serve --url` measures any
+OpenAI-compatible server (see bench_serve.py).
+"""
+
+import json
+import random
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+
+import torch
+
+# model_type + config fields of the named shapes (as in their Hugging Face config.json)
+SHAPES = {
+    "llama3-8b": dict(
+        model_type="llama",
+        hidden_size=4096,
+        intermediate_size=14336,
+        num_hidden_layers=32,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        vocab_size=128256,
+        max_position_embeddings=131072,
+        rms_norm_eps=1e-5,
+        rope_theta=500000.0,
+        rope_scaling=dict(
+            rope_type="llama3",
+            factor=8.0,
+            low_freq_factor=1.0,
+            high_freq_factor=4.0,
+            original_max_position_embeddings=8192,
+        ),
+    ),
+    "qwen2.5-0.5b": dict(
+        model_type="qwen2",
+        hidden_size=896,
+        intermediate_size=4864,
+        num_hidden_layers=24,
+        num_attention_heads=14,
+        num_key_value_heads=2,
+        vocab_size=151936,
+        max_position_embeddings=32768,
+        rms_norm_eps=1e-6,
+        rope_theta=1000000.0,
+        tie_word_embeddings=True,
+    ),
+    "smollm2-135m": dict(
+        model_type="llama",
+        hidden_size=576,
+        intermediate_size=1536,
+        num_hidden_layers=30,
+        num_attention_heads=9,
+        num_key_value_heads=3,
+        vocab_size=49152,
+        max_position_embeddings=8192,
+        rms_norm_eps=1e-5,
+        rope_theta=100000.0,
+        tie_word_embeddings=True,
+    ),
+    "tiny": dict(  # for CPU smoke runs and tests
+        model_type="llama",
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=512,
+        max_position_embeddings=2048,
+        rms_norm_eps=1e-5,
+        rope_theta=10000.0,
+    ),
+}
+# the reference machine's measured ceilings (DESIGN.md section 5)
+H200 = dict(bandwidth=4.25e12, flops=786e12)
+
+
+@dataclass
+class Workload:
+    num_requests: int
+    prompt_tokens: int
+    output_tokens: int
+    random_lengths: bool = False
+    seed: int = 0
+
+    def prompts(self, vocab: int) -> list[list[int]]:
+        """Random token ids; with random_lengths, prompt lengths uniform in [P/2, 3P/2]."""
+        rng = random.Random(self.seed)
+        lengths = [
+            rng.randint(max(1, self.prompt_tokens // 2), self.prompt_tokens * 3 // 2)
+            if self.random_lengths
+            else self.prompt_tokens
+            for _ in range(self.num_requests)
+        ]
+        return [[rng.randrange(vocab) for _ in range(n)] for n in lengths]
+
+    def outputs(self) -> list[int]:
+        rng = random.Random(self.seed + 1)
+        if not self.random_lengths:
+            return [self.output_tokens] * self.num_requests
+        o = self.output_tokens
+        return [rng.randint(max(1, o // 2), o * 3 // 2) for _ in range(self.num_requests)]
+
+
+def shape_config(name: str):
+    from transformers import AutoConfig
+
+    if name not in SHAPES:
+        raise SystemExit(f"unknown shape {name!r}; choose one of {', '.join(SHAPES)}")
+    fields = dict(SHAPES[name])
+    model_type = fields.pop("model_type")
+    return AutoConfig.for_model(model_type, **fields)
+
+
+def load_model(args, device, dtype):
+    """(model, config, label): random weights of --shape, or the checkpoint of -m."""
+    from kestrel.weights.loader import build_model, resolve
+    from kestrel.weights.loader import load_model as load_checkpoint
+
+    if args.shape:
+        config = shape_config(args.shape)
+        torch.manual_seed(args.seed)
+        model = build_model(config, dtype, device)
+        _randomize(model)
+        return model, config, args.shape
+    source = resolve(args.model)
+    model = load_checkpoint(source, dtype, device, progress=not args.no_progress)
+    return model, model.config, source.name
+
+
+@torch.no_grad()
+def _randomize(model) -> None:
+    # small normal weights keep activations finite through many layers of random matrices
+    for name, p in model.named_parameters():
+        if "norm" in name:
+            p.fill_(1.0)
+        else:
+            p.normal_(0, 0.02)
+
+
+def weight_bytes(model) -> int:
+    seen, total = set(), 0
+    for p in model.parameters():
+        if p.data_ptr() not in seen:
+            seen.add(p.data_ptr())
+            total += p.numel() * p.element_size()
+    return total
+
+
+def ceilings(args, model, config, dtype, work: Workload, concurrency: int) -> dict:
+    """Roofline bounds: decode is at best weights (+ live KV) / bandwidth per step, prefill and
+    big batches at best 2 * params * tokens / FLOP rate."""
+    bw, flops = args.bandwidth, args.flops
+    if not bw or not flops:
+        return {}
+    w = weight_bytes(model)
+    params = w / torch.finfo(dtype).bits * 8
+    kv_per_token = model.kv_bytes_per_token(dtype)
+    if work.num_requests == 1:
+        return {"ceiling_decode_tok_s": bw / (w + kv_per_token * work.prompt_tokens)}
+    p, o, n = work.prompt_tokens, work.output_tokens, work.num_requests
+    time_min = 2 * params * n * p / flops
+    waves = -(-n // concurrency)
+    batch = min(n, concurrency)
+    for step in range(o):
+        kv = kv_per_token * batch * (p + step)
+        time_min += waves * max((w + kv) / bw, 2 * params * batch / flops)
+    return {"ceiling_output_tok_s": n * o / time_min}
+
+
+def environment(device) -> dict:
+    try:
+        commit = (
+            subprocess.run(
+                ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=5
+            ).stdout.strip()
+            or None
+        )
+    except (OSError, subprocess.SubprocessError):
+        commit = None
+    gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else None
+    return {
+        "command": "kestrel " + " ".join(sys.argv[1:]),
+        "gpu": gpu,
+        "device": str(device),
+        "commit": commit,
+        "torch": torch.__version__,
+    }
+
+
+def emit(record: dict, out) -> None:
+    line = json.dumps(record)
+    print(line, flush=True)
+    if out is not None:
+        out.write(line + "\n")
+        out.flush()
+
+
+def _sync(device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+# -- kestrel ------------------------------------------------------------------------------------
+
+
+def make_kestrel_runner(args, model, config, device, max_num_seqs: int):
+    from kestrel.engine.gpu_runner import GPUConfig, make_runner
+
+    gpu = GPUConfig(args.gpu_memory_utilization, not args.no_cuda_graphs, args.block_size)
+    ctx = args.ctx_size or getattr(config, "max_position_embeddings", 4096)
+    return make_runner(model, device, max_num_seqs, args.max_batched_tokens, ctx, gpu)
+
+
+def drive(runner, prompts, outputs, args, max_num_seqs: int, progress: bool) -> dict:
+    """Run every request to its output length through scheduler + runner; timings per request."""
+    from tqdm import tqdm
+
+    from kestrel.engine.request import Request
+    from kestrel.engine.scheduler import Scheduler, SchedulerConfig
+    from kestrel.sampling import SamplingParams
+
+    config = SchedulerConfig(
+        max_running=max_num_seqs,
+        prefill_chunk_size=args.prefill_chunk_size,
+        max_queue_depth=1 << 30,
+        max_batched_tokens=args.max_batched_tokens,
+    )
+    scheduler = Scheduler(config)
+    params = SamplingParams(temperature=args.temperature, ignore_eos=True, max_tokens=None)
+    requests = [
+        Request(f"b{i}", p, params, o, args.max_kv_size or None, args.keep)
+        for i, (p, o) in enumerate(zip(prompts, outputs, strict=True))
+    ]
+    for r in requests:
+        scheduler.add(r)
+    first, bar = {}, tqdm(total=sum(outputs), disable=not progress, unit="tok", leave=False)
+    start = time.perf_counter()
+    while scheduler.has_work():
+        plan = scheduler.schedule()
+        results = runner.execute(plan.chunks)
+        for c in plan.chunks:
+            c.request.num_computed += c.num_tokens
+        for res in results:
+            if res.error is not None:
+                raise res.error
+            if res.token is None:
+                continue
+            req = res.request
+            req.output_ids.append(res.token)
+            first.setdefault(req.request_id, time.perf_counter())
+            bar.update(1)
+            if len(req.output_ids) >= req.max_tokens:
+                req.finish("length")
+        for req in scheduler.remove_finished():
+            runner.release(req.request_id)
+    elapsed = time.perf_counter() - start
+    bar.close()
+    ttft = sorted(first[r.request_id] - start for r in requests)
+    return {
+        "elapsed_s": elapsed,
+        "output_tokens": sum(len(r.output_ids) for r in requests),
+        "ttft_s": ttft,
+        "tokens": [r.output_ids for r in requests],
+    }
+
+
+def kestrel_latency(args, runner, work: Workload) -> dict:
+    prompts, outputs = work.prompts(args.vocab), work.outputs()
+    drive(runner, prompts, [2], args, 1, False)  # warm-up (kernels compiled)
+    ttft = drive(runner, prompts, [1], args, 1, False)["elapsed_s"]
+    full = drive(runner, prompts, outputs, args, 1, not args.no_progress)
+    decode = (outputs[0] - 1) / max(full["elapsed_s"] - ttft, 1e-9)
+    return {"ttft_s": ttft, "decode_tok_s": decode, "total_s": full["elapsed_s"]}
+
+
+def kestrel_throughput(args, runner, work: Workload, max_num_seqs: int) -> dict:
+    drive(runner, [[1] * 8] * 2, [2, 2], args, max_num_seqs, False)  # warm-up
+    run = drive(
+        runner, work.prompts(args.vocab), work.outputs(), args, max_num_seqs, not args.no_progress
+    )
+    prompt_tokens = sum(len(p) for p in work.prompts(args.vocab))
+    return {
+        "output_tok_s": run["output_tokens"] / run["elapsed_s"],
+        "total_tok_s": (run["output_tokens"] + prompt_tokens) / run["elapsed_s"],
+        "elapsed_s": run["elapsed_s"],
+        "generated_tokens": run["output_tokens"],
+        "ttft_p50_s": _pct(run["ttft_s"], 50),
+        "ttft_p99_s": _pct(run["ttft_s"], 99),
+    }
+
+
+def _pct(values: list[float], q: float) -> float:
+    values = sorted(values)
+    return values[min(len(values) - 1, int(len(values) * q / 100))]
+
+
+# -- the transformers peer ----------------------------------------------------------------------
+
+
+def peer_model(config, dtype, device, seed: int):
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    _randomize(model)
+    return model.eval()
+
+
+@torch.no_grad()
+def peer_latency(model, work: Workload, vocab: int, device) -> dict:
+    ids = torch.tensor([work.prompts(vocab)[0]], device=device)
+    o = work.outputs()[0]
+
+    def generate(n: int) -> float:
+        _sync(device)
+        start = time.perf_counter()
+        model.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0)
+        _sync(device)
+        return time.perf_counter() - start
+
+    generate(2)  # warm-up
+    ttft = generate(1)
+    total = generate(o)
+    return {"ttft_s": ttft, "decode_tok_s": (o - 1) / max(total - ttft, 1e-9), "total_s": total}
+
+
+@torch.no_grad()
+def peer_throughput(model, work: Workload, vocab: int, device) -> dict:
+    from transformers import GenerationConfig
+
+    prompts = work.prompts(vocab)
+    o = work.output_tokens
+    gen = GenerationConfig(
+        max_new_tokens=o, min_new_tokens=o, do_sample=False, eos_token_id=None, pad_token_id=0
+    )
+    try:
+        model.generate_batch([p[:8] for p in prompts[:2]], generation_config=gen)  # warm-up
+    except Exception:  # versions without min_new_tokens / eos None in continuous batching
+        gen = GenerationConfig(max_new_tokens=o, do_sample=False, pad_token_id=0)
+        model.generate_batch([p[:8] for p in prompts[:2]], generation_config=gen)
+    _sync(device)
+    start = time.perf_counter()
+    outputs = model.generate_batch(prompts, generation_config=gen)
+    _sync(device)
+    elapsed = time.perf_counter() - start
+    produced = sum(len(out.generated_tokens) for out in outputs.values())
+    return {
+        "output_tok_s": produced / elapsed,
+        "elapsed_s": elapsed,
+        "generated_tokens": produced,
+        "total_tok_s": (produced + sum(map(len, prompts))) / elapsed,
+    }
+
+
+# -- entry point --------------------------------------------------------------------------------
+
+
+def run_bench(args) -> int:
+    if args.mode == "serve":
+        from kestrel.bench_serve import run_serve_bench
+
+        return run_serve_bench(args)
+    from kestrel.llm import resolve_device, resolve_dtype
+
+    device = resolve_device(args.device)
+    dtype = resolve_dtype(args.dtype, device)
+    if device.type == "cuda" and args.bandwidth is None:
+        args.bandwidth, args.flops = H200["bandwidth"], H200["flops"]
+    if args.max_batched_tokens is None:
+        args.max_batched_tokens = 8192 if device.type == "cuda" else 512
+    out = open(args.output, "a") if args.output else None
+    env = environment(device)
+    modes = ["latency", "throughput"] if args.mode == "all" else [args.mode]
+    latency = Workload(1, args.latency_prompt_tokens, args.latency_output_tokens, seed=args.seed)
+    batch = Workload(
+        args.num_requests, args.prompt_tokens, args.output_tokens, args.random_lengths, args.seed
+    )
+    for peer in args.peer:  # first, while the card is free of kestrel's KV pool
+        _run_peer(peer, args, dtype, device, modes, latency, batch, env, out)
+    model, config, label = load_model(args, device, dtype)
+    args.vocab = config.vocab_size
+    base = {"engine": "kestrel", "model": label, "dtype": str(dtype).removeprefix("torch."), **env}
+    for mode in modes:
+        work = latency if mode == "latency" else batch
+        seqs = 1 if mode == "latency" else min(args.max_num_seqs, work.num_requests)
+        runner = make_kestrel_runner(args, model, config, device, seqs)
+        numbers = (
+            kestrel_latency(args, runner, work)
+            if mode == "latency"
+            else kestrel_throughput(args, runner, work, seqs)
+        )
+        numbers.update(ceilings(args, model, config, dtype, work, seqs))
+        emit(
+            {
+                **base,
+                "mode": mode,
+                **_workload(work, seqs),
+                **numbers,
+                "cuda_graphs": bool(getattr(runner, "graphs", None)),
+            },
+            out,
+        )
+        del runner
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    return 0
+
+
+def _run_peer(peer, args, dtype, device, modes, latency, batch, env, out) -> None:
+    if peer != "transformers":
+        raise SystemExit(f"unknown peer {peer!r}; supported: transformers")
+    import transformers
+
+    config = shape_config(args.shape) if args.shape else None
+    if config is None:
+        from kestrel.weights.loader import load_config, resolve, text_config
+
+        config = text_config(load_config(resolve(args.model)))
+    model = peer_model(config, dtype, device, args.seed)
+    base = {
+        "engine": f"transformers {transformers.__version__}",
+        "model": args.shape or args.model,
+        "dtype": str(dtype).removeprefix("torch."),
+        **env,
+    }
+    for mode in modes:
+        work = latency if mode == "latency" else batch
+        try:
+            numbers = (
+                peer_latency(model, work, config.vocab_size, device)
+                if mode == "latency"
+                else peer_throughput(model, work, config.vocab_size, device)
+            )
+        except Exception as error:  # report the peer's failure and go on with kestrel
+            numbers = {"error": f"{type(error).__name__}: {error}"[:300]}
+        numbers.update(ceilings(args, model, config, dtype, work, work.num_requests))
+        emit({**base, "mode": mode, **_workload(work, work.num_requests), **numbers}, out)
+    del model
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def _workload(work: Workload, concurrency: int) -> dict:
+    return {
+        "num_requests": work.num_requests,
+        "prompt_tokens": work.prompt_tokens,
+        "output_tokens": work.output_tokens,
+        "random_lengths": work.random_lengths,
+        "concurrency": concurrency,
+    }
+
+
+def add_bench_args(p) -> None:
+    """The `kestrel bench` flags (engine flags come from cli.add_engine_args)."""
+    p.add_argument(
+        "mode", nargs="?", default="all", choices=["all", "latency", "throughput", "serve"]
+    )
+    p.add_argument("--shape", choices=sorted(SHAPES), help="random weights of a named shape")
+    p.add_argument("--num-requests", type=int, default=256)
+    p.add_argument("--prompt-tokens", type=int, default=512)
+    p.add_argument("--output-tokens", type=int, default=256)
+    p.add_argument("--random-lengths", action="store_true", help="lengths uniform in [L/2, 3L/2]")
+    p.add_argument("--latency-prompt-tokens", type=int, default=128)
+    p.add_argument("--latency-output-tokens", type=int, default=256)
+    p.add_argument("--max-num-seqs", type=int, default=256)
+    p.add_argument(
+        "--max-batched-tokens",
+        type=int,
+        default=None,
+        help="tokens per step (default 8192 on CUDA, 512 on the CPU)",
+    )
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    p.add_argument("--no-cuda-graphs", action="store_true")
+    p.add_argument("--block-size", type=int, default=64, help="KV block size in tokens")
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--peer", action="append", default=[], help="also measure: transformers")
+    p.add_argument(
+        "--bandwidth", type=float, default=None, help="bytes/s for the ceiling (CUDA: 4.25e12)"
+    )
+    p.add_argument(
+        "--flops", type=float, default=None, help="FLOP/s for the ceiling (CUDA: 786e12)"
+    )
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("-o", "--output", help="append the JSON lines to this file")
+    p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--url", help="serve mode: the server's base URL (http://host:port)")
+    p.add_argument("--concurrency", type=int, default=64, help="serve mode: clients at once")

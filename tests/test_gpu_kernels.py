@@ -1,0 +1,104 @@
+"""Every Triton kernel equals its PyTorch fallback on random inputs (GPU only; skipped elsewhere).
+
+Paged attention is checked on trimmed, sunk and sliding-window sequences, decode and prefill tiles,
+with and without a window; the fused norm / activation / RoPE kernels on random rows.
+"""
+
+import pytest
+import torch
+
+from kestrel.cache.paged import BlockPool, PagedSequenceCache
+from kestrel.cache.sequence import CacheSpec
+from kestrel.engine.gpu_runner import Packed, build_batch
+from kestrel.kernels import attention, fused
+
+pytestmark = pytest.mark.gpu
+DTYPES = [torch.float32, torch.bfloat16]
+
+
+def random_sequences(pool: BlockPool, chunk: int):
+    """Three sequences: plain, trimmed with 3 sinks, and all-sliding (window 20), each about to
+    take `chunk` new tokens; returns the packed host lists of that chunk."""
+    plain = PagedSequenceCache([CacheSpec("full")], pool)
+    trimmed = PagedSequenceCache([CacheSpec("full")], pool)
+    sliding = PagedSequenceCache([CacheSpec("sliding", 20)], pool)
+    for cache, length in ((plain, 37), (trimmed, 90), (sliding, 70)):
+        cache.reserve(length)
+        cache.advance(length)
+    trimmed.trim_front(51, keep=3)
+    p = Packed()
+    bs = pool.block_size
+    for s, cache in enumerate((plain, trimmed, sliding)):
+        cache.reserve(chunk)
+        start = len(p.ids)
+        p.ids += [0] * chunk
+        p.positions += list(range(cache.offset, cache.offset + chunk))
+        held = dict(cache.held)
+        p.slots += [held[q // bs] * bs + q % bs for q in range(cache.offset, cache.offset + chunk)]
+        blocks, n_sink, main_start = cache.table()
+        p.seqs.append((blocks, n_sink, main_start, cache.live_start, cache.keep))
+        p.tiles.append((s, start, chunk))
+        p.rows.append(start + chunk - 1)
+    return p
+
+
+def check_paged_attention(device, dtype, chunk, window, hq=8, hkv=2, d=64, bs=16):
+    torch.manual_seed(chunk)
+    pool = BlockPool(1, 40, bs, hkv, d, dtype, device)
+    for t in pool.k + pool.v:
+        t.normal_()
+    p = random_sequences(pool, chunk)
+    tile_tokens = 1 if chunk == 1 else 4
+    batch = build_batch(p, pool, tile_tokens, device, use_triton=True)
+    q = torch.randn(len(p.ids), hq, d, device=device, dtype=dtype)
+    args = (q, pool.k[0], pool.v[0], batch.attention, d**-0.5, window)
+    expected = attention.paged_attention_torch(*args)
+    actual = attention.paged_attention_triton(*args)
+    tol = 2e-2 if dtype == torch.bfloat16 else 1e-4
+    torch.testing.assert_close(actual.float(), expected.float(), rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("chunk", [1, 7])
+@pytest.mark.parametrize("window", [None, 16])
+def test_paged_attention_kernel_matches_fallback(dtype, chunk, window):
+    check_paged_attention("cuda", dtype, chunk, window)
+
+
+@pytest.mark.parametrize("hq,hkv,d", [(14, 2, 64), (4, 1, 256), (32, 8, 128)])
+def test_paged_attention_kernel_head_shapes(hq, hkv, d):
+    check_paged_attention("cuda", torch.bfloat16, 1, None, hq, hkv, d)
+    check_paged_attention("cuda", torch.bfloat16, 5, None, hq, hkv, d)
+
+
+def check_fused(device, dtype):
+    torch.manual_seed(0)
+    x = torch.randn(5, 96, device=device, dtype=dtype)
+    w = torch.randn(96, device=device, dtype=dtype)
+    for unit in (False, True):
+        torch.testing.assert_close(
+            fused.rms_norm(x, w, 1e-6, unit),
+            fused.rms_norm_torch(x, w, 1e-6, unit),
+            rtol=1e-2,
+            atol=1e-2,
+        )
+    gate_up = torch.randn(5, 2 * 1100, device=device, dtype=dtype)
+    for act in ("silu", "gelu_pytorch_tanh"):
+        torch.testing.assert_close(
+            fused.act_mul(gate_up, act), fused.act_mul_torch(gate_up, act), rtol=1e-2, atol=1e-2
+        )
+    hq, hkv, d = 6, 2, 32
+    qkv = torch.randn(5, (hq + 2 * hkv) * d, device=device, dtype=dtype)
+    angles = torch.rand(5, d // 2, device=device) * 10
+    cos, sin = torch.cat([angles, angles], -1).cos(), torch.cat([angles, angles], -1).sin()
+    q, k = fused.rope_qk(qkv, cos, sin, hq, hkv, d)
+    t = qkv.shape[0]
+    torch.testing.assert_close(q, fused.rope_torch(qkv[:, : hq * d].view(t, hq, d), cos, sin))
+    torch.testing.assert_close(
+        k, fused.rope_torch(qkv[:, hq * d : (hq + hkv) * d].view(t, hkv, d), cos, sin)
+    )
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_fused_kernels_match_fallbacks(dtype):
+    check_fused("cuda", dtype)
