@@ -1,0 +1,84 @@
+"""The scheduler alone: plain Python requests in, a plan out; no model, no torch."""
+
+import subprocess
+import sys
+
+import pytest
+
+from kestrel.engine.request import Request
+from kestrel.engine.scheduler import QueueFullError, Scheduler, SchedulerConfig
+
+
+def make_request(i: int, prompt_len: int, max_kv_size=None, keep=0) -> Request:
+    return Request(f"r{i}", list(range(prompt_len)), None, max_tokens=8,
+                   max_kv_size=max_kv_size, keep=keep)
+
+
+def run_step(scheduler: Scheduler):
+    """Apply a plan as the engine would: cache the tokens, sample one token where a chunk ends."""
+    plan = scheduler.schedule()
+    for chunk in plan.chunks:
+        samples = chunk.samples
+        chunk.request.num_computed += chunk.num_tokens
+        if samples:
+            chunk.request.output_ids.append(0)
+    return plan
+
+
+def test_scheduler_does_not_import_torch():
+    code = "import sys, kestrel.engine.scheduler; assert 'torch' not in sys.modules"
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_decodes_go_first_and_prefill_fills_the_budget():
+    s = Scheduler(SchedulerConfig(max_running=4, prefill_chunk_size=16))
+    s.add(make_request(0, 4))
+    run_step(s)  # r0 prefilled, now decoding
+    s.add(make_request(1, 100))
+    plan = run_step(s)
+    assert [(c.request.request_id, c.num_tokens) for c in plan.chunks] == [("r0", 1), ("r1", 16)]
+
+
+def test_long_prefill_does_not_starve_decodes():
+    s = Scheduler(SchedulerConfig(max_running=3, prefill_chunk_size=8))
+    for i in range(2):
+        s.add(make_request(i, 3))
+    run_step(s)
+    s.add(make_request(2, 1000))
+    for _ in range(10):
+        plan = run_step(s)
+        ids = [c.request.request_id for c in plan.chunks]
+        assert ids[:2] == ["r0", "r1"] and ids[2] == "r2"
+
+
+def test_at_most_max_running_and_the_rest_wait():
+    s = Scheduler(SchedulerConfig(max_running=2, prefill_chunk_size=64))
+    for i in range(5):
+        s.add(make_request(i, 4))
+    run_step(s)
+    assert len(s.running) == 2 and len(s.waiting) == 3
+
+
+def test_queue_is_bounded():
+    s = Scheduler(SchedulerConfig(max_running=1, max_queue_depth=2))
+    s.add(make_request(0, 4))
+    s.add(make_request(1, 4))
+    with pytest.raises(QueueFullError):
+        s.add(make_request(2, 4))
+
+
+def test_chunks_respect_the_kv_bound():
+    s = Scheduler(SchedulerConfig(prefill_chunk_size=512))
+    s.add(make_request(0, 2000, max_kv_size=256, keep=4))
+    plan = run_step(s)
+    assert plan.chunks[0].num_tokens == 252
+
+
+def test_abort_removes_waiting_and_running():
+    s = Scheduler(SchedulerConfig(max_running=1))
+    s.add(make_request(0, 4))
+    s.add(make_request(1, 4))
+    run_step(s)
+    assert s.abort("r1").finish_reason == "abort"
+    assert s.abort("r0").finish_reason == "abort"
+    assert not s.has_work()
