@@ -13,15 +13,23 @@ def main(argv: list[str] | None = None) -> int:
     if not getattr(args, "command", None):
         parser.print_help()
         return 2
-    from kestrel.errors import KestrelError
+    from kestrel.errors import InvalidRequestError, KestrelError
 
     try:
         return args.func(args) or 0
+    except InvalidRequestError as e:
+        flag = FLAGS.get(e.param, f"--{(e.param or '').replace('_', '-')}")
+        print(f"kestrel: error: {flag}: {e}", file=sys.stderr)
+        return 1
     except KestrelError as e:
         print(f"kestrel: error: {e}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         return 130
+
+
+# SamplingParams field -> the flag that sets it, where the names differ
+FLAGS = {"temperature": "--temp", "max_tokens": "-n/--n-predict", "repetition_penalty": "--repeat-penalty"}
 
 
 def serve_main() -> int:
@@ -143,17 +151,18 @@ def stream(llm, prompt_ids: list[int], params) -> str:
 def cmd_generate(args) -> int:
     from kestrel.tokenizer import encode
 
+    params = sampling_params(args)  # bad flags fail before the model loads
     llm = load_llm(args)
-    stream(llm, encode(llm.tokenizer, args.prompt), sampling_params(args))
+    stream(llm, encode(llm.tokenizer, args.prompt), params)
     return 0
 
 
 def cmd_run(args) -> int:
     from kestrel.tokenizer import apply_chat_template
 
+    params = sampling_params(args)
     llm = load_llm(args, args.model_arg)
     messages = [{"role": "system", "content": args.system}] if args.system else []
-    params = sampling_params(args)
     turns = [args.prompt] if args.prompt else _read_turns()
     for turn in turns:
         messages.append({"role": "user", "content": turn})

@@ -1,0 +1,43 @@
+"""The command line: listing, inspecting, generating, and errors that name the problem."""
+
+import json
+import subprocess
+import sys
+
+
+def kestrel(*args, timeout=300):
+    return subprocess.run([sys.executable, "-m", "kestrel", *args], capture_output=True, text=True, timeout=timeout)
+
+
+def test_arch_lists_families():
+    out = kestrel("arch").stdout.split()
+    assert {"llama", "qwen2", "qwen3", "mistral", "gemma3_text"} <= set(out)
+
+
+def test_inspect_describes_gemma3():
+    info = json.loads(kestrel("inspect", "-m", "gemma3-270m").stdout)
+    assert info["architecture"] == "gemma3_text" and info["context_length"] == 32768
+    assert 250e6 < info["parameters"] < 300e6
+    # 18 layers x K and V x 1 KV head x 256 dims x 4 bytes
+    assert info["kv_bytes_per_token"]["float32"] == 18 * 2 * 256 * 4
+
+
+def test_generate_streams_greedy_text():
+    result = kestrel("generate", "-m", "smollm2", "-p", "The capital of France is", "-n", "4", "--temp", "0")
+    assert result.returncode == 0 and "Paris" in result.stdout
+
+
+def test_run_one_shot_chat():
+    result = kestrel("run", "smollm2", "-p", "What is the capital of France?", "--temp", "0")
+    assert result.stdout.strip() == "The capital of France is Paris."
+
+
+def test_missing_model_is_a_clear_error():
+    result = kestrel("generate", "-m", "/no/such.gguf", "-p", "hi")
+    assert result.returncode == 1 and "'/no/such.gguf' not found" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_bad_sampling_flag_names_it():
+    result = kestrel("generate", "-p", "hi", "--top-p", "2")
+    assert result.returncode == 1 and "top_p" in result.stderr

@@ -1,0 +1,75 @@
+"""The embedded real checkpoints (DESIGN.md section 4) against transformers on the same GGUF file."""
+
+import pytest
+import torch
+
+from kestrel import LLM, SamplingParams
+from kestrel.cache import SequenceCache
+from kestrel.models.batch import ForwardBatch
+from kestrel.weights.loader import resolve
+
+pytestmark = pytest.mark.slow
+GREEDY = dict(temperature=0, ignore_eos=True)
+
+
+def transformers_model(alias: str):
+    from transformers import AutoModelForCausalLM
+
+    path = resolve(alias).path
+    return AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32).eval()
+
+
+def transformers_greedy(model, ids: list[int], steps: int) -> list[int]:
+    """Greedy continuation by full forwards: the oracle for kestrel's cached decode."""
+    ids = list(ids)
+    with torch.no_grad():
+        for _ in range(steps):
+            ids.append(int(model(torch.tensor([ids])).logits[0, -1].argmax()))
+    return ids[-steps:]
+
+
+@pytest.fixture(scope="module")
+def smollm2():
+    return LLM("smollm2", progress=False)
+
+
+@pytest.fixture(scope="module")
+def gemma3():
+    return LLM("gemma3-270m", progress=False)
+
+
+def test_smollm2_answers_capital_of_france(smollm2):
+    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    out = smollm2.chat(messages, SamplingParams(temperature=0, max_tokens=32)).pop().outputs[0]
+    assert out.text == "The capital of France is Paris."
+    assert out.finish_reason == "stop"
+
+
+@pytest.mark.parametrize("prompt", ["The three primary colors are", "def fibonacci(n):"])
+def test_smollm2_greedy_tokens_match_transformers(smollm2, prompt):
+    ids = smollm2.tokenizer(prompt)["input_ids"]
+    ours = smollm2.generate(ids, SamplingParams(max_tokens=32, **GREEDY))[0].outputs[0].token_ids
+    assert ours == transformers_greedy(transformers_model("smollm2"), ids, 32)
+
+
+def test_gemma3_continues_roman_empire_like_transformers(gemma3):
+    ids = gemma3.tokenizer("The history of the Roman Empire")["input_ids"]
+    out = gemma3.generate(ids, SamplingParams(max_tokens=16, **GREEDY))[0].outputs[0]
+    assert out.text.startswith(" is a fascinating one. It was a time of great expansion and change")
+    assert out.token_ids == transformers_greedy(transformers_model("gemma3-270m"), ids, 16)
+
+
+def test_gemma3_long_prompt_chunked_prefill_matches_transformers(gemma3):
+    text = " ".join(f"Item {i} is a {['red', 'green', 'blue'][i % 3]} box." for i in range(90))
+    ids = gemma3.tokenizer(text)["input_ids"]
+    assert len(ids) > 512  # longer than the 512-token sliding window
+    with torch.no_grad():
+        expected = transformers_model("gemma3-270m")(torch.tensor([ids])).logits[0, -1]
+    for chunk in (128, 512):
+        cache = SequenceCache(gemma3.model.cache_specs())
+        with torch.no_grad():
+            for start in range(0, len(ids), chunk):
+                piece = torch.tensor(ids[start : start + chunk])
+                logits = gemma3.model(ForwardBatch.single(cache, piece, all_logits=False))
+                cache.advance(len(piece))
+        torch.testing.assert_close(logits[-1], expected, rtol=1e-3, atol=1e-3)
