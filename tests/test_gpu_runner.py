@@ -55,7 +55,7 @@ def test_gpu_greedy_tokens_equal_cpu(kind, window, graphs, max_kv_size):
         4,
         9,
         256,
-        GPUConfig(block_size=4, num_blocks=200, cuda_graphs=graphs),
+        GPUConfig(block_size=16, num_blocks=200, cuda_graphs=graphs),
     )
     assert bool(runner.graphs) == graphs
     assert generate(runner, seqs, 32, max_kv_size, 2) == expected

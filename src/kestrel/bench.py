@@ -8,6 +8,7 @@ OpenAI-compatible server (see bench_serve.py).
 """
 
 import json
+import os
 import random
 import subprocess
 import sys
@@ -183,6 +184,7 @@ def environment(device) -> dict:
         )
     except (OSError, subprocess.SubprocessError):
         commit = None
+    commit = commit or os.environ.get("KESTREL_COMMIT")  # a copy of the tree without .git
     gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else None
     return {
         "command": "kestrel " + " ".join(sys.argv[1:]),

@@ -313,12 +313,13 @@ def build_batch(p: Packed, pool, tile_tokens: int, device, use_triton: bool) -> 
         for col in zip(*[(len(b), ns, ms, ls, k) for b, ns, ms, ls, k in p.seqs], strict=False)
     ]
     flat = [p.ids, p.positions, p.slots, p.rows, *map(list, zip(*tiles, strict=False)), *per_seq]
-    sizes = [len(x) for x in flat]
-    host = [v for part in flat for v in part] + [v for row in table for v in row]
+    # each part starts 16-byte aligned: Triton specializes kernels on pointer alignment
+    padded = [part + [0] * (len(part) % 2) for part in flat]
+    sizes = [len(x) for x in padded]
+    host = [v for part in padded for v in part] + [v for row in table for v in row]
     dev = torch.tensor(host, dtype=torch.long).to(device, non_blocking=True)
-    ids, positions, slots, rows, t_seq, t_start, t_len, nb, n_sink, main, live, keep = dev[
-        : sum(sizes)
-    ].split(sizes)
+    parts = [t[: len(f)] for t, f in zip(dev[: sum(sizes)].split(sizes), flat, strict=True)]
+    ids, positions, slots, rows, t_seq, t_start, t_len, nb, n_sink, main, live, keep = parts
     tables = dev[sum(sizes) :].view(len(p.seqs), width)
     meta = PagedAttention(
         pool,

@@ -66,6 +66,8 @@ def paged_attention_torch(q, k_cache, v_cache, meta, scale, window=None) -> torc
 def paged_attention_triton(q, k_cache, v_cache, meta, scale, window=None) -> torch.Tensor:
     T, hq, d = q.shape
     bs, hkv = k_cache.shape[1], k_cache.shape[2]
+    if bs < 16 or bs & (bs - 1):
+        raise ValueError(f"the Triton kernel needs a power-of-two block size >= 16, not {bs}")
     group = hq // hkv
     group_pad = triton.next_power_of_2(group)
     tile_tokens = meta.tile_tokens
@@ -102,7 +104,7 @@ def paged_attention_triton(q, k_cache, v_cache, meta, scale, window=None) -> tor
         ROWS=rows,
         BLOCK=bs,
         D=d,
-        D_PAD=triton.next_power_of_2(d),
+        D_PAD=max(16, triton.next_power_of_2(d)),
         HAS_WINDOW=window is not None,
         PREC="ieee" if q.dtype == torch.float32 else "tf32",
         num_warps=4 if rows * d <= 64 * 128 else 8,

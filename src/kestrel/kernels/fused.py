@@ -96,6 +96,35 @@ def rope_qk(qkv, cos, sin, hq: int, hkv: int, d: int) -> tuple[torch.Tensor, tor
     return q, k
 
 
+def rope_store(qkv, cos, sin, hq, hkv, d, k_cache, v_cache, slot_mapping) -> torch.Tensor:
+    """rope_qk, but k (rotated) and v go straight into their cache slots; returns q (T, hq, d).
+    The same arithmetic as rope_qk followed by attention.write_kv."""
+    t = qkv.shape[0]
+    if not _triton_ok(qkv):
+        from kestrel.kernels.attention import write_kv
+
+        q, k = rope_qk(qkv, cos, sin, hq, hkv, d)
+        write_kv(k_cache, v_cache, k, qkv[:, (hq + hkv) * d :].view(t, hkv, d), slot_mapping)
+        return q
+    q = qkv.new_empty(t, hq, d)
+    _rope_store_kernel[(t, hq + hkv)](
+        qkv,
+        cos,
+        sin,
+        q,
+        k_cache,
+        v_cache,
+        slot_mapping,
+        qkv.stride(0),
+        cos.stride(0),
+        hq,
+        hkv,
+        HALF=d // 2,
+        num_warps=1,
+    )
+    return q
+
+
 def rope_torch(x, cos, sin) -> torch.Tensor:
     half = x.shape[-1] // 2
     rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
@@ -148,15 +177,52 @@ if triton is not None:
         c2 = tl.load(COS + t * stride_c + HALF + i).to(dt).to(tl.float32)
         s1 = tl.load(SIN + t * stride_c + i).to(dt).to(tl.float32)
         s2 = tl.load(SIN + t * stride_c + HALF + i).to(dt).to(tl.float32)
-        r = lambda v: v.to(dt).to(tl.float32)  # noqa: E731
-        y1 = r(x1 * c1) + r(-x2 * s1)
-        y2 = r(x2 * c2) + r(x1 * s2)
+        f32 = tl.float32
+        y1 = (x1 * c1).to(dt).to(f32) + (-x2 * s1).to(dt).to(f32)
+        y2 = (x2 * c2).to(dt).to(f32) + (x1 * s2).to(dt).to(f32)
         if h < hq:
             dst = Q + (t * hq + h) * 2 * HALF
         else:
             dst = K + (t * (tl.num_programs(1) - hq) + h - hq) * 2 * HALF
         tl.store(dst + i, y1.to(dt))
         tl.store(dst + HALF + i, y2.to(dt))
+
+
+if triton is not None:
+
+    @triton.jit
+    def _rope_store_kernel(
+        QKV, COS, SIN, Q, KC, VC, SLOTS, stride_t, stride_c, hq, hkv, HALF: tl.constexpr
+    ):
+        t = tl.program_id(0).to(tl.int64)
+        h = tl.program_id(1)
+        i = tl.arange(0, HALF)
+        src = QKV + t * stride_t + h * 2 * HALF
+        x1 = tl.load(src + i).to(tl.float32)
+        x2 = tl.load(src + HALF + i).to(tl.float32)
+        dt = QKV.dtype.element_ty
+        f32 = tl.float32
+        c1 = tl.load(COS + t * stride_c + i).to(dt).to(f32)
+        c2 = tl.load(COS + t * stride_c + HALF + i).to(dt).to(f32)
+        s1 = tl.load(SIN + t * stride_c + i).to(dt).to(f32)
+        s2 = tl.load(SIN + t * stride_c + HALF + i).to(dt).to(f32)
+        y1 = ((x1 * c1).to(dt).to(f32) + (-x2 * s1).to(dt).to(f32)).to(dt)
+        y2 = ((x2 * c2).to(dt).to(f32) + (x1 * s2).to(dt).to(f32)).to(dt)
+        if h < hq:
+            dst = Q + (t * hq + h) * 2 * HALF
+            tl.store(dst + i, y1)
+            tl.store(dst + HALF + i, y2)
+        else:
+            kh = h - hq
+            slot = tl.load(SLOTS + t).to(tl.int64)
+            dst = KC + (slot * hkv + kh) * 2 * HALF
+            tl.store(dst + i, y1.to(KC.dtype.element_ty))
+            tl.store(dst + HALF + i, y2.to(KC.dtype.element_ty))
+            v = tl.load(src + hkv * 2 * HALF + i)
+            v2 = tl.load(src + hkv * 2 * HALF + HALF + i)
+            vdst = VC + (slot * hkv + kh) * 2 * HALF
+            tl.store(vdst + i, v.to(VC.dtype.element_ty))
+            tl.store(vdst + HALF + i, v2.to(VC.dtype.element_ty))
 
 
 # -- rewiring a loaded model --------------------------------------------------------------------
@@ -216,6 +282,14 @@ def _attention_forward(self, x, batch, rope_cos_sin=None):
     qkv = F.linear(x, self.qkv_weight, self.qkv_bias)  # (T, (Hq + 2 Hkv) D)
     hq, hkv, d = self.num_heads, self.num_kv_heads, self.head_dim
     cos, sin = rope_cos_sin if rope_cos_sin is not None else self.rope(batch.positions)
+    meta = getattr(batch, "attention", None)
+    if meta is not None:  # paged pool: k/v stored by the RoPE kernel, one launch for all three
+        from kestrel.kernels.attention import paged_attention
+
+        kc, vc = meta.pool.k[self.layer_idx], meta.pool.v[self.layer_idx]
+        q = rope_store(qkv, cos, sin, hq, hkv, d, kc, vc, meta.slot_mapping)
+        out = paged_attention(q, kc, vc, meta, self.scale, self.window, meta.use_triton)
+        return self.o_proj(out.reshape(t, -1))
     q, k = rope_qk(qkv, cos, sin, hq, hkv, d)
     v = qkv[:, (hq + hkv) * d :].view(t, hkv, d)
     out = cached_attention(q, k, v, self.layer_idx, batch, self.scale, self.window)
