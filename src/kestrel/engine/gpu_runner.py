@@ -287,10 +287,10 @@ class GPURunner(ModelRunner):
         simple = [i for i, r in enumerate(requests) if _batchable(r) and not self.fault_hook]
         results: list[StepResult | None] = [None] * len(requests)
         if simple:
-            index = torch.tensor(simple, device=logits.device)
-            tokens = sample_rows(
-                logits.index_select(0, index), [requests[i].params for i in simple]
-            )
+            rows = logits[: len(requests)]
+            if len(simple) < len(requests):
+                rows = rows.index_select(0, torch.tensor(simple, device=logits.device))
+            tokens = sample_rows(rows, [requests[i].params for i in simple])
             for i, token in zip(simple, tokens.tolist(), strict=True):
                 results[i] = StepResult(requests[i], token)
         for i, request in enumerate(requests):
