@@ -9,6 +9,7 @@ from tests.vl_suite import (  # noqa: F401  (the shared tests run here)
     MERGE,
     PATCH,
     build_tiny,
+    test_cli_arch_and_inspect_describe_the_family,
     test_decode_after_image_prompt_matches_transformers,
     test_image_and_text_sequences_batched_match_alone,
     test_image_chunks_split_inside_images_match_transformers,

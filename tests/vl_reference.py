@@ -151,6 +151,7 @@ def kestrel_image_logits(
     and image rows), then decode `continuation` one token at a time. (L + C, V) logits."""
     features = model.encode_images(prompt.pixel_values, prompt.image_grid_thw)
     cache = SequenceCache(model.cache_specs())
+    cache.rope_delta = prompt.rope_delta
     out = []
     with torch.no_grad():
         for start in range(0, len(prompt.token_ids), chunk):
@@ -159,7 +160,6 @@ def kestrel_image_logits(
             cache.make_room(len(piece), max_kv_size, keep)
             out.append(model(ForwardBatch.single(cache, piece, True, rope, images)))
             cache.advance(len(piece))
-        assert cache.rope_delta == prompt.rope_delta
         for token in continuation:
             out.append(model(ForwardBatch.single(cache, torch.tensor([token]))))
             cache.advance(1)

@@ -1,6 +1,7 @@
 """The checks every vision-language family passes against transformers. A family's test file
 builds a `Tiny` in a module fixture named `tiny` and imports these tests."""
 
+import json
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -25,8 +26,9 @@ from tests.vl_reference import (
     tiny_tokenizer,
 )
 
+from kestrel import cli
 from kestrel.cache import SequenceCache
-from kestrel.models.batch import ForwardBatch, SeqChunk
+from kestrel.models.batch import ForwardBatch, ImageRows, SeqChunk
 from kestrel.models.registry import model_class
 from kestrel.multimodal import MultimodalPrompt
 
@@ -82,6 +84,17 @@ def test_loads_by_model_type(tiny):
     assert len(tiny.model.cache_specs()) == tiny.hf.config.text_config.num_hidden_layers
 
 
+def test_cli_arch_and_inspect_describe_the_family(tiny, capsys):
+    model_type = tiny.hf.config.model_type
+    assert cli.main(["arch"]) == 0
+    assert model_type in capsys.readouterr().out.split()
+    assert cli.main(["inspect", "-m", str(tiny.folder)]) == 0
+    info = json.loads(capsys.readouterr().out)
+    assert info["architecture"] == model_type
+    assert info["parameters"] == sum(p.numel() for p in tiny.model.parameters())
+    assert len(info["layers"]) == tiny.hf.config.text_config.num_hidden_layers
+
+
 # --- text-only prompts: the plain RoPE path -------------------------------------------------------
 
 
@@ -135,19 +148,22 @@ def test_max_kv_size_image_prefill_matches_dense_reference(tiny, chunk, keep):
     assert_close(logits, expected)
 
 
-def test_image_and_text_sequences_batched_match_alone(tiny):
+@pytest.mark.parametrize("inputs_on", ["chunks", "batch"])
+def test_image_and_text_sequences_batched_match_alone(tiny, inputs_on):
     """One batch holds an image prompt's chunk and another sequence's text tokens (prefill, then
-    decode): each sequence's logits equal its own run."""
+    decode): each sequence's logits equal its own run, whether the multimodal inputs ride on the
+    SeqChunks or on the ForwardBatch (as runners that pack without chunks give them)."""
     prompt, chunk = tiny.prompt, 6
     features = tiny.model.encode_images(prompt.pixel_values, prompt.image_grid_thw)
     image_seq = prompt.token_ids + tiny.continuation
     caches = [SequenceCache(tiny.model.cache_specs()) for _ in range(2)]
+    caches[0].rope_delta = prompt.rope_delta
     seqs, done, outs = [image_seq, tiny.text_ids], [0, 0], [[], []]
     with torch.no_grad():
         while done[0] < len(seqs[0]) or done[1] < len(seqs[1]):
             sizes = [_next_size(prompt, done[0], chunk), 1 if done[1] else 9]
-            batch = _pack(tiny.model, prompt, features, seqs, done, sizes, caches)
-            logits = tiny.model(batch)
+            batch = _pack(prompt, features, seqs, done, sizes, caches)
+            logits = tiny.model(_on_batch(batch) if inputs_on == "batch" else batch)
             for c in batch.chunks:
                 seq = caches.index(c.cache)
                 outs[seq].append(logits[c.rows])
@@ -162,7 +178,7 @@ def _next_size(prompt: MultimodalPrompt, done: int, chunk: int) -> int:
     return min(chunk, len(prompt.token_ids) - done) if done < len(prompt.token_ids) else 1
 
 
-def _pack(model, prompt, features, seqs, done, sizes, caches) -> ForwardBatch:
+def _pack(prompt, features, seqs, done, sizes, caches) -> ForwardBatch:
     ids, positions, chunks, row = [], [], [], 0
     for seq in (1, 0):  # the text sequence first, so the image rows are offset in the batch
         m = min(sizes[seq], len(seqs[seq]) - done[seq])
@@ -176,3 +192,19 @@ def _pack(model, prompt, features, seqs, done, sizes, caches) -> ForwardBatch:
         chunks.append(SeqChunk(caches[seq], row, m, rope, images))
         row += m
     return ForwardBatch(torch.tensor(ids), torch.cat(positions), chunks, torch.arange(row))
+
+
+def _on_batch(batch: ForwardBatch) -> ForwardBatch:
+    """The same batch with its multimodal inputs moved from the chunks to the batch: (3, T) RoPE
+    ids of every row (text rows at position + rope_delta) and image rows of the packed batch."""
+    rope = batch.positions.expand(3, -1).clone()
+    chunks, images = [], None
+    for c in batch.chunks:
+        rope[:, c.rows] += c.cache.rope_delta
+        if c.rope_positions is not None:
+            rope[:, c.rows] = c.rope_positions
+        if c.images is not None:
+            rows = c.start + c.images.rows
+            images = ImageRows(rows, c.images.embeds, c.images.deepstack)
+        chunks.append(SeqChunk(c.cache, c.start, c.length))
+    return ForwardBatch(batch.input_ids, batch.positions, chunks, batch.logits_rows, rope, images)

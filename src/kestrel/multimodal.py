@@ -10,11 +10,13 @@ Images are preprocessed by transformers' image processor for the checkpoint
 the image's token count as transformers' Qwen-VL processors do. The engine then:
 
     prompt = processor(messages)                          # MultimodalPrompt
+    cache.rope_delta = prompt.rope_delta                  # text after the images is shifted
     features = model.encode_images(prompt.pixel_values, prompt.image_grid_thw)   # once
     rope, images = prompt.chunk_inputs(features, start, length)   # per prefill chunk
     SeqChunk(cache, row, length, rope_positions=rope, images=images)
 
-and decodes as usual: the sequence's `cache.rope_delta` carries the M-RoPE shift.
+and decodes as usual. (Runners that pack without SeqChunks put the same inputs on the
+ForwardBatch, with batch rows.)
 """
 
 import base64

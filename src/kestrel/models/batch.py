@@ -10,9 +10,10 @@ from kestrel.cache import SequenceCache
 
 @dataclass
 class ImageRows:
-    """Vision features that replace the embeddings of some of a chunk's tokens (image tokens).
+    """Vision features that replace the embeddings of some tokens (image tokens).
 
-    rows: (N,) indices within the chunk (0 is its first token); embeds: (N, hidden) merged vision
+    rows: (N,) indices within the chunk (0 is its first token) on `SeqChunk.images`, within the
+    packed batch on `ForwardBatch.images`; embeds: (N, hidden) merged vision
     features for those rows; deepstack: per early decoder layer i, (N, hidden) features added to
     those rows after layer i (Qwen3-VL's DeepStack; empty for models without it).
     """
@@ -26,9 +27,9 @@ class ImageRows:
 class SeqChunk:
     """Rows [start, start + length) of the packed batch are the next tokens of `cache`.
 
-    Multimodal prompts (models/mrope.py) add `rope_positions`, (3, length) M-RoPE position ids
-    (temporal, height, width) of these tokens, and `images`, the vision features of the image
-    tokens among them. Without them a chunk is text: its RoPE position is its position plus the
+    Chunks of multimodal prompts (kestrel/multimodal.py) add `rope_positions`, (3, length) M-RoPE
+    ids (temporal, height, width) of these tokens, and `images`, the vision features of the image
+    tokens among them. Without them a chunk is text: its RoPE id is its position plus the
     sequence's `cache.rope_delta`. `positions` (caches, masks) never change meaning.
     """
 
@@ -49,12 +50,16 @@ class ForwardBatch:
 
     input_ids: (T,) token ids; positions: (T,) absolute positions (each sequence's `offset` onward);
     logits_rows: (R,) rows whose logits the model returns (last row of each chunk when sampling).
+    Runners that pack without SeqChunks (paged attention, CUDA graphs) give multimodal inputs for
+    the whole batch instead: rope_positions, (T,) or (3, T) RoPE ids of every row, and images.
     """
 
     input_ids: torch.Tensor
     positions: torch.Tensor
     chunks: list[SeqChunk]
     logits_rows: torch.Tensor
+    rope_positions: torch.Tensor | None = None
+    images: ImageRows | None = None
 
     @classmethod
     def single(

@@ -26,7 +26,7 @@ def mrope_axes(half_dim: int, sections: list[int], interleaved: bool) -> torch.T
         return axes
     if sum(sections) != half_dim:
         raise ValueError(f"mrope_section {sections} does not cover {half_dim} rotary frequencies")
-    return torch.repeat_interleave(torch.arange(3), torch.tensor(sections))
+    return torch.tensor([axis for axis, n in enumerate(sections) for _ in range(n)])
 
 
 class MRotaryEmbedding(nn.Module):
@@ -62,11 +62,10 @@ def batch_rope_ids(batch: ForwardBatch) -> torch.Tensor:
     """RoPE ids of every row: (T,) when all rows are text, else (3, T).
 
     Text rows are at `position + cache.rope_delta`; chunks of a multimodal prompt bring their
-    own (3, length) ids. A chunk with explicit ids sets its sequence's `rope_delta` for the text
-    that follows: the next id is one past the largest id so far (the chunk must end at a text
-    token or at an image's end, which holds for the last chunk of a prompt; a chunk that ends
-    inside an image is followed by one that brings its own ids).
+    own (3, length) ids; runners that pack without chunks give `batch.rope_positions`.
     """
+    if batch.rope_positions is not None:
+        return batch.rope_positions
     shifted = batch.positions
     if any(chunk.cache.rope_delta for chunk in batch.chunks):
         shifted = batch.positions.clone()
@@ -78,8 +77,6 @@ def batch_rope_ids(batch: ForwardBatch) -> torch.Tensor:
     ids = shifted.expand(3, -1).clone()  # (3, T)
     for chunk in explicit:
         ids[:, chunk.rows] = chunk.rope_positions
-        following = int(chunk.rope_positions.max()) + 1
-        chunk.cache.rope_delta = following - (chunk.cache.offset + chunk.length)
     return ids
 
 

@@ -5,9 +5,9 @@ ViT with patch merging (models/qwen_vision.py).
 How images reach the decoder: the engine turns a chat request into a `MultimodalPrompt`
 (kestrel/multimodal.py), encodes its images once with `encode_images`, and gives each prefill
 chunk the M-RoPE ids and image features of its rows (`SeqChunk.rope_positions`, `.images`, from
-`MultimodalPrompt.chunk_inputs`). A chunk may end inside an image. Text-only batches take the
-plain RoPE path; text after an image (the rest of the prompt, decode) is shifted by the
-sequence's `rope_delta` (models/mrope.py). Qwen3-VL and Qwen3-VL-MoE subclass this file's model.
+`MultimodalPrompt.chunk_inputs`); a chunk may end inside an image. Text-only batches take the
+plain RoPE path; text rows of a sequence with images (decode) are shifted by its
+`cache.rope_delta` (models/mrope.py). Qwen3-VL and Qwen3-VL-MoE subclass this file's model.
 """
 
 import torch
@@ -62,6 +62,8 @@ class TextModel(nn.Module):
 
 def batch_images(batch: ForwardBatch) -> ImageRows | None:
     """The image rows of all chunks, as rows of the packed batch; None without images."""
+    if batch.images is not None:
+        return batch.images
     parts = [(c.start, c.images) for c in batch.chunks if c.images is not None]
     parts = [(start, im) for start, im in parts if im.rows.numel()]
     if not parts:
