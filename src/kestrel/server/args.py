@@ -1,17 +1,83 @@
-"""`kestrel serve` flags, named like llama-server's where we share them."""
+"""`kestrel serve` flags, named like llama-server's where we share them.
+
+Each shared flag also reads llama-server's environment variable (LLAMA_ARG_*); the command line
+wins over the environment because the variable only sets the flag's default.
+"""
 
 import argparse
+import os
 
 from kestrel.cli import add_engine_args
+
+# flag dest -> llama-server's environment variable
+LLAMA_ENV = {
+    "model": "LLAMA_ARG_MODEL",
+    "alias": "LLAMA_ARG_ALIAS",
+    "host": "LLAMA_ARG_HOST",
+    "port": "LLAMA_ARG_PORT",
+    "ctx_size": "LLAMA_ARG_CTX_SIZE",
+    "max_tokens": "LLAMA_ARG_N_PREDICT",
+    "parallel": "LLAMA_ARG_N_PARALLEL",
+    "prefill_chunk_size": "LLAMA_ARG_BATCH",
+    "threads": "LLAMA_ARG_THREADS",
+    "api_key": "LLAMA_API_KEY",
+    "timeout": "LLAMA_ARG_TIMEOUT",
+}
 
 
 def add_serve_args(p: argparse.ArgumentParser) -> None:
     add_engine_args(p)
-    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument(
+        "-a", "--alias", default=None, help="model name clients use (default: -m's value)"
+    )
+    p.add_argument("--host", default="127.0.0.1", help="bind address (default: loopback only)")
     p.add_argument("--port", type=int, default=8080)
     p.add_argument("-np", "--parallel", type=int, default=8, help="max running sequences")
-    p.add_argument("--max-queue-depth", type=int, default=64)
-    p.add_argument("-n", "--n-predict", dest="max_tokens", type=int, default=-1,
-                   help="default max tokens per request (-1 = until the context is full)")
-    p.add_argument("--api-key", default=None)
-    p.add_argument("--allowed-origins", default="", help="comma-separated CORS origins (default: none)")
+    p.add_argument(
+        "--max-queue-depth",
+        type=int,
+        default=64,
+        help="max waiting requests; beyond it 503 with Retry-After",
+    )
+    p.add_argument(
+        "-n",
+        "--n-predict",
+        dest="max_tokens",
+        type=int,
+        default=-1,
+        help="default max tokens per request (-1 = until the context is full)",
+    )
+    p.add_argument("-t", "--threads", type=int, default=0, help="CPU threads (0 = torch's default)")
+    p.add_argument("--api-key", default=None, help="require this key (Bearer) on all but /health")
+    p.add_argument(
+        "--allowed-origins", default="", help="comma-separated CORS origins (default: none)"
+    )
+    p.add_argument("--timeout", type=float, default=600.0, help="HTTP keep-alive/read timeout (s)")
+    p.add_argument(
+        "--shutdown-timeout",
+        type=float,
+        default=30.0,
+        help="seconds in-flight requests get to finish on SIGTERM",
+    )
+    p.add_argument(
+        "--no-exit-on-engine-failure",
+        dest="exit_on_engine_failure",
+        action="store_false",
+        help="stay up (unhealthy, 503) if the engine loop dies",
+    )
+    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    apply_llama_env(p)
+
+
+def apply_llama_env(p: argparse.ArgumentParser, environ=os.environ) -> None:
+    """Set defaults from LLAMA_ARG_* variables, converted by the flag's own type."""
+    actions = {a.dest: a for a in p._actions}
+    defaults = {}
+    for dest, var in LLAMA_ENV.items():
+        if var in environ and dest in actions:
+            convert = actions[dest].type or str
+            try:
+                defaults[dest] = convert(environ[var])
+            except ValueError:
+                p.error(f"{var}={environ[var]!r} is not a valid {dest}")
+    p.set_defaults(**defaults)

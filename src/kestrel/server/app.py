@@ -1,0 +1,64 @@
+"""The FastAPI app factory: routes, error mapping, auth, CORS and metrics middleware.
+
+`create_app(config, load)` serves at once; `load()` builds the Engine on a worker thread while
+/health answers 503, then one warm-up generation runs and /health turns 200.
+"""
+
+import asyncio
+from collections.abc import Callable
+from contextlib import asynccontextmanager
+
+from fastapi import FastAPI
+from fastapi.middleware.cors import CORSMiddleware
+
+import kestrel
+from kestrel.engine.async_engine import AsyncEngine
+from kestrel.engine.engine import Engine
+from kestrel.server.auth import APIKeyMiddleware
+from kestrel.server.errors import install_error_handlers
+from kestrel.server.metrics import HTTPMetricsMiddleware
+from kestrel.server.routes import chat, completions, health, llama, models
+from kestrel.server.state import ServerConfig, ServerState
+
+
+def create_app(
+    config: ServerConfig,
+    load: Callable[[], Engine] | None = None,
+    configure: Callable[[AsyncEngine], None] | None = None,
+    request_exit: Callable[[int], None] | None = None,
+) -> FastAPI:
+    """`load` builds the engine (None: never ready, e.g. to inspect routes); `configure` sees the
+    AsyncEngine before it starts (test fault hooks); `request_exit(code)` asks the process to end."""
+    state = ServerState(config, request_exit)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        task = asyncio.create_task(state.start(load, configure)) if load else None
+        yield
+        if task is not None:
+            task.cancel()
+        state.stop()
+
+    app = FastAPI(title="kestrel", version=kestrel.__version__, lifespan=lifespan)
+    app.state.kestrel = state
+    routers = [module.router for module in (chat, completions, models, llama, health)]
+    for router in routers:
+        app.include_router(router)
+    install_error_handlers(app)
+    _add_middleware(app, state, {route.path for router in routers for route in router.routes})
+    return app
+
+
+def _add_middleware(app: FastAPI, state: ServerState, routes: set[str]) -> None:
+    """The last added runs first: metrics see every response, CORS answers preflights, then auth."""
+    config = state.config
+    if config.api_key:
+        app.add_middleware(APIKeyMiddleware, api_key=config.api_key)
+    if config.allowed_origins:
+        app.add_middleware(
+            CORSMiddleware,
+            allow_origins=config.allowed_origins,
+            allow_methods=["GET", "POST"],
+            allow_headers=["*"],
+        )
+    app.add_middleware(HTTPMetricsMiddleware, metrics=state.metrics, routes=routes)

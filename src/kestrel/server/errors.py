@@ -1,0 +1,146 @@
+"""Every error the server answers, mapped to OpenAI's error body in this one place.
+
+{"error": {"message": str, "type": str, "param": str | null, "code": str | null}}
+"""
+
+import json
+import logging
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException
+
+from kestrel.engine.async_engine import EngineDeadError
+from kestrel.engine.scheduler import QueueFullError
+from kestrel.errors import InvalidRequestError
+
+log = logging.getLogger("kestrel.server")
+
+RETRY_AFTER_S = 1
+
+
+class APIError(Exception):
+    """An HTTP error with an OpenAI body: raise it anywhere below a route."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        type: str = "invalid_request_error",
+        param: str | None = None,
+        code: str | None = None,
+        headers: dict | None = None,
+    ):
+        super().__init__(message)
+        self.status, self.type, self.param, self.code = status, type, param, code
+        self.headers = headers
+
+
+class ClientDisconnected(Exception):
+    """The client went away before its response was ready (logged as 499, never sent)."""
+
+
+def model_not_found(name: str) -> APIError:
+    return APIError(
+        404, f"The model '{name}' does not exist", param="model", code="model_not_found"
+    )
+
+
+def unavailable(message: str) -> APIError:
+    return APIError(
+        503,
+        message,
+        "service_unavailable",
+        code="service_unavailable",
+        headers={"Retry-After": str(RETRY_AFTER_S)},
+    )
+
+
+def error_body(message: str, type: str, param: str | None = None, code: str | None = None) -> dict:
+    return {"error": {"message": message, "type": type, "param": param, "code": code}}
+
+
+def error_response(error: APIError) -> JSONResponse:
+    body = error_body(str(error), error.type, error.param, error.code)
+    return JSONResponse(body, status_code=error.status, headers=error.headers)
+
+
+def as_api_error(error: BaseException, request_id: str | None = None) -> APIError:
+    """The APIError for any exception: user errors are 4xx, engine trouble 5xx."""
+    if isinstance(error, APIError):
+        return error
+    if isinstance(error, InvalidRequestError):
+        return APIError(400, str(error), param=error.param, code=error.code)
+    if isinstance(error, QueueFullError):
+        return unavailable(f"{error}; retry later")
+    if isinstance(error, EngineDeadError):
+        return unavailable(str(error))
+    if isinstance(error, ClientDisconnected):
+        return APIError(499, str(error), code="client_disconnected")
+    where = f" (request {request_id})" if request_id else ""
+    return APIError(
+        500,
+        f"the request failed{where}: {type(error).__name__}: {error}",
+        "server_error",
+        code="internal_error",
+    )
+
+
+def validation_error(error: RequestValidationError) -> APIError:
+    """pydantic's first complaint as a 400 naming the field (`messages[0].content`)."""
+    first = error.errors()[0]
+    loc = [part for part in first.get("loc", ()) if part != "body"]
+    if first.get("type") == "json_invalid":
+        return APIError(400, "the body is not valid JSON", code="invalid_json")
+    if not loc:
+        return APIError(400, "the body must be a JSON object", code="invalid_body")
+    param = _param_name(loc)
+    return APIError(
+        400, f"{param}: {first.get('msg', 'invalid value')}", param=param, code=first.get("type")
+    )
+
+
+def _param_name(loc) -> str:
+    name = ""
+    for part in loc:
+        if isinstance(part, int):
+            name += f"[{part}]"
+        elif not name:
+            name = str(part)
+        elif not _is_type_tag(part):
+            name += f".{part}"
+    return name
+
+
+def _is_type_tag(part: str) -> bool:
+    # pydantic names union members in the location (`str`, `list[int]`, `function-after[...]`)
+    return any(c in part for c in "[]-") or part in ("str", "int", "float", "bool", "list", "dict")
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    async def on_api_error(request: Request, error: Exception) -> JSONResponse:
+        api_error = as_api_error(error)
+        if api_error.status >= 500:
+            log.error("%s %s failed: %s", request.method, request.url.path, api_error)
+        return error_response(api_error)
+
+    async def on_validation(request: Request, error: RequestValidationError) -> JSONResponse:
+        return error_response(validation_error(error))
+
+    async def on_http(request: Request, error: HTTPException) -> JSONResponse:
+        kind = "not_found_error" if error.status_code == 404 else "invalid_request_error"
+        api_error = APIError(error.status_code, str(error.detail), kind, headers=error.headers)
+        return error_response(api_error)
+
+    app.add_exception_handler(RequestValidationError, on_validation)
+    app.add_exception_handler(HTTPException, on_http)
+    for kind in (APIError, InvalidRequestError, QueueFullError, EngineDeadError, Exception):
+        app.add_exception_handler(kind, on_api_error)
+
+
+def sse_error(error: BaseException, request_id: str | None = None) -> str:
+    """The SSE event that ends a failed stream (the `[DONE]` follows)."""
+    api_error = as_api_error(error, request_id)
+    body = error_body(str(api_error), api_error.type, api_error.param, api_error.code)
+    return f"data: {json.dumps(body)}\n\n"

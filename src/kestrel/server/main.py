@@ -1,0 +1,83 @@
+"""`kestrel serve`: build the app from the flags and run it on uvicorn."""
+
+import logging
+import os
+
+import uvicorn
+
+from kestrel.engine.engine import Engine, EngineConfig
+from kestrel.engine.scheduler import SchedulerConfig
+from kestrel.server import faults
+from kestrel.server.app import create_app
+from kestrel.server.state import ServerConfig
+
+log = logging.getLogger("kestrel.server")
+
+
+def serve(args) -> int:
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    faults.parse(os.environ.get(faults.ENV_VAR, ""))  # a bad test spec fails at startup
+    exit_code = 0
+    server: uvicorn.Server | None = None
+
+    def request_exit(code: int) -> None:
+        nonlocal exit_code
+        exit_code = exit_code or code
+        server.should_exit = True
+
+    app = create_app(server_config(args), lambda: load_engine(args), _configure, request_exit)
+    server = uvicorn.Server(
+        uvicorn.Config(
+            app,
+            host=args.host,
+            port=args.port,
+            log_level=args.log_level,
+            timeout_keep_alive=int(args.timeout),
+            timeout_graceful_shutdown=args.shutdown_timeout,
+        )
+    )
+    server.run()
+    return exit_code
+
+
+def server_config(args) -> ServerConfig:
+    name = args.alias or args.model
+    return ServerConfig(
+        model_name=name,
+        aliases={args.model, os.path.basename(str(args.model))},
+        api_key=args.api_key or None,
+        allowed_origins=[o.strip() for o in args.allowed_origins.split(",") if o.strip()],
+        default_max_tokens=args.max_tokens if args.max_tokens > 0 else None,
+        exit_on_engine_failure=args.exit_on_engine_failure,
+    )
+
+
+def load_engine(args) -> Engine:
+    import torch
+
+    from kestrel.llm import resolve_device, resolve_dtype
+    from kestrel.weights.loader import load
+
+    if args.threads > 0:
+        torch.set_num_threads(args.threads)
+    device = resolve_device(args.device)
+    model, tokenizer, _ = load(args.model, resolve_dtype(args.dtype, device), device, False)
+    scheduler = SchedulerConfig(
+        max_running=args.parallel,
+        prefill_chunk_size=args.prefill_chunk_size,
+        max_queue_depth=args.max_queue_depth,
+    )
+    config = EngineConfig(
+        max_kv_size=args.max_kv_size or None,
+        keep=args.keep,
+        ctx_size=args.ctx_size or None,
+        scheduler=scheduler,
+    )
+    return Engine(model, tokenizer, config, device)
+
+
+def _configure(engine) -> None:
+    if faults.install_from_env(engine):
+        log.warning("TEST-ONLY fault injection is on (%s is set)", faults.ENV_VAR)

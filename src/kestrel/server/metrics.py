@@ -1,0 +1,109 @@
+"""Prometheus metrics: one registry per app; engine gauges are read from the engine's snapshot."""
+
+from collections.abc import Callable
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from kestrel.engine.async_engine import AsyncEngine, LatencyListener
+
+LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+
+
+class Metrics(LatencyListener):
+    def __init__(self, engine: Callable[[], AsyncEngine | None]):
+        self.registry = CollectorRegistry()
+        self.http_requests = Counter(
+            "kestrel_http_requests",
+            "HTTP requests by route and status code",
+            ["route", "status"],
+            registry=self.registry,
+        )
+        self.ttft = Histogram(
+            "kestrel_time_to_first_token_seconds",
+            "time from admission to the first token",
+            buckets=LATENCY_BUCKETS,
+            registry=self.registry,
+        )
+        self.itl = Histogram(
+            "kestrel_inter_token_latency_seconds",
+            "time between a request's tokens",
+            buckets=LATENCY_BUCKETS,
+            registry=self.registry,
+        )
+        self.registry.register(EngineCollector(engine))
+
+    def first_token(self, seconds: float) -> None:
+        self.ttft.observe(seconds)
+
+    def token_gap(self, seconds: float) -> None:
+        self.itl.observe(seconds)
+
+    def exposition(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+class EngineCollector:
+    """Engine counters and gauges from the snapshot the engine thread publishes each step."""
+
+    def __init__(self, engine: Callable[[], AsyncEngine | None]):
+        self.engine = engine
+
+    def collect(self):
+        engine = self.engine()
+        if engine is None:
+            return
+        stats = engine.stats
+        yield _gauge("kestrel_queue_depth", "requests waiting for a running slot", stats.waiting)
+        yield _gauge("kestrel_running_sequences", "sequences in the running batch", stats.running)
+        yield _gauge(
+            "kestrel_requests_in_flight", "accepted, unfinished requests", engine.num_unfinished
+        )
+        yield _gauge(
+            "kestrel_kv_tokens_in_use", "live KV tokens over all sequences", stats.kv_tokens_in_use
+        )
+        yield _gauge(
+            "kestrel_engine_alive", "1 while the engine loop runs", int(engine.dead is None)
+        )
+        yield _counter(
+            "kestrel_kv_trimmed_tokens",
+            "KV tokens trimmed by --max-kv-size",
+            stats.kv_tokens_trimmed,
+        )
+        yield _counter("kestrel_prompt_tokens", "prompt tokens admitted", stats.prompt_tokens)
+        yield _counter("kestrel_generation_tokens", "tokens generated", stats.generation_tokens)
+        yield _counter("kestrel_engine_steps", "engine steps run", stats.steps)
+        finished = CounterMetricFamily(
+            "kestrel_requests_finished", "engine requests by finish reason", labels=["reason"]
+        )
+        for reason, count in sorted(stats.finished.items()):
+            finished.add_metric([reason], count)
+        yield finished
+
+
+def _gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
+    return GaugeMetricFamily(name, doc, value=value)
+
+
+def _counter(name: str, doc: str, value: float) -> CounterMetricFamily:
+    return CounterMetricFamily(name, doc, value=value)
+
+
+class HTTPMetricsMiddleware:
+    """Counts every response by route and status (unknown paths as "other": bounded labels)."""
+
+    def __init__(self, app: ASGIApp, metrics: Metrics, routes: set[str]):
+        self.app, self.metrics, self.routes = app, metrics, routes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        route = scope["path"] if scope["path"] in self.routes else "other"
+
+        async def counting_send(message) -> None:
+            if message["type"] == "http.response.start":
+                self.metrics.http_requests.labels(route, str(message["status"])).inc()
+            await send(message)
+
+        await self.app(scope, receive, counting_send)
