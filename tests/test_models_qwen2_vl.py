@@ -75,3 +75,12 @@ def test_prompt_rope_ids_match_transformers_rope_index(tiny):
     rope = prompt_rope_ids(ids[0], tiny.image_token_id, tiny.prompt.image_grid_thw, MERGE)
     assert torch.equal(rope, expected[:, 0])
     assert tiny.prompt.rope_delta == int(delta)
+
+
+def test_checkpoints_saved_before_transformers_4_52_load_by_name(tiny):
+    # the Qwen2-VL releases keep the ViT at `visual.*` and the decoder at `model.*`
+    params = dict(tiny.model.named_parameters())
+    for old in ["visual.blocks.0.attn.qkv.weight", "model.layers.1.self_attn.q_proj.bias"]:
+        assert tiny.model.checkpoint_name(old) in params
+    for current in params:
+        assert tiny.model.checkpoint_name(current) == current

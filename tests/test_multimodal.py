@@ -84,8 +84,11 @@ def test_local_files_only_inside_the_allowed_directory(tmp_path: Path):
     _, images = collect_images(user(image_part(f"file://{allowed}/cat.png")), limits)
     assert images[0].size == (8, 8)
     assert "disabled" in str(rejected(user(image_part(f"file://{allowed}/cat.png"))))
-    for escape in [f"file://{outside}/secret.png", f"file://{allowed}/../private/secret.png",
-                   f"file://{allowed}/link.png"]:
+    for escape in [
+        f"file://{outside}/secret.png",
+        f"file://{allowed}/../private/secret.png",
+        f"file://{allowed}/link.png",
+    ]:
         error = rejected(user(image_part(escape)), limits)
         assert error.param == "messages[0].content[1]" and "outside" in str(error)
     assert "does not exist" in str(rejected(user(image_part(f"file://{allowed}/no.png")), limits))
@@ -119,7 +122,8 @@ def test_prompt_expands_each_image_to_its_tokens(processor):
     assert prompt.image_grid_thw.tolist() == [[1, 6, 4], [1, 2, 2]]
     assert [e - s for s, e in prompt.image_spans] == [6, 1]
     ids = torch.tensor(prompt.token_ids)
-    assert (ids == processor.image_token_id).nonzero()[:, 0].tolist() == prompt.image_rows().tolist()
+    image_rows = (ids == processor.image_token_id).nonzero()[:, 0]
+    assert image_rows.tolist() == prompt.image_rows().tolist()
     assert prompt.rope_positions.shape == (3, len(prompt.token_ids))
     assert prompt.rope_delta == (3 - 6) + (1 - 1)  # each image advances max(rows, cols) ids
 

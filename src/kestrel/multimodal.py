@@ -162,7 +162,9 @@ def _decode_image(data: bytes, param: str, limits: MediaLimits):
         return image.convert("RGB")
     except InvalidRequestError:
         raise
-    except (OSError, ValueError, SyntaxError, Image.DecompressionBombError) as e:
+    except Image.DecompressionBombError as e:
+        raise InvalidRequestError(f"image is too large ({e})", param) from e
+    except (OSError, ValueError, SyntaxError) as e:
         raise InvalidRequestError(f"not a valid image ({e})", param) from e
 
 
