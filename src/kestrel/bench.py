@@ -161,7 +161,9 @@ def ceilings(args, model, config, dtype, work: Workload, concurrency: int) -> di
         return {}
     w = weight_bytes(model)
     params = w / torch.finfo(dtype).bits * 8
-    kv_per_token = model.kv_bytes_per_token(dtype)
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    kv_per_token = 2 * config.num_key_value_heads * head_dim * config.num_hidden_layers
+    kv_per_token *= torch.finfo(dtype).bits // 8
     if work.num_requests == 1:
         return {"ceiling_decode_tok_s": bw / (w + kv_per_token * work.prompt_tokens)}
     p, o, n = work.prompt_tokens, work.output_tokens, work.num_requests
