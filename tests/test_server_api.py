@@ -3,9 +3,9 @@ text equal to the Python API's, streaming, usage, logprobs, n, stop, errors, aut
 
 import openai
 import pytest
-from server_fixtures import ALLOWED_ORIGIN, shared_server
 
 from kestrel.sampling import SamplingParams
+from server_fixtures import ALLOWED_ORIGIN, shared_server
 
 pytestmark = pytest.mark.slow
 
