@@ -41,11 +41,10 @@ def create_app(
 
     app = FastAPI(title="kestrel", version=kestrel.__version__, lifespan=lifespan)
     app.state.kestrel = state
-    routers = [module.router for module in (chat, completions, models, llama, health)]
-    for router in routers:
-        app.include_router(router)
+    for module in (chat, completions, models, llama, health):
+        app.include_router(module.router)
     install_error_handlers(app)
-    _add_middleware(app, state, {route.path for router in routers for route in router.routes})
+    _add_middleware(app, state, {path for path, _ in route_table(app)})
     return app
 
 
@@ -62,3 +61,18 @@ def _add_middleware(app: FastAPI, state: ServerState, routes: set[str]) -> None:
             allow_headers=["*"],
         )
     app.add_middleware(HTTPMetricsMiddleware, metrics=state.metrics, routes=routes)
+
+
+def route_table(app: FastAPI) -> list[tuple[str, set[str]]]:
+    """Every (path, methods) the app serves, walking included routers (auth tests use it)."""
+    table = []
+
+    def walk(routes) -> None:
+        for route in routes:
+            if hasattr(route, "original_router"):  # FastAPI's included router
+                walk(route.original_router.routes)
+            elif hasattr(route, "path"):
+                table.append((route.path, set(getattr(route, "methods", None) or {"GET"})))
+
+    walk(app.router.routes)
+    return table
