@@ -2,6 +2,7 @@
 
 import logging
 import os
+import signal
 
 import uvicorn
 
@@ -28,18 +29,34 @@ def serve(args) -> int:
         server.should_exit = True
 
     app = create_app(server_config(args), lambda: load_engine(args), _configure, request_exit)
-    server = uvicorn.Server(
-        uvicorn.Config(
-            app,
-            host=args.host,
-            port=args.port,
-            log_level=args.log_level,
-            timeout_keep_alive=int(args.timeout),
-            timeout_graceful_shutdown=args.shutdown_timeout,
-        )
+    config = uvicorn.Config(
+        app,
+        host=args.host,
+        port=args.port,
+        log_level=args.log_level,
+        timeout_keep_alive=int(args.timeout),
+        timeout_graceful_shutdown=args.shutdown_timeout,
     )
+    server = _Server(config, on_sigterm=app.state.kestrel.drain)
     server.run()
     return exit_code
+
+
+class _Server(uvicorn.Server):
+    """SIGTERM drains: /health and new requests turn 503 at once, in-flight requests finish (up
+    to --shutdown-timeout), and the process exits 0 instead of re-raising the signal."""
+
+    def __init__(self, config: uvicorn.Config, on_sigterm):
+        super().__init__(config)
+        self.on_sigterm = on_sigterm
+
+    def handle_exit(self, sig, frame) -> None:
+        if sig == signal.SIGTERM and not self.should_exit:
+            log.info("SIGTERM: draining")
+            self.on_sigterm()
+            self.should_exit = True
+            return
+        super().handle_exit(sig, frame)
 
 
 def server_config(args) -> ServerConfig:

@@ -70,7 +70,8 @@ class ServerState:
             self.status = "failed"
             self.request_exit(1)
             return
-        self.status = "ready"
+        if self.status == "loading":
+            self.status = "ready"
         log.info("ready: serving %s", self.config.model_name)
 
     async def _warm_up(self, engine: AsyncEngine) -> None:
@@ -88,7 +89,12 @@ class ServerState:
             )
             self.request_exit(1)
 
+    def drain(self) -> None:
+        """Stop admitting: /health and new requests answer 503; running requests go on."""
+        if self.status != "failed":
+            self.status = "draining"
+
     def stop(self) -> None:
-        self.status = "draining"
+        self.drain()
         if self.engine is not None:
             self.engine.stop()
