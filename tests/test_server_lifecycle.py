@@ -5,6 +5,7 @@ import signal
 import time
 
 import pytest
+
 from server_fixtures import start_server, wait_healthy
 
 pytestmark = pytest.mark.slow
