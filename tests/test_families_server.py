@@ -166,10 +166,9 @@ def checkpoints(tmp_path_factory, smollm2_tokenizer) -> dict[str, Path]:
 @pytest.fixture(scope="module", params=sorted(FAMILIES))
 def served(request, checkpoints):
     args = ["-m", str(checkpoints[request.param]), "-a", ALIAS, "-c", "256"]
-    # a step's token budget is one chunk plus one token per slot: 64 slots fit every chunk of the
-    # four prompts, so no chunk is cut by the budget and a KV-bounded request (whose visibility
-    # depends on its chunk boundaries) is chunked alike alone and batched
-    server = start_server([*args, "-np", "64", "--prefill-chunk-size", str(PREFILL_CHUNK)])
+    # 8 slots: a step's budget (one chunk plus a token per slot) cannot fit every prompt's chunk,
+    # so a KV-bounded request must wait for a whole chunk to be chunked alike alone and batched
+    server = start_server([*args, "-np", "8", "--prefill-chunk-size", str(PREFILL_CHUNK)])
     yield request.param, server
     server.stop()
 

@@ -82,3 +82,17 @@ def test_abort_removes_waiting_and_running():
     assert s.abort("r1").finish_reason == "abort"
     assert s.abort("r0").finish_reason == "abort"
     assert not s.has_work()
+
+
+def test_bounded_requests_get_whole_chunks_or_wait():
+    # the second bounded prompt would only get a partial chunk: it waits for a whole one instead,
+    # so its chunk boundaries (and so its output) do not depend on what else runs
+    s = Scheduler(SchedulerConfig(max_running=4, prefill_chunk_size=16, max_batched_tokens=24))
+    s.add(make_request(0, 40, max_kv_size=20, keep=4))
+    s.add(make_request(1, 40, max_kv_size=20, keep=4))
+    plan = run_step(s)
+    assert [(c.request.request_id, c.num_tokens) for c in plan.chunks] == [("r0", 16)]
+    sizes = set()
+    while s.running and any(r.is_prefilling for r in s.running):
+        sizes |= {c.num_tokens for c in run_step(s).chunks if c.request.request_id == "r1"}
+    assert sizes <= {16, 8, 1}  # 40 = 16 + 16 + 8, then decodes

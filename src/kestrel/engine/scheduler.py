@@ -69,9 +69,13 @@ class Scheduler:
         self._admit()
         for request in self.running:  # then prefill chunks, oldest first
             if request.is_prefilling and budget > 0:
-                n = min(request.num_pending, request.max_chunk(self.config.prefill_chunk_size), budget)
-                chunks.append(ScheduledChunk(request, n))
-                budget -= n
+                n = min(request.num_pending, request.max_chunk(self.config.prefill_chunk_size))
+                if request.max_kv_size and n > budget:
+                    # under a KV bound chunk boundaries decide which keys stay visible: a chunk
+                    # cut short by other requests' work would make output depend on the batch
+                    continue
+                chunks.append(ScheduledChunk(request, min(n, budget)))
+                budget -= min(n, budget)
         return SchedulerOutput(chunks)
 
     def _admit(self) -> None:
