@@ -3,8 +3,8 @@
 Models are a real checkpoint (`-m`) or random weights of a named shape (`--shape llama3-8b`).
 Each measurement prints one JSON line (engine, shape, numbers, its roofline ceiling, command, GPU,
 commit). Offline runs drive the scheduler and runner directly, ignoring EOS, with no detokenizer
-(the peer's batch API does not detokenize either). `kestrel bench serve --url` measures any
-OpenAI-compatible server (see bench_serve.py).
+(the peer's batch API does not detokenize either). `kestrel bench serve --url` (measuring an
+OpenAI-compatible server) is reserved and not built yet.
 """
 
 import json
@@ -368,9 +368,9 @@ def peer_throughput(model, work: Workload, vocab: int, device) -> dict:
 
 def run_bench(args) -> int:
     if args.mode == "serve":
-        from kestrel.bench_serve import run_serve_bench
-
-        return run_serve_bench(args)
+        raise SystemExit(
+            "kestrel bench serve (an OpenAI-compatible server at --url) is not built yet"
+        )
     from kestrel.llm import resolve_device, resolve_dtype
 
     device = resolve_device(args.device)
