@@ -113,3 +113,18 @@ def test_dropped_stream_is_aborted_and_frees_its_kv(server):
         after["kestrel_generation_tokens_total"] - baseline["kestrel_generation_tokens_total"]
     )
     assert generated < 100  # stopped long before max_tokens
+
+
+def test_client_timeout_on_a_non_streaming_request_aborts_it(server):
+    baseline = _wait_idle(server, 0)
+    with pytest.raises(openai.APITimeoutError):
+        server.client(timeout=1.0).chat.completions.create(
+            model="smollm2",
+            messages=[{"role": "user", "content": "Tell me a very long story."}],
+            max_tokens=1000,
+            extra_body={"ignore_eos": True},
+        )
+    after = _wait_idle(server, 0)
+    assert after["kestrel_running_sequences"] == 0 and after["kestrel_kv_tokens_in_use"] == 0
+    aborted = 'kestrel_requests_finished_total{reason="abort"}'
+    assert after[aborted] == baseline.get(aborted, 0) + 1

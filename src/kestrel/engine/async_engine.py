@@ -104,9 +104,10 @@ class AsyncEngine:
         # test-only: called as hook("loop", request) for running requests before each step
         self.fault_hook: Callable[[str, Any], None] | None = None
         self.dead: BaseException | None = None
-        self.capacity = (
-            engine.config.scheduler.max_running + engine.config.scheduler.max_queue_depth
-        )
+        # admission control: at most this many unfinished requests. New requests wait in the
+        # scheduler's queue until its next step, so its bound is the whole capacity (the server
+        # sizes it as --parallel + --max-queue-depth).
+        self.capacity = engine.config.scheduler.max_queue_depth
         self._loop: asyncio.AbstractEventLoop | None = None
         self._streams: dict[str, OutputStream] = {}
         self._pending: set[asyncio.Future] = set()  # call() futures the engine thread owes
@@ -290,11 +291,14 @@ class AsyncEngine:
     def _die(self, error: BaseException) -> None:
         log.critical("the engine loop died: %r", error, exc_info=error)
         self.dead = error
-        self._loop.call_soon_threadsafe(
-            self._fail_all, EngineDeadError(f"the engine stopped: {error!r}")
-        )
-        if self.on_death is not None:
-            self._loop.call_soon_threadsafe(self.on_death, error)
+        try:
+            self._loop.call_soon_threadsafe(
+                self._fail_all, EngineDeadError(f"the engine stopped: {error!r}")
+            )
+            if self.on_death is not None:
+                self._loop.call_soon_threadsafe(self.on_death, error)
+        except RuntimeError:
+            pass  # the event loop is already closed: nobody is left to tell
 
 
 def _resolve(future: asyncio.Future, result: Any, error: BaseException | None) -> None:

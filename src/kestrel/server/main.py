@@ -81,10 +81,11 @@ def load_engine(args) -> Engine:
         torch.set_num_threads(args.threads)
     device = resolve_device(args.device)
     model, tokenizer, _ = load(args.model, resolve_dtype(args.dtype, device), device, False)
+    # every new request waits in the scheduler's queue until its next step, free slot or not
     scheduler = SchedulerConfig(
         max_running=args.parallel,
         prefill_chunk_size=args.prefill_chunk_size,
-        max_queue_depth=args.max_queue_depth,
+        max_queue_depth=args.parallel + args.max_queue_depth,
     )
     config = EngineConfig(
         max_kv_size=args.max_kv_size or None,
