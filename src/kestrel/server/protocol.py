@@ -137,7 +137,6 @@ class CompletionRequest(_SamplingRequest):
     prompt: str | list[int] | list[str] | list[list[int]]
     logprobs: int | None = None
     echo: bool = False
-    max_tokens: int | None = 16  # OpenAI's default for completions
 
     def prompts(self) -> list[str | list[int]]:
         """One or several prompts, each a string or token ids."""
@@ -150,6 +149,10 @@ class CompletionRequest(_SamplingRequest):
 
     def _logprobs(self) -> int | None:
         return self.logprobs
+
+    def sampling_params(self, default_max_tokens: int | None) -> SamplingParams:
+        # OpenAI's completions default is 16 tokens, unless the server sets one (-n)
+        return super().sampling_params(default_max_tokens or 16)
 
 
 class LlamaCompletionRequest(_Request):
