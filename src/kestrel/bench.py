@@ -3,10 +3,11 @@
 Models are a real checkpoint (`-m`) or random weights of a named shape (`--shape llama3-8b`).
 Each measurement prints one JSON line (engine, shape, numbers, its roofline ceiling, command, GPU,
 commit). Offline runs drive the scheduler and runner directly, ignoring EOS, with no detokenizer
-(the peer's batch API does not detokenize either). `kestrel bench serve --url` (measuring an
-OpenAI-compatible server) is reserved and not built yet.
+(the peer's batch API does not detokenize either). `kestrel bench serve --url` measures an
+OpenAI-compatible server under concurrent streaming clients (bench_serve.py).
 """
 
+import contextlib
 import json
 import os
 import random
@@ -17,66 +18,9 @@ from dataclasses import dataclass
 
 import torch
 
-# model_type + config fields of the named shapes (as in their Hugging Face config.json)
-SHAPES = {
-    "llama3-8b": dict(
-        model_type="llama",
-        hidden_size=4096,
-        intermediate_size=14336,
-        num_hidden_layers=32,
-        num_attention_heads=32,
-        num_key_value_heads=8,
-        vocab_size=128256,
-        max_position_embeddings=131072,
-        rms_norm_eps=1e-5,
-        rope_theta=500000.0,
-        rope_scaling=dict(
-            rope_type="llama3",
-            factor=8.0,
-            low_freq_factor=1.0,
-            high_freq_factor=4.0,
-            original_max_position_embeddings=8192,
-        ),
-    ),
-    "qwen2.5-0.5b": dict(
-        model_type="qwen2",
-        hidden_size=896,
-        intermediate_size=4864,
-        num_hidden_layers=24,
-        num_attention_heads=14,
-        num_key_value_heads=2,
-        vocab_size=151936,
-        max_position_embeddings=32768,
-        rms_norm_eps=1e-6,
-        rope_theta=1000000.0,
-        tie_word_embeddings=True,
-    ),
-    "smollm2-135m": dict(
-        model_type="llama",
-        hidden_size=576,
-        intermediate_size=1536,
-        num_hidden_layers=30,
-        num_attention_heads=9,
-        num_key_value_heads=3,
-        vocab_size=49152,
-        max_position_embeddings=8192,
-        rms_norm_eps=1e-5,
-        rope_theta=100000.0,
-        tie_word_embeddings=True,
-    ),
-    "tiny": dict(  # for CPU smoke runs and tests
-        model_type="llama",
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        vocab_size=512,
-        max_position_embeddings=2048,
-        rms_norm_eps=1e-5,
-        rope_theta=10000.0,
-    ),
-}
+from kestrel.bench_serve import add_serve_bench_args
+from kestrel.shapes import random_model, randomize, shape_config
+
 # the reference machine's measured ceilings (DESIGN.md section 5)
 H200 = dict(bandwidth=4.25e12, flops=786e12)
 
@@ -108,40 +52,17 @@ class Workload:
         return [rng.randint(max(1, o // 2), o * 3 // 2) for _ in range(self.num_requests)]
 
 
-def shape_config(name: str):
-    from transformers import AutoConfig
-
-    if name not in SHAPES:
-        raise SystemExit(f"unknown shape {name!r}; choose one of {', '.join(SHAPES)}")
-    fields = dict(SHAPES[name])
-    model_type = fields.pop("model_type")
-    return AutoConfig.for_model(model_type, **fields)
-
-
 def load_model(args, device, dtype):
     """(model, config, label): random weights of --shape, or the checkpoint of -m."""
-    from kestrel.weights.loader import build_model, resolve
     from kestrel.weights.loader import load_model as load_checkpoint
+    from kestrel.weights.loader import resolve
 
     if args.shape:
-        config = shape_config(args.shape)
-        torch.manual_seed(args.seed)
-        model = build_model(config, dtype, device)
-        _randomize(model)
+        model, config = random_model(args.shape, dtype, device, args.seed)
         return model, config, args.shape
     source = resolve(args.model)
     model = load_checkpoint(source, dtype, device, progress=not args.no_progress)
     return model, model.config, source.name
-
-
-@torch.no_grad()
-def _randomize(model) -> None:
-    # small normal weights keep activations finite through many layers of random matrices
-    for name, p in model.named_parameters():
-        if "norm" in name:
-            p.fill_(1.0)
-        else:
-            p.normal_(0, 0.02)
 
 
 def weight_bytes(model) -> int:
@@ -214,9 +135,10 @@ def _sync(device) -> None:
 
 
 def make_kestrel_runner(args, model, config, device, max_num_seqs: int):
-    from kestrel.engine.gpu_runner import GPUConfig, make_runner
+    from kestrel.cli import gpu_config
+    from kestrel.engine.gpu_runner import make_runner
 
-    gpu = GPUConfig(args.gpu_memory_utilization, not args.no_cuda_graphs, args.block_size)
+    gpu = gpu_config(args)
     ctx = args.ctx_size or getattr(config, "max_position_embeddings", 4096)
     return make_runner(model, device, max_num_seqs, args.max_batched_tokens, ctx, gpu)
 
@@ -313,7 +235,7 @@ def peer_model(config, dtype, device, seed: int):
     torch.manual_seed(seed)
     with torch.device(device):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
-    _randomize(model)
+    randomize(model)
     return model.eval()
 
 
@@ -367,11 +289,10 @@ def peer_throughput(model, work: Workload, vocab: int, device) -> dict:
 
 
 def run_bench(args) -> int:
-    if args.mode == "serve":
-        raise SystemExit(
-            "kestrel bench serve (an OpenAI-compatible server at --url) is not built yet"
-        )
     from kestrel.llm import resolve_device, resolve_dtype
+
+    if args.mode == "serve":
+        return _run_serve(args, resolve_device(args.device))
 
     device = resolve_device(args.device)
     dtype = resolve_dtype(args.dtype, device)
@@ -466,7 +387,6 @@ def add_bench_args(p) -> None:
     p.add_argument(
         "mode", nargs="?", default="all", choices=["all", "latency", "throughput", "serve"]
     )
-    p.add_argument("--shape", choices=sorted(SHAPES), help="random weights of a named shape")
     p.add_argument("--num-requests", type=int, default=256)
     p.add_argument("--prompt-tokens", type=int, default=512)
     p.add_argument("--output-tokens", type=int, default=256)
@@ -474,15 +394,6 @@ def add_bench_args(p) -> None:
     p.add_argument("--latency-prompt-tokens", type=int, default=128)
     p.add_argument("--latency-output-tokens", type=int, default=256)
     p.add_argument("--max-num-seqs", type=int, default=256)
-    p.add_argument(
-        "--max-batched-tokens",
-        type=int,
-        default=None,
-        help="tokens per step (default 8192 on CUDA, 512 on the CPU)",
-    )
-    p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
-    p.add_argument("--no-cuda-graphs", action="store_true")
-    p.add_argument("--block-size", type=int, default=64, help="KV block size in tokens")
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--peer", action="append", default=[], help="also measure: transformers")
     p.add_argument(
@@ -494,5 +405,20 @@ def add_bench_args(p) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("-o", "--output", help="append the JSON lines to this file")
     p.add_argument("--no-progress", action="store_true")
-    p.add_argument("--url", help="serve mode: the server's base URL (http://host:port)")
-    p.add_argument("--concurrency", type=int, default=64, help="serve mode: clients at once")
+    add_serve_bench_args(p)
+
+
+def _run_serve(args, device) -> int:
+    """`kestrel bench serve`: the client side only; the server is whatever answers at --url."""
+    import asyncio
+
+    from kestrel.bench_serve import bench_serve
+
+    if not args.url:
+        raise SystemExit("kestrel bench serve needs --url (the server's base URL)")
+    if args.endpoint == "chat" and args.prompt_format == "ids":
+        raise SystemExit("--endpoint chat needs --prompt-format text")
+    env = environment(device)
+    with open(args.output, "a") if args.output else contextlib.nullcontext() as out:
+        asyncio.run(bench_serve(args, lambda record: emit({**record, **env}, out)))
+    return 0

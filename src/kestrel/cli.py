@@ -61,6 +61,23 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--keep", type=int, default=4, help="sink tokens kept when trimming")
     p.add_argument("-c", "--ctx-size", type=int, default=0, help="context length (0 = the model's)")
     p.add_argument("--prefill-chunk-size", "-b", "--batch-size", dest="prefill_chunk_size", type=int, default=512)
+    p.add_argument("--max-batched-tokens", type=int, default=None,
+                   help="tokens per step (default: one prefill chunk plus one per running sequence; bench: 8192 on CUDA)")
+    from kestrel.shapes import SHAPES
+
+    p.add_argument("--shape", choices=sorted(SHAPES), help="random weights of a named shape instead of -m (benchmarks)")
+    gpu = p.add_argument_group("CUDA")
+    gpu.add_argument("--gpu-memory-utilization", type=float, default=0.9,
+                     help="fraction of the GPU's memory for weights, activations and the KV pool")
+    gpu.add_argument("--no-cuda-graphs", action="store_true", help="run decode steps eagerly")
+    gpu.add_argument("--block-size", type=int, default=64, help="KV pool block size in tokens")
+
+
+def gpu_config(args):
+    """The paged CUDA runner's knobs from the engine flags."""
+    from kestrel.engine.gpu_runner import GPUConfig
+
+    return GPUConfig(args.gpu_memory_utilization, not args.no_cuda_graphs, args.block_size)
 
 
 def add_sampling_args(p: argparse.ArgumentParser) -> None:
@@ -128,7 +145,10 @@ def load_llm(args, model: str | None = None):
     return LLM(
         model or args.model, max_kv_size=args.max_kv_size, keep=args.keep,
         prefill_chunk_size=args.prefill_chunk_size, ctx_size=args.ctx_size or None,
-        dtype=args.dtype, device=args.device,
+        dtype=args.dtype, device=args.device, shape=args.shape,
+        max_batched_tokens=args.max_batched_tokens,
+        gpu_memory_utilization=args.gpu_memory_utilization, cuda_graphs=not args.no_cuda_graphs,
+        block_size=args.block_size,
     )
 
 

@@ -6,8 +6,10 @@ from dataclasses import dataclass, field
 import torch
 
 from kestrel.engine.engine import Engine, EngineConfig, RequestOutput
+from kestrel.engine.gpu_runner import GPUConfig
 from kestrel.engine.scheduler import SchedulerConfig
 from kestrel.sampling import SamplingParams
+from kestrel.shapes import load_shape
 from kestrel.tokenizer import apply_chat_template, encode
 from kestrel.weights.embedded import DEFAULT_MODEL
 from kestrel.weights.loader import load
@@ -61,15 +63,26 @@ class LLM:
         dtype: str | torch.dtype = "auto",
         device: str | None = None,
         progress: bool = True,
+        max_batched_tokens: int | None = None,
+        gpu_memory_utilization: float = 0.9,
+        cuda_graphs: bool = True,
+        block_size: int = 64,
+        shape: str | None = None,
     ):
+        """`gpu_memory_utilization`, `cuda_graphs` and `block_size` configure the paged CUDA
+        runner (ignored on the CPU); `shape` loads random weights of a named shape instead."""
         self.device = resolve_device(device)
-        self.model, self.tokenizer, self.source = load(
-            model, resolve_dtype(dtype, self.device), self.device, progress
-        )
+        dtype = resolve_dtype(dtype, self.device)
+        if shape:
+            self.model, self.tokenizer = load_shape(shape, dtype, self.device)
+            self.source = None
+        else:
+            self.model, self.tokenizer, self.source = load(model, dtype, self.device, progress)
         scheduler = SchedulerConfig(max_running=max_num_seqs, prefill_chunk_size=prefill_chunk_size,
-                                    max_queue_depth=1 << 30)
+                                    max_queue_depth=1 << 30, max_batched_tokens=max_batched_tokens)
         config = EngineConfig(max_kv_size=max_kv_size or None, keep=keep, ctx_size=ctx_size,
-                              scheduler=scheduler)
+                              scheduler=scheduler,
+                              gpu=GPUConfig(gpu_memory_utilization, cuda_graphs, block_size))
         self.engine = Engine(self.model, self.tokenizer, config, self.device)
         self._ids = itertools.count()
 

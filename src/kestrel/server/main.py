@@ -60,7 +60,7 @@ class _Server(uvicorn.Server):
 
 
 def server_config(args) -> ServerConfig:
-    name = args.alias or args.model
+    name = args.alias or args.shape or args.model
     return ServerConfig(
         model_name=name,
         aliases={args.model, os.path.basename(str(args.model))},
@@ -74,24 +74,32 @@ def server_config(args) -> ServerConfig:
 def load_engine(args) -> Engine:
     import torch
 
+    from kestrel.cli import gpu_config
     from kestrel.llm import resolve_device, resolve_dtype
+    from kestrel.shapes import load_shape
     from kestrel.weights.loader import load
 
     if args.threads > 0:
         torch.set_num_threads(args.threads)
     device = resolve_device(args.device)
-    model, tokenizer, _ = load(args.model, resolve_dtype(args.dtype, device), device, False)
+    dtype = resolve_dtype(args.dtype, device)
+    if args.shape:  # random weights of a named shape (benchmarks)
+        model, tokenizer = load_shape(args.shape, dtype, device)
+    else:
+        model, tokenizer, _ = load(args.model, dtype, device, False)
     # every new request waits in the scheduler's queue until its next step, free slot or not
     scheduler = SchedulerConfig(
         max_running=args.parallel,
         prefill_chunk_size=args.prefill_chunk_size,
         max_queue_depth=args.parallel + args.max_queue_depth,
+        max_batched_tokens=args.max_batched_tokens,
     )
     config = EngineConfig(
         max_kv_size=args.max_kv_size or None,
         keep=args.keep,
         ctx_size=args.ctx_size or None,
         scheduler=scheduler,
+        gpu=gpu_config(args),
     )
     return Engine(model, tokenizer, config, device)
 
