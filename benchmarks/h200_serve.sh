@@ -16,7 +16,7 @@ port=${PORT:-8321}
 "$py" -m kestrel serve "${engine[@]}" -np "$c" --max-queue-depth "$n" --port "$port" \
   --log-level warning >"$out/server.log" 2>&1 &
 server=$!
-"$py" -m kestrel bench serve --url "http://127.0.0.1:$port" --wait 600 --concurrency "$c" \
+"$py" -m kestrel bench serve --url "http://127.0.0.1:$port" --wait 300 --concurrency "$c" \
   "${work[@]}" --vocab-size "${V:-128256}" --no-progress -o "$out/serve.jsonl"
 status=$?
 kill -TERM "$server"; wait "$server"
