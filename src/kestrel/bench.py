@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from kestrel.bench_serve import add_serve_bench_args
-from kestrel.shapes import random_model, randomize, shape_config
+from kestrel.shapes import random_model, randomize, shape_config, shape_tokenizer
 
 # the reference machine's measured ceilings (DESIGN.md section 5)
 H200 = dict(bandwidth=4.25e12, flops=786e12)
@@ -221,6 +221,73 @@ def kestrel_throughput(args, runner, work: Workload, max_num_seqs: int) -> dict:
     }
 
 
+def kestrel_engine(args, model, config, device, max_num_seqs: int):
+    """kestrel's Engine (scheduler + runner + detokenizer + stop checks), as the server's engine
+    thread runs it, without HTTP."""
+    from kestrel.cli import gpu_config
+    from kestrel.engine.engine import Engine, EngineConfig
+    from kestrel.engine.scheduler import SchedulerConfig
+
+    if args.shape:
+        tokenizer = shape_tokenizer(config.vocab_size)
+    else:
+        from kestrel.weights.loader import load_tokenizer, resolve
+
+        tokenizer = load_tokenizer(resolve(args.model))
+    scheduler = SchedulerConfig(
+        max_running=max_num_seqs,
+        prefill_chunk_size=args.prefill_chunk_size,
+        max_queue_depth=1 << 30,
+        max_batched_tokens=args.max_batched_tokens,
+    )
+    engine_config = EngineConfig(
+        max_kv_size=args.max_kv_size or None,
+        keep=args.keep,
+        ctx_size=args.ctx_size or None,
+        scheduler=scheduler,
+        gpu=gpu_config(args),
+    )
+    return Engine(model, tokenizer, engine_config, device)
+
+
+def engine_throughput(args, engine, work: Workload) -> dict:
+    from kestrel.sampling import SamplingParams
+
+    def run(prompts, outputs, progress) -> tuple[float, int, list[float]]:
+        from tqdm import tqdm
+
+        ids = [f"e{run.calls}-{i}" for i in range(len(prompts))]
+        run.calls += 1
+        for request_id, prompt, o in zip(ids, prompts, outputs, strict=True):
+            params = SamplingParams(temperature=args.temperature, ignore_eos=True, max_tokens=o)
+            engine.add_request(request_id, prompt, params)
+        first, produced = {}, 0
+        bar = tqdm(total=sum(outputs), disable=not progress, unit="tok", leave=False)
+        start = time.perf_counter()
+        while engine.has_unfinished():
+            for out in engine.step():
+                if out.error is not None:
+                    raise out.error
+                first.setdefault(out.request_id, time.perf_counter() - start)
+                produced += len(out.new_token_ids)
+                bar.update(len(out.new_token_ids))
+        bar.close()
+        return time.perf_counter() - start, produced, sorted(first.values())
+
+    run.calls = 0
+    run([[1] * 8] * 2, [2, 2], False)  # warm-up
+    prompts = work.prompts(args.vocab)
+    elapsed, produced, ttft = run(prompts, work.outputs(), not args.no_progress)
+    return {
+        "output_tok_s": produced / elapsed,
+        "total_tok_s": (produced + sum(map(len, prompts))) / elapsed,
+        "elapsed_s": elapsed,
+        "generated_tokens": produced,
+        "ttft_p50_s": _pct(ttft, 50),
+        "ttft_p99_s": _pct(ttft, 99),
+    }
+
+
 def _pct(values: list[float], q: float) -> float:
     values = sorted(values)
     return values[min(len(values) - 1, int(len(values) * q / 100))]
@@ -315,12 +382,18 @@ def run_bench(args) -> int:
     for mode in modes:
         work = latency if mode == "latency" else batch
         seqs = 1 if mode == "latency" else min(args.max_num_seqs, work.num_requests)
-        runner = make_kestrel_runner(args, model, config, device, seqs)
-        numbers = (
-            kestrel_latency(args, runner, work)
-            if mode == "latency"
-            else kestrel_throughput(args, runner, work, seqs)
-        )
+        if mode == "engine":  # the Engine builds its own runner
+            engine = kestrel_engine(args, model, config, device, seqs)
+            runner = engine.runner
+            numbers = engine_throughput(args, engine, work)
+            del engine
+        else:
+            runner = make_kestrel_runner(args, model, config, device, seqs)
+            numbers = (
+                kestrel_latency(args, runner, work)
+                if mode == "latency"
+                else kestrel_throughput(args, runner, work, seqs)
+            )
         numbers.update(ceilings(args, model, config, dtype, work, seqs))
         emit(
             {
@@ -385,7 +458,12 @@ def _workload(work: Workload, concurrency: int) -> dict:
 def add_bench_args(p) -> None:
     """The `kestrel bench` flags (engine flags come from cli.add_engine_args)."""
     p.add_argument(
-        "mode", nargs="?", default="all", choices=["all", "latency", "throughput", "serve"]
+        "mode",
+        nargs="?",
+        default="all",
+        choices=["all", "latency", "throughput", "engine", "serve"],
+        help="all = latency + throughput (scheduler + runner); engine = throughput through the "
+        "Engine (with detokenization, as the server runs it); serve = a server at --url",
     )
     p.add_argument("--num-requests", type=int, default=256)
     p.add_argument("--prompt-tokens", type=int, default=512)
