@@ -8,6 +8,13 @@ import torch
 from kestrel.engine.engine import Engine, EngineConfig, RequestOutput
 from kestrel.engine.gpu_runner import GPUConfig
 from kestrel.engine.scheduler import SchedulerConfig
+from kestrel.multimodal import (
+    MediaLimits,
+    MultimodalPrompt,
+    chat_prompt,
+    image_part_params,
+    load_processor,
+)
 from kestrel.sampling import SamplingParams
 from kestrel.shapes import load_shape
 from kestrel.tokenizer import apply_chat_template, encode
@@ -68,6 +75,7 @@ class LLM:
         cuda_graphs: bool = True,
         block_size: int = 64,
         shape: str | None = None,
+        allowed_local_media_path: str | None = None,
     ):
         """`gpu_memory_utilization`, `cuda_graphs` and `block_size` configure the paged CUDA
         runner (ignored on the CPU); `shape` loads random weights of a named shape instead."""
@@ -84,6 +92,11 @@ class LLM:
                               scheduler=scheduler,
                               gpu=GPUConfig(gpu_memory_utilization, cuda_graphs, block_size))
         self.engine = Engine(self.model, self.tokenizer, config, self.device)
+        if self.source is not None:  # images in chat messages, for models that take them
+            limits = MediaLimits(allowed_local_media_path=allowed_local_media_path)
+            self.engine.processor = load_processor(
+                self.model, self.source.path, self.tokenizer, limits
+            )
         self._ids = itertools.count()
 
     def generate(self, prompts, params: SamplingParams | None = None) -> list[GenerationResult]:
@@ -93,15 +106,24 @@ class LLM:
         return self._run([encode(self.tokenizer, p) for p in prompts], params or SamplingParams())
 
     def chat(self, messages, params: SamplingParams | None = None) -> list[GenerationResult]:
-        """One conversation (a list of {"role", "content"}) or a list of conversations."""
+        """One conversation (a list of {"role", "content"}) or a list of conversations. Content
+        may be OpenAI parts, images among them (`image_url`) for models that take images."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
-        prompts = [apply_chat_template(self.tokenizer, c) for c in conversations]
+        prompts = [self._chat_prompt(c) for c in conversations]
         return self._run(prompts, params or SamplingParams())
 
-    def _run(self, prompts: list[list[int]], params: SamplingParams) -> list[GenerationResult]:
+    def _chat_prompt(self, conversation: list[dict]) -> list[int] | MultimodalPrompt:
+        if image_part_params(conversation):
+            return chat_prompt(self.engine.processor, conversation)
+        return apply_chat_template(self.tokenizer, conversation)
+
+    def _run(
+        self, prompts: list[list[int] | MultimodalPrompt], params: SamplingParams
+    ) -> list[GenerationResult]:
         results, outputs = [], {}
         for prompt in prompts:
-            result = GenerationResult(prompt, [])
+            ids = prompt.token_ids if isinstance(prompt, MultimodalPrompt) else prompt
+            result = GenerationResult(list(ids), [])
             for index in range(params.n):
                 request_id = f"llm-{next(self._ids)}"
                 self.engine.add_request(request_id, prompt, params.for_choice(index))

@@ -22,6 +22,7 @@ ForwardBatch, with batch rows.)
 import base64
 import binascii
 import io
+import logging
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,6 +34,8 @@ from kestrel.errors import InvalidRequestError
 from kestrel.models.batch import ImageRows
 from kestrel.models.mrope import prompt_rope_ids
 from kestrel.models.qwen_vision import VisionFeatures
+
+log = logging.getLogger("kestrel.multimodal")
 
 
 @dataclass(frozen=True)
@@ -274,3 +277,35 @@ def _image_spans(is_image: torch.Tensor, counts: list[int]) -> list[tuple[int, i
         spans.append((rows[first], rows[first + n - 1] + 1))
         first += n
     return spans
+
+
+def load_processor(model, path, tokenizer, limits: MediaLimits = MediaLimits()):
+    """The MultimodalProcessor of a checkpoint folder whose model takes images (Engine.processor);
+    None for text models, or (with a warning) when the folder has no image processor config."""
+    if not getattr(model, "multimodal", False):
+        return None
+    try:
+        return MultimodalProcessor.from_pretrained(path, tokenizer, limits)
+    except (OSError, ValueError) as e:
+        log.warning("%s: no image processor (%s); serving text only", path, e)
+        return None
+
+
+def image_part_params(messages: list[dict]) -> list[str]:
+    """`messages[i].content[j]` of every image part; empty for a text-only conversation."""
+    return [
+        f"messages[{i}].content[{j}]"
+        for i, message in enumerate(messages)
+        if isinstance(message.get("content"), list)
+        for j, part in enumerate(message["content"])
+        if isinstance(part, dict) and part.get("type") == "image_url"
+    ]
+
+
+def chat_prompt(processor, messages: list[dict]) -> MultimodalPrompt:
+    """The MultimodalPrompt of chat messages with image parts; a 400 naming the first image part
+    when the model takes no images (`processor` None)."""
+    params = image_part_params(messages)
+    if processor is None and params:
+        raise InvalidRequestError("this model does not take images (image_url parts)", params[0])
+    return processor(messages)

@@ -10,6 +10,7 @@ from kestrel.engine.gpu_runner import make_runner
 from kestrel.engine.runner import ModelRunner, StepResult  # noqa: F401
 from kestrel.engine.scheduler import Scheduler, SchedulerConfig
 from kestrel.errors import InvalidRequestError
+from kestrel.multimodal import MultimodalPrompt
 from kestrel.sampling import SamplingParams, check_token_ids
 from kestrel.tokenizer import IncrementalDetokenizer, StopStringMatcher, encode, stop_token_ids
 
@@ -60,27 +61,38 @@ class Engine:
         self.runner = make_runner(model, self.device, sched.max_running, sched.token_budget, ctx,
                                   self.config.gpu)
         self.scheduler = Scheduler(self.config.scheduler)
-        self.vocab_size = model.config.vocab_size
-        self.eos_ids = stop_token_ids(tokenizer, model.config)
-        self.ctx_size = self.config.ctx_size or getattr(model.config, "max_position_embeddings", 4096)
+        # models that take images keep the whole config; vocabulary and context are the decoder's
+        text = model.config.text_config if getattr(model, "multimodal", False) else model.config
+        self.vocab_size = text.vocab_size
+        self.eos_ids = stop_token_ids(tokenizer, text)
+        self.ctx_size = self.config.ctx_size or getattr(text, "max_position_embeddings", 4096)
         self.requests: dict[str, Request] = {}
         self.text: dict[str, _TextState] = {}
+        # chat messages with images -> MultimodalPrompt, for models that take images (set by
+        # whoever loads the checkpoint: kestrel.multimodal.load_processor); None: text only
+        self.processor = None
         # test-only: called as hook("detokenize", request) before each detokenization
         self.fault_hook = None
 
     def add_request(
-        self, request_id: str, prompt: str | list[int], params: SamplingParams,
+        self, request_id: str, prompt: str | list[int] | MultimodalPrompt, params: SamplingParams,
         max_kv_size: int | None = None,
     ) -> Request:
         """Validate and queue a request; raises InvalidRequestError or QueueFullError."""
         if request_id in self.requests:
             raise InvalidRequestError(f"duplicate request id {request_id!r}")
-        prompt_ids = encode(self.tokenizer, prompt)
+        multimodal = prompt if isinstance(prompt, MultimodalPrompt) else None
+        if multimodal is not None and not getattr(self.runner.model, "multimodal", False):
+            raise InvalidRequestError("this model does not take images", param="messages")
+        if multimodal is not None:
+            prompt_ids = list(multimodal.token_ids)
+        else:
+            prompt_ids = encode(self.tokenizer, prompt)
         self._validate(prompt_ids, params)
         kv_bound = self._kv_bound(max_kv_size)
         request = Request(
             request_id, prompt_ids, params, self._max_tokens(prompt_ids, params, kv_bound),
-            max_kv_size=kv_bound, keep=self.config.keep,
+            max_kv_size=kv_bound, keep=self.config.keep, multimodal=multimodal,
         )
         self.scheduler.add(request)
         self.requests[request_id] = request

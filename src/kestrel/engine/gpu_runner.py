@@ -62,8 +62,10 @@ def make_runner(
     max_model_len: int,
     gpu: GPUConfig | None = None,
 ) -> ModelRunner:
-    """The paged runner on CUDA for families it serves; the reference runner otherwise."""
-    if device.type == "cuda" and model.config.model_type in PAGED_FAMILIES:
+    """The paged runner on CUDA for families it serves; the reference runner otherwise (and
+    always for models that take images: only the reference runner feeds them)."""
+    paged = model.config.model_type in PAGED_FAMILIES and not getattr(model, "multimodal", False)
+    if device.type == "cuda" and paged:
         return GPURunner(model, device, max_num_seqs, token_budget, max_model_len, gpu)
     return ModelRunner(model, device)
 

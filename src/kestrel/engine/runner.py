@@ -2,6 +2,10 @@
 
 A step that raises is undone (every cache restored from its checkpoint) and retried one request at
 a time, so a fault fails only the request that caused it and the batch goes on.
+
+A request with images (`Request.multimodal`, a kestrel.multimodal.MultimodalPrompt) has them
+encoded once, at its first prefill chunk; each prefill chunk then carries its M-RoPE ids and the
+features of its image tokens, and decode needs nothing more (text follows `cache.rope_delta`).
 """
 
 import logging
@@ -37,6 +41,7 @@ class ModelRunner:
         self.caches: dict[str, SequenceCache] = {}
         self.generators: dict[str, torch.Generator] = {}
         self.tokens_trimmed = 0
+        self.image_features: dict[str, object] = {}  # request id -> VisionFeatures (prefill)
         # test-only fault injection: called as hook(stage, request) at "forward" and "sample"
         self.fault_hook: Callable[[str, Request], None] | None = None
 
@@ -58,6 +63,8 @@ class ModelRunner:
         logits = self.model(batch)  # (R, V): one row per sampling chunk
         for chunk in chunks:
             self.caches[chunk.request.request_id].advance(chunk.num_tokens)
+            if chunk.request.num_computed + chunk.num_tokens >= len(chunk.request.prompt_ids):
+                self.image_features.pop(chunk.request.request_id, None)  # the prompt is in
         sampling = [c for c in chunks if c.samples]
         results = [self._sample(c.request, row) for c, row in zip(sampling, logits, strict=True)]
         return results + [StepResult(c.request) for c in chunks if not c.samples]
@@ -73,12 +80,35 @@ class ModelRunner:
             self.tokens_trimmed += cache.make_room(n, request.max_kv_size, request.keep)
             ids.extend(request.all_ids[request.num_computed : request.num_computed + n])
             positions.extend(range(cache.offset, cache.offset + n))
-            seq_chunks.append(SeqChunk(cache, start, n))
+            rope = images = None
+            if request.multimodal is not None:
+                rope, images = self._image_inputs(request, cache, n)
+            seq_chunks.append(SeqChunk(cache, start, n, rope, images))
             start += n
             if chunk.samples:
                 rows.append(start - 1)
         as_tensor = lambda x: torch.tensor(x, dtype=torch.long, device=self.device)  # noqa: E731
         return ForwardBatch(as_tensor(ids), as_tensor(positions), seq_chunks, as_tensor(rows))
+
+    def _image_inputs(self, request: Request, cache: SequenceCache, n: int):
+        """(3, n) M-RoPE ids and the image rows of a multimodal request's next n tokens; (None,
+        None) once its prompt is in (text RoPE ids are then position + rope_delta)."""
+        prompt, first = request.multimodal, request.num_computed
+        cache.rope_delta = prompt.rope_delta
+        prompt_len = len(prompt.token_ids)
+        if first >= prompt_len:
+            return None, None
+        features = self.image_features.get(request.request_id)
+        if features is None:  # once per request, at its first prefill chunk
+            dtype = next(self.model.parameters()).dtype
+            pixels = prompt.pixel_values.to(self.device, dtype)
+            features = self.model.encode_images(pixels, prompt.image_grid_thw)
+            self.image_features[request.request_id] = features
+        rope, images = prompt.chunk_inputs(features, first, min(n, prompt_len - first))
+        if first + n > prompt_len:  # generated tokens recomputed with the prompt: text
+            tail = torch.arange(prompt_len, first + n) + prompt.rope_delta
+            rope = torch.cat([rope, tail.expand(3, -1)], dim=1)
+        return rope.to(self.device), images
 
     def _sample(self, request: Request, logits: torch.Tensor) -> StepResult:
         try:
@@ -102,6 +132,7 @@ class ModelRunner:
     def release(self, request_id: str) -> None:
         self.caches.pop(request_id, None)
         self.generators.pop(request_id, None)
+        self.image_features.pop(request_id, None)
 
     def kv_tokens_in_use(self) -> int:
         return sum(cache.live_tokens for cache in self.caches.values())

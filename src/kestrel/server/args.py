@@ -52,6 +52,11 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--allowed-origins", default="", help="comma-separated CORS origins (default: none)"
     )
+    p.add_argument(
+        "--allowed-local-media-path",
+        default=None,
+        help="image_url parts may name file:// images under this directory (default: none)",
+    )
     p.add_argument("--timeout", type=float, default=600.0, help="HTTP keep-alive/read timeout (s)")
     p.add_argument(
         "--shutdown-timeout",

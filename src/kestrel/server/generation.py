@@ -12,6 +12,7 @@ from fastapi.responses import StreamingResponse
 
 from kestrel.engine.async_engine import AsyncEngine, GenerateRequest, OutputStream
 from kestrel.engine.engine import RequestOutput
+from kestrel.multimodal import MultimodalPrompt
 from kestrel.sampling import SamplingParams
 from kestrel.server.errors import ClientDisconnected, sse_error
 from kestrel.server.protocol import TokenLogprob, TopLogprob, Usage
@@ -53,13 +54,15 @@ class Generation:
         self,
         engine: AsyncEngine,
         request_id: str,
-        prompts: list[list[int]],
+        prompts: list[list[int] | MultimodalPrompt],
         params: SamplingParams,
         max_kv_size: int | None = None,
     ):
         self.engine = engine
         self.request_id = request_id
-        self.prompt_tokens = sum(len(p) for p in prompts)
+        self.prompt_tokens = sum(
+            len(p.token_ids if isinstance(p, MultimodalPrompt) else p) for p in prompts
+        )
         self.requests = [
             GenerateRequest(
                 f"{request_id}-{i * params.n + j}", prompt, params.for_choice(j), max_kv_size

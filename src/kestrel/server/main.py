@@ -76,8 +76,9 @@ def load_engine(args) -> Engine:
 
     from kestrel.cli import gpu_config
     from kestrel.llm import resolve_device, resolve_dtype
+    from kestrel.multimodal import MediaLimits, load_processor
     from kestrel.shapes import load_shape
-    from kestrel.weights.loader import load
+    from kestrel.weights.loader import load, resolve
 
     if args.threads > 0:
         torch.set_num_threads(args.threads)
@@ -101,7 +102,11 @@ def load_engine(args) -> Engine:
         scheduler=scheduler,
         gpu=gpu_config(args),
     )
-    return Engine(model, tokenizer, config, device)
+    engine = Engine(model, tokenizer, config, device)
+    if getattr(model, "multimodal", False):  # images in chat messages
+        limits = MediaLimits(allowed_local_media_path=args.allowed_local_media_path)
+        engine.processor = load_processor(model, resolve(args.model).path, tokenizer, limits)
+    return engine
 
 
 def _configure(engine) -> None:

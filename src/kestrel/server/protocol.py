@@ -6,7 +6,7 @@ InvalidRequestError names the parameter.
 """
 
 import time
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -96,15 +96,31 @@ class TextPart(_Request):
     text: str
 
 
+class ImageURL(_Request):
+    url: str  # data:image/...;base64,... or file:// under --allowed-local-media-path
+    detail: str | None = None  # accepted and ignored
+
+
+class ImagePart(_Request):
+    type: Literal["image_url"]
+    image_url: ImageURL
+
+
+ContentPart = Annotated[TextPart | ImagePart, Field(discriminator="type")]
+
+
 class ChatMessage(_Request):
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[TextPart] | None = None
+    content: str | list[ContentPart] | None = None
     name: str | None = None
 
     def as_template_dict(self) -> dict:
-        """The message as chat templates expect it: text content, `developer` as `system`."""
+        """The message as chat templates expect it: text content, `developer` as `system`;
+        content with images stays a list of OpenAI parts (kestrel.multimodal reads them)."""
         content = self.content
-        if isinstance(content, list):
+        if isinstance(content, list) and any(isinstance(p, ImagePart) for p in content):
+            content = [part.model_dump(exclude_none=True) for part in content]
+        elif isinstance(content, list):
             content = "".join(part.text for part in content)
         role = "system" if self.role == "developer" else self.role
         return {"role": role, "content": content or ""}

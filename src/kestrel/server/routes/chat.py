@@ -1,10 +1,12 @@
 """POST /v1/chat/completions."""
 
+import asyncio
 from collections.abc import AsyncIterator
 
 from fastapi import APIRouter, Request
 
 from kestrel.errors import InvalidRequestError
+from kestrel.multimodal import MultimodalPrompt, chat_prompt, image_part_params
 from kestrel.server.generation import Generation, new_id, sse_event, sse_response
 from kestrel.server.protocol import (
     AssistantMessage,
@@ -32,7 +34,7 @@ async def chat_completions(body: ChatCompletionRequest, http: Request):
     params = body.sampling_params(state.config.default_max_tokens)
     engine = state.ready_engine()
     generation = Generation(
-        engine, new_id("chatcmpl"), [_prompt(state, body)], params, body.check_kv_size()
+        engine, new_id("chatcmpl"), [await _prompt(state, body)], params, body.check_kv_size()
     )
     await generation.start()
     if body.stream:
@@ -54,9 +56,11 @@ async def chat_completions(body: ChatCompletionRequest, http: Request):
     )
 
 
-def _prompt(state: ServerState, body: ChatCompletionRequest) -> list[int]:
+async def _prompt(state: ServerState, body: ChatCompletionRequest) -> list[int] | MultimodalPrompt:
     messages = [m.as_template_dict() for m in body.messages]
     try:
+        if image_part_params(messages):  # decoding and preprocessing images: off the event loop
+            return await asyncio.to_thread(chat_prompt, state.engine.engine.processor, messages)
         return apply_chat_template(state.tokenizer, messages)
     except InvalidRequestError:
         raise
