@@ -4,18 +4,17 @@ per-layer inputs; MoE), for full, chunked and decoded prompts and under --max-kv
 import pytest
 import torch
 import transformers
-from tests.reference import (
-    assert_close,
-    assert_masks_match_keys,
-    chunked_logits,
-    decode_logits,
-    load_kestrel,
-    masked_reference_logits,
-    packed_logits,
-    reference_logits,
-    save_tiny,
-    trimmed_visibility,
+from tests.family_suite import (  # noqa: F401  (the shared tests run here)
+    Family,
+    build_tiny,
+    kv_chunks,
+    test_batched_sequences_match_each_run_alone,
+    test_chunked_prefill_matches_transformers,
+    test_full_prompt_forward_matches_transformers,
+    test_max_kv_size_chunks_match_dense_reference,
+    test_prefill_then_decode_matches_transformers,
 )
+from tests.reference import assert_close, chunked_logits, load_kestrel, reference_logits, save_tiny
 
 from kestrel.models.registry import supported_architectures
 
@@ -82,65 +81,34 @@ def _randomize_scalars(model) -> None:
 
 @pytest.fixture(scope="module", params=sorted(VARIANTS))
 def tiny(request, tmp_path_factory):
-    config = transformers.Gemma4TextConfig(**COMMON, **VARIANTS[request.param])
-    folder = save_tiny(
-        MODEL_CLS, config, tmp_path_factory.mktemp(request.param), tweak=_randomize_scalars
+    variant = VARIANTS[request.param]
+    family = Family(
+        MODEL_CLS,
+        transformers.Gemma4TextConfig(**COMMON, **variant),
+        PROMPT,
+        tweak=_randomize_scalars,
+        kestrel_class="Gemma4ForCausalLM",
+        windows={F: None, S: WINDOW},
+        attend_layers=variant["num_hidden_layers"],  # shared-KV layers attend too
     )
-    return folder, load_kestrel(folder), reference_logits(folder, MODEL_CLS, PROMPT)
+    return build_tiny(family, tmp_path_factory.mktemp(request.param))
+
+
+kv_chunk = kv_chunks([(chunk, 2) for chunk in (1, 4, 10)])
 
 
 def test_gemma4_is_registered():
     assert {"gemma4", "gemma4_text"} <= set(supported_architectures())
 
 
-def test_full_prompt_forward_matches_transformers(tiny):
-    _, model, expected = tiny
-    assert type(model).__name__ == "Gemma4ForCausalLM"
-    assert_close(chunked_logits(model, PROMPT, len(PROMPT)), expected)
-
-
-@pytest.mark.parametrize("chunk", [1, 5, 64])
-def test_chunked_prefill_matches_transformers(tiny, chunk):
-    _, model, expected = tiny
-    assert_close(chunked_logits(model, PROMPT, chunk), expected)
-
-
-def test_prefill_then_decode_matches_transformers(tiny):
-    _, model, expected = tiny
-    assert_close(decode_logits(model, PROMPT, prefill=9), expected)
-
-
-@pytest.mark.parametrize("chunk", [1, 4, 10])
-def test_max_kv_size_chunks_match_dense_reference(tiny, chunk):
-    folder, model, _ = tiny
-    max_kv, keep = 12, 2
-    with assert_masks_match_keys() as seen:
-        actual = chunked_logits(model, PROMPT, chunk, max_kv_size=max_kv, keep=keep)
-    assert len(seen) == model.config.num_hidden_layers * -(-len(PROMPT) // chunk)
-    masks = {
-        F: trimmed_visibility(len(PROMPT), chunk, max_kv, keep),
-        S: trimmed_visibility(len(PROMPT), chunk, max_kv, keep, WINDOW),
-    }
-    assert_close(actual, masked_reference_logits(folder, MODEL_CLS, PROMPT, masks))
-
-
 def test_kv_bytes_per_token_counts_only_cache_owners(tiny):
-    _, model, _ = tiny
+    model = tiny.model
     c = model.config
     expected = 0
     for t in c.layer_types[: c.num_hidden_layers - c.num_kv_shared_layers]:
         kv_heads = 1 if (t == F and c.attention_k_eq_v) else 2
         expected += 2 * kv_heads * (16 if t == F else 8)
     assert model.kv_bytes_per_token(torch.float32) == expected * 4
-
-
-def test_batched_sequences_match_each_run_alone(tiny):
-    # different lengths, prefill and decode chunks of several sequences packed in one batch
-    model = tiny[1]
-    seqs = [PROMPT[:23], PROMPT[3:14], PROMPT[7:30]]
-    outs = packed_logits(model, seqs, chunks=[4, 1, 7], prefill=[5, 3, 2])
-    for seq, out in zip(seqs, outs, strict=True):
-        assert_close(out, chunked_logits(model, seq, len(seq)))
 
 
 def test_multimodal_checkpoint_serves_its_text_model(tmp_path):

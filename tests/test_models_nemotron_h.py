@@ -4,21 +4,20 @@
 import pytest
 import torch
 import transformers
-from tests.reference import (
-    assert_close,
-    assert_masks_match_keys,
-    chunked_logits,
-    decode_logits,
-    load_kestrel,
-    masked_reference_logits,
-    packed_logits,
-    reference_logits,
-    save_tiny,
-    trimmed_visibility,
+from tests.family_suite import (  # noqa: F401  (the shared tests run here)
+    Family,
+    build_tiny,
+    kv_chunks,
+    test_chunked_prefill_matches_transformers,
+    test_four_sequences_decode_batched_equal_each_alone,
+    test_full_prompt_forward_matches_transformers,
+    test_max_kv_size_chunks_match_dense_reference,
+    test_prefill_then_decode_matches_transformers,
+    test_prefilling_and_decoding_sequences_share_a_batch,
+    test_restore_undoes_a_step,
+    test_trim_leaves_recurrent_state_untouched,
 )
 
-from kestrel.cache import SequenceCache
-from kestrel.models.batch import ForwardBatch
 from kestrel.models.nemotron_h import NemotronHForCausalLM
 
 MODEL_CLS = transformers.NemotronHForCausalLM
@@ -60,90 +59,25 @@ def perturb(model) -> None:
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
-    config = transformers.NemotronHConfig(**CONFIG)
-    folder = save_tiny(MODEL_CLS, config, tmp_path_factory.mktemp("nemotron_h"), tweak=perturb)
-    return folder, load_kestrel(folder), reference_logits(folder, MODEL_CLS, PROMPT)
+    family = Family(
+        MODEL_CLS,
+        transformers.NemotronHConfig(**CONFIG),
+        PROMPT,
+        tweak=perturb,
+        decode_prefill=11,
+        windows={"full_attention": None},
+        trim_matters=True,
+    )
+    return build_tiny(family, tmp_path_factory.mktemp("nemotron_h"))
+
+
+kv_chunk = kv_chunks([(chunk, 2) for chunk in (1, 5, 10)])
 
 
 def test_loads_by_model_type_with_a_cache_per_block_kind(tiny):
-    _, model, _ = tiny
+    model = tiny.model
     assert isinstance(model, NemotronHForCausalLM)
     kinds = [spec.kind for spec in model.cache_specs()]
     assert kinds == ["recurrent", "full", "none", "none", "recurrent", "full", "none", "recurrent"]
     # K and V of the 2 attention layers only: 2 kv heads x head_dim 16, fp32
     assert model.kv_bytes_per_token(torch.float32) == 2 * 2 * (2 * 16) * 4
-
-
-def test_full_prompt_forward_matches_transformers(tiny):
-    _, model, expected = tiny
-    assert_close(chunked_logits(model, PROMPT, len(PROMPT)), expected)
-
-
-@pytest.mark.parametrize("chunk", [1, 5, 64])
-def test_chunked_prefill_matches_transformers(tiny, chunk):
-    _, model, expected = tiny
-    assert_close(chunked_logits(model, PROMPT, chunk), expected)
-
-
-def test_prefill_then_decode_matches_transformers(tiny):
-    _, model, expected = tiny
-    assert_close(decode_logits(model, PROMPT, prefill=11), expected)
-
-
-def test_four_sequences_decode_batched_equal_each_alone(tiny):
-    folder, model, _ = tiny
-    seqs = [PROMPT[:9], PROMPT[3:20], PROMPT[5:17], PROMPT[:30]]
-    prefill = [4, 12, 7, 20]
-    batched = packed_logits(model, seqs, chunks=[1] * 4, prefill=prefill)
-    for seq, p, out in zip(seqs, prefill, batched, strict=True):
-        assert_close(out, decode_logits(model, seq, p))
-        assert_close(out, reference_logits(folder, MODEL_CLS, seq))
-
-
-def test_prefilling_and_decoding_sequences_share_a_batch(tiny):
-    _, model, _ = tiny
-    seqs = [PROMPT[:6], PROMPT[2:25], PROMPT[4:15], PROMPT[:30]]
-    batched = packed_logits(model, seqs, chunks=[1, 3, 5, 7])
-    for seq, out in zip(seqs, batched, strict=True):
-        assert_close(out, chunked_logits(model, seq, len(seq)))
-
-
-@pytest.mark.parametrize("chunk", [1, 5, 10])
-def test_max_kv_size_trims_attention_to_the_dense_reference(tiny, chunk):
-    folder, model, _ = tiny
-    max_kv, keep = 12, 2
-    with assert_masks_match_keys() as seen:
-        out = chunked_logits(model, PROMPT, chunk, max_kv_size=max_kv, keep=keep)
-    assert seen and max(keys for _, keys in seen) <= max_kv
-    visible = trimmed_visibility(len(PROMPT), chunk, max_kv, keep)
-    expected = masked_reference_logits(folder, MODEL_CLS, PROMPT, {"full_attention": visible})
-    assert_close(out, expected)
-    assert not torch.allclose(out, tiny[2], atol=1e-3)  # the trim did change what was attended
-
-
-def test_trim_leaves_recurrent_state_untouched(tiny):
-    _, model, _ = tiny
-    cache = SequenceCache(model.cache_specs())
-    with torch.no_grad():
-        model(ForwardBatch.single(cache, torch.tensor(PROMPT[:20])))
-    cache.advance(20)
-    states = [layer.checkpoint() for layer in cache.layers]
-    assert cache.make_room(5, max_kv_size=12, keep=2) > 0
-    for spec, layer, before in zip(model.cache_specs(), cache.layers, states, strict=True):
-        if spec.kind == "full":
-            assert len(layer) == 12 - 5
-        if spec.kind == "recurrent":
-            assert all(a is b for a, b in zip(layer.checkpoint(), before, strict=True))
-
-
-def test_restore_undoes_a_step(tiny):
-    _, model, _ = tiny
-    cache = SequenceCache(model.cache_specs())
-    with torch.no_grad():
-        model(ForwardBatch.single(cache, torch.tensor(PROMPT[:10])))
-        cache.advance(10)
-        saved = cache.checkpoint()
-        first = model(ForwardBatch.single(cache, torch.tensor(PROMPT[10:13])))
-        cache.restore(saved)
-        again = model(ForwardBatch.single(cache, torch.tensor(PROMPT[10:13])))
-    torch.testing.assert_close(again, first, rtol=0, atol=0)

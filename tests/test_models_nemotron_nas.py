@@ -4,23 +4,23 @@ or have their own KV-head grouping and MLP width."""
 
 import json
 import shutil
+from dataclasses import dataclass
 
 import pytest
 import torch
 import transformers
-from safetensors.torch import save_file
-from tests.reference import (
-    assert_close,
-    assert_masks_match_keys,
-    chunked_logits,
-    decode_logits,
-    load_kestrel,
-    masked_reference_logits,
-    packed_logits,
-    reference_logits,
-    save_tiny,
-    trimmed_visibility,
+from safetensors.torch import load_file, save_file
+from tests.family_suite import (  # noqa: F401  (the shared tests run here)
+    Family,
+    Tiny,
+    kv_chunks,
+    test_batched_sequences_match_each_run_alone,
+    test_chunked_prefill_matches_transformers,
+    test_full_prompt_forward_matches_transformers,
+    test_max_kv_size_chunks_match_dense_reference,
+    test_prefill_then_decode_matches_transformers,
 )
+from tests.reference import assert_close, load_kestrel, reference_logits, save_tiny
 from torch import nn
 
 from kestrel.models.registry import supported_architectures
@@ -192,17 +192,36 @@ MIXED = [
 ]
 
 
+def causal(n: int) -> torch.Tensor:
+    return torch.ones(n, n, dtype=torch.bool).tril()
+
+
+@dataclass
+class DeciTiny(Tiny):
+    """A nemotron-nas checkpoint with blocks transformers has no class for: the oracle is
+    `deci_reference` on its weights."""
+
+    weights: dict
+
+    def reference(self, ids: list[int], masks=None) -> torch.Tensor:
+        mask = causal(len(ids)) if masks is None else masks
+        return deci_reference(self.weights, self.family.config, ids, mask)
+
+
 @pytest.fixture(scope="module")
 def mixed(tmp_path_factory):
     folder = tmp_path_factory.mktemp("nas_mixed")
     config = nas_config(MIXED)
     sd = random_checkpoint(config, folder)
-    return folder, config, sd, load_kestrel(folder)
+    family = Family(None, config, PROMPT, attend_layers=3)  # the three GQA layers
+    expected = deci_reference(sd, config, PROMPT, causal(len(PROMPT)))
+    return DeciTiny(family, folder, load_kestrel(folder), expected, sd)
 
 
 @pytest.fixture(scope="module")
 def llama_equivalent(tmp_path_factory):
-    """A transformers Llama checkpoint and the same weights as an all-normal nemotron-nas one."""
+    """A transformers Llama checkpoint and the same weights as an all-normal nemotron-nas one;
+    the Tiny's folder is Llama's, for the oracle."""
     llama_dir = tmp_path_factory.mktemp("llama")
     llama = transformers.LlamaConfig(
         vocab_size=VOCAB,
@@ -220,78 +239,32 @@ def llama_equivalent(tmp_path_factory):
     shutil.copy(llama_dir / "model.safetensors", nas_dir / "model.safetensors")
     config = nas_config([block("gqa", group=2, mult=1.0)] * 3)
     (nas_dir / "config.json").write_text(json.dumps(config))
+    family = Family(transformers.LlamaForCausalLM, config, PROMPT, attend_layers=3)
     expected = reference_logits(llama_dir, transformers.LlamaForCausalLM, PROMPT)
-    return llama_dir, config, load_kestrel(nas_dir), expected
+    return Tiny(family, llama_dir, load_kestrel(nas_dir), expected)
 
 
-def causal(n: int) -> torch.Tensor:
-    return torch.ones(n, n, dtype=torch.bool).tril()
+@pytest.fixture(scope="module", params=["llama_equivalent", "mixed"])
+def tiny(request):
+    """Normal blocks against transformers' Llama, mixed blocks against `deci_reference`."""
+    return request.getfixturevalue(request.param)
+
+
+kv_chunk = kv_chunks([(chunk, 2) for chunk in (1, 5, 10)])
 
 
 def test_nemotron_nas_is_registered(mixed):
     assert "nemotron-nas" in supported_architectures()
-    assert type(mixed[3]).__name__ == "NemotronNasForCausalLM"
+    assert type(mixed.model).__name__ == "NemotronNasForCausalLM"
 
 
 def test_reference_equals_transformers_llama_on_normal_blocks(llama_equivalent):
-    llama_dir, config, _, expected = llama_equivalent
-    from safetensors.torch import load_file
-
-    sd = load_file(llama_dir / "model.safetensors")
+    sd = load_file(llama_equivalent.folder / "model.safetensors")
+    config, expected = llama_equivalent.family.config, llama_equivalent.expected
     assert_close(deci_reference(sd, config, PROMPT, causal(len(PROMPT))), expected)
 
 
-@pytest.mark.parametrize("chunk", [1, 5, 30, 64])
-def test_normal_blocks_match_transformers_llama(llama_equivalent, chunk):
-    _, _, model, expected = llama_equivalent
-    assert_close(chunked_logits(model, PROMPT, chunk), expected)
-
-
-def test_normal_blocks_decode_matches_transformers_llama(llama_equivalent):
-    _, _, model, expected = llama_equivalent
-    assert_close(decode_logits(model, PROMPT, prefill=9), expected)
-
-
-@pytest.mark.parametrize("chunk", [1, 5, 30, 64])
-def test_mixed_blocks_chunked_prefill_match_reference(mixed, chunk):
-    _, config, sd, model = mixed
-    expected = deci_reference(sd, config, PROMPT, causal(len(PROMPT)))
-    assert_close(chunked_logits(model, PROMPT, chunk), expected)
-
-
-def test_mixed_blocks_decode_matches_reference(mixed):
-    _, config, sd, model = mixed
-    expected = deci_reference(sd, config, PROMPT, causal(len(PROMPT)))
-    assert_close(decode_logits(model, PROMPT, prefill=9), expected)
-
-
-@pytest.mark.parametrize("chunk", [1, 5, 10])
-def test_max_kv_size_chunks_match_dense_reference(mixed, llama_equivalent, chunk):
-    max_kv, keep = 12, 2
-    visible = trimmed_visibility(len(PROMPT), chunk, max_kv, keep)
-    _, config, sd, model = mixed
-    with assert_masks_match_keys() as seen:
-        actual = chunked_logits(model, PROMPT, chunk, max_kv_size=max_kv, keep=keep)
-    assert len(seen) == 3 * -(-len(PROMPT) // chunk)  # the three GQA layers, every chunk
-    assert_close(actual, deci_reference(sd, config, PROMPT, visible))
-    llama_dir, _, normal, _ = llama_equivalent
-    with assert_masks_match_keys():
-        actual = chunked_logits(normal, PROMPT, chunk, max_kv_size=max_kv, keep=keep)
-    assert_close(
-        actual, masked_reference_logits(llama_dir, transformers.LlamaForCausalLM, PROMPT, visible)
-    )
-
-
 def test_kv_bytes_count_only_gqa_layers_with_their_own_heads(mixed):
-    model = mixed[3]
+    model = mixed.model
     assert model.kv_bytes_per_token(torch.float32) == 2 * (4 + 1 + 2) * 8 * 4
     assert [s.kind for s in model.cache_specs()] == ["full", "none", "full", "none", "full", "none"]
-
-
-def test_batched_sequences_match_each_run_alone(mixed):
-    # different lengths, prefill and decode chunks of several sequences packed in one batch
-    model = mixed[3]
-    seqs = [PROMPT[:23], PROMPT[3:14], PROMPT[7:30]]
-    outs = packed_logits(model, seqs, chunks=[4, 1, 7], prefill=[5, 3, 2])
-    for seq, out in zip(seqs, outs, strict=True):
-        assert_close(out, chunked_logits(model, seq, len(seq)))
