@@ -186,3 +186,34 @@ def shared_server(args=SMOLLM2_ARGS, env=SMOLLM2_ENV) -> ServerProcess:
     if server is None or server.process.poll() is not None:
         server = _SHARED[key] = start_server(args, env)
     return server
+
+
+_TINY: list[str] = []
+
+
+def tiny_model() -> str:
+    """A random-weight 2-layer Llama saved with SmolLM2's tokenizer (and chat template): loads
+    and generates in milliseconds, for fuzzing and load tests. Built once per session."""
+    if not _TINY:
+        import torch
+        import transformers
+
+        from kestrel.weights.loader import load_tokenizer, resolve
+
+        tokenizer = load_tokenizer(resolve("smollm2"))
+        config = transformers.LlamaConfig(
+            vocab_size=len(tokenizer),
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=4096,
+            tie_word_embeddings=True,
+        )
+        torch.manual_seed(0)
+        folder = tempfile.mkdtemp(prefix="kestrel-tiny-")
+        transformers.LlamaForCausalLM(config).save_pretrained(folder)
+        tokenizer.save_pretrained(folder)
+        _TINY.append(folder)
+    return _TINY[0]

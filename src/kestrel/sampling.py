@@ -14,6 +14,7 @@ from kestrel.errors import InvalidRequestError
 
 MAX_LOGPROBS = 20
 MAX_STOP_STRINGS = 16
+MAX_STOP_CHARS = 1024  # per stop string
 
 
 @dataclass
@@ -51,7 +52,7 @@ class SamplingParams:
     def _checks(self):
         finite = lambda x: isinstance(x, (int, float)) and math.isfinite(x)  # noqa: E731
         yield (isinstance(self.n, int) and 1 <= self.n <= 128), "n", "must be an integer in [1, 128]"
-        yield (self.max_tokens is None or (isinstance(self.max_tokens, int) and self.max_tokens >= 1)), "max_tokens", "must be at least 1"
+        yield (self.max_tokens is None or (isinstance(self.max_tokens, int) and 1 <= self.max_tokens < 2**31)), "max_tokens", "must be in [1, 2^31)"
         yield finite(self.temperature) and 0 <= self.temperature <= 100, "temperature", "must be in [0, 100]"
         yield finite(self.top_p) and 0 < self.top_p <= 1, "top_p", "must be in (0, 1]"
         yield isinstance(self.top_k, int) and self.top_k >= -1, "top_k", "must be -1, 0 (off) or positive"
@@ -63,6 +64,7 @@ class SamplingParams:
         yield self.logprobs is None or (isinstance(self.logprobs, int) and 0 <= self.logprobs <= MAX_LOGPROBS), "logprobs", f"must be in [0, {MAX_LOGPROBS}]"
         yield len(self.stop) <= MAX_STOP_STRINGS, "stop", f"allows at most {MAX_STOP_STRINGS} strings"
         yield all(isinstance(s, str) and s for s in self.stop), "stop", "strings must be non-empty"
+        yield all(len(s) <= MAX_STOP_CHARS for s in self.stop), "stop", f"strings must be at most {MAX_STOP_CHARS} characters"
         yield all(finite(v) and -100 <= v <= 100 for v in (self.logit_bias or {}).values()), "logit_bias", "values must be in [-100, 100]"
 
     @property

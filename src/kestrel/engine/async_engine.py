@@ -22,6 +22,7 @@ from typing import Any
 
 from kestrel.engine.engine import Engine, RequestOutput
 from kestrel.engine.scheduler import QueueFullError
+from kestrel.errors import InvalidRequestError
 from kestrel.sampling import SamplingParams
 
 log = logging.getLogger("kestrel.async_engine")
@@ -43,6 +44,7 @@ class EngineStats:
     running: int = 0
     kv_tokens_in_use: int = 0
     kv_tokens_trimmed: int = 0
+    preemptions: int = 0
     steps: int = 0
     prompt_tokens: int = 0
     generation_tokens: int = 0
@@ -139,6 +141,12 @@ class AsyncEngine:
         """Queue requests as one group; raises InvalidRequestError, OverloadedError or
         EngineDeadError, and then none of them runs."""
         self._check_alive()
+        if len(requests) > self.capacity:  # could never run, however long it waited
+            raise InvalidRequestError(
+                f"{len(requests)} sequences (n x prompts) exceed the server's capacity "
+                f"({self.capacity})",
+                param="n",
+            )
         if self.num_unfinished + len(requests) > self.capacity:
             raise OverloadedError(f"server busy ({self.capacity} requests in flight)")
         stream = OutputStream([r.request_id for r in requests])
@@ -287,6 +295,7 @@ class AsyncEngine:
         self.stats.running = len(scheduler.running)
         self.stats.kv_tokens_in_use = runner.kv_tokens_in_use()
         self.stats.kv_tokens_trimmed = runner.tokens_trimmed
+        self.stats.preemptions = scheduler.num_preempted
 
     def _die(self, error: BaseException) -> None:
         log.critical("the engine loop died: %r", error, exc_info=error)

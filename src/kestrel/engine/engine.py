@@ -5,8 +5,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kestrel.engine.request import Request
 from kestrel.engine.gpu_runner import make_runner
+from kestrel.engine.request import Request
 from kestrel.engine.runner import ModelRunner, StepResult  # noqa: F401
 from kestrel.engine.scheduler import Scheduler, SchedulerConfig
 from kestrel.errors import InvalidRequestError
@@ -112,11 +112,14 @@ class Engine:
         bound = min(bounds) if bounds else None
         if bound is not None and bound <= self.config.keep:
             raise InvalidRequestError(f"max_kv_size must exceed keep ({self.config.keep})", param="max_kv_size")
+        capacity = self.config.scheduler.kv_capacity
+        if bound is not None and capacity and bound > capacity:
+            raise InvalidRequestError(f"max_kv_size must be at most the KV capacity ({capacity})", param="max_kv_size")
         return bound
 
     def _max_tokens(self, prompt_ids, params: SamplingParams, kv_bound: int | None) -> int:
         """Without a KV bound the prompt must fit the context; max_tokens is clamped to what fits."""
-        room = self.ctx_size - len(prompt_ids)
+        room = self._context() - len(prompt_ids)
         if kv_bound is None:
             if room < 1:
                 raise InvalidRequestError(
@@ -127,8 +130,15 @@ class Engine:
             return min(params.max_tokens or room, room)
         return params.max_tokens or self.ctx_size
 
+    def _context(self) -> int:
+        """Tokens one unbounded sequence may hold: the context, or less under a KV capacity."""
+        capacity = self.config.scheduler.kv_capacity
+        return min(self.ctx_size, capacity) if capacity else self.ctx_size
+
     def step(self) -> list[RequestOutput]:
         plan = self.scheduler.schedule()
+        for request in plan.preempted:  # recomputed when they run again
+            self.runner.evict(request.request_id)
         if not plan.chunks:
             return []
         results = self.runner.execute(plan.chunks)

@@ -126,6 +126,7 @@ class ModelRunner:
     def _cache(self, request: Request) -> SequenceCache:
         if request.request_id not in self.caches:
             self.caches[request.request_id] = SequenceCache(self.model.cache_specs())
+        if request.request_id not in self.generators:  # kept across preemption
             self.generators[request.request_id] = make_generator(request.params.seed, self.device)
         return self.caches[request.request_id]
 
@@ -133,6 +134,12 @@ class ModelRunner:
         self.caches.pop(request_id, None)
         self.generators.pop(request_id, None)
         self.image_features.pop(request_id, None)
+
+    def evict(self, request_id: str) -> None:
+        """Drop a preempted request's cache (it is recomputed); its sampler state stays."""
+        cache = self.caches.pop(request_id, None)
+        if hasattr(cache, "free"):  # a paged cache returns its blocks to the pool
+            cache.free()
 
     def kv_tokens_in_use(self) -> int:
         return sum(cache.live_tokens for cache in self.caches.values())

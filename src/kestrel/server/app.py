@@ -16,6 +16,7 @@ from kestrel.engine.async_engine import AsyncEngine
 from kestrel.engine.engine import Engine
 from kestrel.server.auth import APIKeyMiddleware
 from kestrel.server.errors import install_error_handlers
+from kestrel.server.limits import RequestLimitsMiddleware
 from kestrel.server.metrics import HTTPMetricsMiddleware
 from kestrel.server.routes import chat, completions, health, llama, models
 from kestrel.server.state import ServerConfig, ServerState
@@ -49,7 +50,8 @@ def create_app(
 
 
 def _add_middleware(app: FastAPI, state: ServerState, routes: set[str]) -> None:
-    """The last added runs first: metrics see every response, CORS answers preflights, then auth."""
+    """The last added runs first: metrics see every response, body limits (413/408), CORS
+    answers preflights, then auth."""
     config = state.config
     if config.api_key:
         app.add_middleware(APIKeyMiddleware, api_key=config.api_key)
@@ -60,6 +62,11 @@ def _add_middleware(app: FastAPI, state: ServerState, routes: set[str]) -> None:
             allow_methods=["GET", "POST"],
             allow_headers=["*"],
         )
+    app.add_middleware(
+        RequestLimitsMiddleware,
+        max_bytes=config.max_request_bytes,
+        body_timeout=config.client_timeout,
+    )
     app.add_middleware(HTTPMetricsMiddleware, metrics=state.metrics, routes=routes)
 
 

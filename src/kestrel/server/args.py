@@ -59,6 +59,25 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--timeout", type=float, default=600.0, help="HTTP keep-alive/read timeout (s)")
     p.add_argument(
+        "--max-request-bytes",
+        type=int,
+        default=8 * 2**20,
+        help="larger request bodies get 413 before they are read (default: 8 MiB)",
+    )
+    p.add_argument(
+        "--client-timeout",
+        type=float,
+        default=30.0,
+        help="seconds a client has to send its request head, and then its body (slow clients)",
+    )
+    p.add_argument(
+        "--kv-cache-tokens",
+        type=int,
+        default=0,
+        help="KV tokens all running sequences may hold (0 = unlimited); beyond it requests wait "
+        "or are preempted and recomputed",
+    )
+    p.add_argument(
         "--shutdown-timeout",
         type=float,
         default=30.0,

@@ -3,6 +3,8 @@
 import logging
 import os
 import signal
+import threading
+import time
 
 import uvicorn
 
@@ -10,7 +12,8 @@ from kestrel.engine.engine import Engine, EngineConfig
 from kestrel.engine.scheduler import SchedulerConfig
 from kestrel.server import faults
 from kestrel.server.app import create_app
-from kestrel.server.state import ServerConfig
+from kestrel.server.limits import TimedH11Protocol
+from kestrel.server.state import ServerConfig, ServerState
 
 log = logging.getLogger("kestrel.server")
 
@@ -36,27 +39,40 @@ def serve(args) -> int:
         log_level=args.log_level,
         timeout_keep_alive=int(args.timeout),
         timeout_graceful_shutdown=args.shutdown_timeout,
+        http=_timed_h11(args.client_timeout),
     )
-    server = _Server(config, on_sigterm=app.state.kestrel.drain)
+    server = _Server(config, app.state.kestrel)
     server.run()
     return exit_code
 
 
 class _Server(uvicorn.Server):
-    """SIGTERM drains: /health and new requests turn 503 at once, in-flight requests finish (up
-    to --shutdown-timeout), and the process exits 0 instead of re-raising the signal."""
+    """SIGTERM drains: /health and new requests turn 503 at once (the socket stays open, so
+    clients get an answer, not a refused connection), in-flight requests finish (up to
+    --shutdown-timeout), then uvicorn shuts down and the process exits 0. A second signal exits
+    at once."""
 
-    def __init__(self, config: uvicorn.Config, on_sigterm):
+    def __init__(self, config: uvicorn.Config, state: ServerState):
         super().__init__(config)
-        self.on_sigterm = on_sigterm
+        self.state = state
+        self.draining = False
 
     def handle_exit(self, sig, frame) -> None:
-        if sig == signal.SIGTERM and not self.should_exit:
+        if sig == signal.SIGTERM and not self.draining and not self.should_exit:
             log.info("SIGTERM: draining")
-            self.on_sigterm()
-            self.should_exit = True
+            self.draining = True
+            self.state.drain()
+            threading.Thread(target=self._exit_when_idle, name="kestrel-drain", daemon=True).start()
             return
         super().handle_exit(sig, frame)
+
+    def _exit_when_idle(self) -> None:
+        deadline = time.monotonic() + self.config.timeout_graceful_shutdown
+        while not self.state.idle() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        # what is left of the timeout goes to uvicorn's wait for responses still being sent
+        self.config.timeout_graceful_shutdown = max(1.0, deadline - time.monotonic())
+        self.should_exit = True
 
 
 def server_config(args) -> ServerConfig:
@@ -68,6 +84,8 @@ def server_config(args) -> ServerConfig:
         allowed_origins=[o.strip() for o in args.allowed_origins.split(",") if o.strip()],
         default_max_tokens=args.max_tokens if args.max_tokens > 0 else None,
         exit_on_engine_failure=args.exit_on_engine_failure,
+        max_request_bytes=args.max_request_bytes,
+        client_timeout=args.client_timeout,
     )
 
 
@@ -94,6 +112,7 @@ def load_engine(args) -> Engine:
         prefill_chunk_size=args.prefill_chunk_size,
         max_queue_depth=args.parallel + args.max_queue_depth,
         max_batched_tokens=args.max_batched_tokens,
+        kv_capacity=args.kv_cache_tokens or None,
     )
     config = EngineConfig(
         max_kv_size=args.max_kv_size or None,
@@ -107,6 +126,10 @@ def load_engine(args) -> Engine:
         limits = MediaLimits(allowed_local_media_path=args.allowed_local_media_path)
         engine.processor = load_processor(model, resolve(args.model).path, tokenizer, limits)
     return engine
+
+
+def _timed_h11(head_timeout: float) -> type[TimedH11Protocol]:
+    return type("TimedH11", (TimedH11Protocol,), {"head_timeout": head_timeout})
 
 
 def _configure(engine) -> None:

@@ -74,6 +74,9 @@ class EngineCollector:
         yield _counter("kestrel_prompt_tokens", "prompt tokens admitted", stats.prompt_tokens)
         yield _counter("kestrel_generation_tokens", "tokens generated", stats.generation_tokens)
         yield _counter("kestrel_engine_steps", "engine steps run", stats.steps)
+        yield _counter(
+            "kestrel_preemptions", "requests preempted for KV (then recomputed)", stats.preemptions
+        )
         finished = CounterMetricFamily(
             "kestrel_requests_finished", "engine requests by finish reason", labels=["reason"]
         )

@@ -126,8 +126,11 @@ class ChatMessage(_Request):
         return {"role": role, "content": content or ""}
 
 
+MAX_MESSAGES = 2048  # more is a 400 (the body size limit bounds the rest)
+
+
 class ChatCompletionRequest(_SamplingRequest):
-    messages: list[ChatMessage] = Field(min_length=1)
+    messages: list[ChatMessage] = Field(min_length=1, max_length=MAX_MESSAGES)
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None

@@ -24,6 +24,8 @@ class ServerConfig:
     allowed_origins: list[str] = field(default_factory=list)
     default_max_tokens: int | None = None
     exit_on_engine_failure: bool = True
+    max_request_bytes: int = 8 * 2**20  # larger bodies: 413 before they are read whole
+    client_timeout: float = 30.0  # seconds a client has to send its request head, and its body
 
 
 class ServerState:
@@ -88,6 +90,11 @@ class ServerState:
                 "exiting: the engine loop died (run with --no-exit-on-engine-failure to stay up)"
             )
             self.request_exit(1)
+
+    def idle(self) -> bool:
+        """No accepted request is unfinished (a draining server exits once this holds)."""
+        engine = self.engine
+        return engine is None or engine.dead is not None or engine.num_unfinished == 0
 
     def drain(self) -> None:
         """Stop admitting: /health and new requests answer 503; running requests go on."""
