@@ -116,10 +116,17 @@ def _chat(server, messages, **kwargs):
 
 def test_image_chat_through_openai_client_equals_llm_api(setup):
     messages = two_image_messages(PATCH, MERGE)
-    expected = setup["llm"].chat(messages, GREEDY)[0]
-    response = _chat(setup["vl"], messages)
+    with_logprobs = SamplingParams(
+        temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True, logprobs=0
+    )
+    expected = setup["llm"].chat(messages, with_logprobs)[0]
+    response = _chat(setup["vl"], messages, logprobs=True)
     choice = response.choices[0]
     assert choice.message.content == expected.outputs[0].text
+    served = [entry.logprob for entry in choice.logprobs.content]
+    out = expected.outputs[0]
+    local = [lp[t] for t, lp in zip(out.token_ids, out.logprobs, strict=True)]
+    assert served == pytest.approx(local, abs=1e-4)
     assert choice.finish_reason == "length"
     assert response.usage.prompt_tokens == len(expected.prompt_token_ids)
     assert response.usage.completion_tokens == NEW_TOKENS
@@ -223,10 +230,10 @@ def test_text_only_model_answers_400_to_an_image(setup):
     status, body = _post_image(server, png_data_url(SIDE, SIDE))
     assert status == 400 and "does not take images" in body["error"]["message"]
     assert body["error"]["param"] == "messages[0].content[1]"
-    text = server.client().chat.completions.create(
-        model=ALIAS, messages=text_messages(), max_tokens=2
-    )
-    assert text.choices[0].message.content is not None  # text chat still works
+    parts = [{"role": "user", "content": [{"type": "text", "text": "only text parts"}]}]
+    for messages in (text_messages(), parts):  # text chat still works, as string or parts
+        text = server.client().chat.completions.create(model=ALIAS, messages=messages, max_tokens=2)
+        assert text.choices[0].finish_reason in ("length", "stop")
 
 
 def test_vl_server_serves_text_only_chat(setup):
