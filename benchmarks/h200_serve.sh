@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Through the HTTP server vs offline, in one call on the H200 (issue 4): `kestrel bench throughput`
 # at the same concurrency, then `kestrel serve` on the same random-weight shape and
-# `kestrel bench serve` against it; between them `kestrel bench engine` (offline through the Engine). Both drive 256 requests of 512 prompt + 256 output tokens.
+# `kestrel bench serve` against it; between them `kestrel bench engine` (offline through the
+# Engine). All drive 256 requests of 512 prompt + 256 output tokens.
 # Usage: benchmarks/h200_serve.sh OUTDIR   (env: SHAPE=llama3-8b C=64 N=256 DEVICE=auto)
 set -uo pipefail
 py=${PY:-python3}

@@ -19,6 +19,8 @@ def groups(paths):
     for path in paths:
         for line in open(path):
             r = json.loads(line)
+            if r["mode"] not in METRIC:  # engine / serve lines: see the README's server table
+                continue
             value, ceiling = METRIC[r["mode"]]
             g = out.setdefault((r["model"], r["mode"]), {})
             g["kestrel" if r["engine"] == "kestrel" else "peer"] = r.get(value, 0)

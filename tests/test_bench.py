@@ -26,3 +26,189 @@ def test_bench_tiny_shape_with_peer_prints_json_lines(tmp_path, capsys):
     assert kestrel["generated_tokens"] == 6 and kestrel["output_tok_s"] > 0
     assert kestrel["ceiling_output_tok_s"] > 0 and records[2]["ceiling_decode_tok_s"] > 0
     assert records[2]["decode_tok_s"] > 0 and "command" in kestrel and "commit" in kestrel
+
+
+# -- kestrel bench serve against a real `kestrel serve` -------------------------------------------
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+from tests.reference import save_tiny  # noqa: E402
+
+from kestrel.bench_serve import percentile  # noqa: E402
+from kestrel.shapes import shape_tokenizer  # noqa: E402
+from server_fixtures import start_server  # noqa: E402
+
+KEY = "bench-key"
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory, smollm2_tokenizer):
+    """A tiny random llama checkpoint saved with SmolLM2's tokenizer, served with a key."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    folder = tmp_path_factory.mktemp("tiny-llama")
+    config = LlamaConfig(
+        vocab_size=len(smollm2_tokenizer),
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+    )
+    save_tiny(LlamaForCausalLM, config, folder, tokenizer=smollm2_tokenizer)
+    server = start_server(
+        ["-m", str(folder), "-a", "tiny", "-c", "256", "-np", "4", "--api-key", KEY]
+    )
+    yield server
+    server.stop()
+
+
+def _bench_serve(server, tmp_path, *flags: str) -> list[dict]:
+    out = tmp_path / "serve.jsonl"
+    out.unlink(missing_ok=True)
+    argv = [
+        "bench",
+        "serve",
+        "--url",
+        server.url,
+        "--api-key",
+        KEY,
+        "--no-progress",
+        "-o",
+        str(out),
+        *flags,
+    ]
+    assert main(argv) == 0
+    return [json.loads(line) for line in out.read_text().splitlines()]
+
+
+def _generated(server) -> float:
+    return server.metrics()["kestrel_generation_tokens_total"]
+
+
+def test_bench_serve_measures_each_concurrency(server, tmp_path):
+    before = _generated(server)
+    records = _bench_serve(
+        server,
+        tmp_path,
+        "--concurrency",
+        "1",
+        "4",
+        "--num-requests",
+        "4",
+        "--prompt-tokens",
+        "8",
+        "--output-tokens",
+        "5",
+        "--vocab-size",
+        "49152",
+    )
+    assert [r["concurrency"] for r in records] == [1, 4]
+    for r in records:
+        assert (r["mode"], r["model"], r["completed"], r["failed"]) == ("serve", "tiny", 4, 0)
+        # exactly the asked-for tokens (ignore_eos), counted from the server's usage
+        assert r["generated_tokens"] == 20 and r["mean_prompt_tokens"] == 8
+        assert r["output_tok_s"] == pytest.approx(20 / r["elapsed_s"])
+        for name in ("ttft", "tpot", "itl"):
+            assert 0 < r[f"{name}_p50_s"] <= r[f"{name}_p99_s"] < r["elapsed_s"]
+        assert r["ttft_p99_s"] + r["tpot_p50_s"] < r["elapsed_s"]
+        assert "command" in r and "commit" in r
+    # the server generated what the client counted, plus the one warm-up request's 4 tokens
+    assert _generated(server) - before == 4 + 2 * 20
+
+
+def test_bench_serve_chat_with_text_prompts(server, tmp_path):
+    (r,) = _bench_serve(
+        server,
+        tmp_path,
+        "--endpoint",
+        "chat",
+        "--prompt-format",
+        "text",
+        "--prompts",
+        "fixed",
+        "--concurrency",
+        "2",
+        "--num-requests",
+        "2",
+        "--prompt-tokens",
+        "6",
+        "--output-tokens",
+        "3",
+    )
+    assert (r["endpoint"], r["completed"], r["generated_tokens"]) == ("chat", 2, 6)
+    assert r["mean_prompt_tokens"] > 6  # six words inside the chat template
+
+
+def test_bench_serve_reports_a_refused_key(server, capsys):
+    argv = ["bench", "serve", "--url", server.url, "--api-key", "wrong", "--no-progress"]
+    with pytest.raises(SystemExit, match="401"):
+        main(argv)
+
+
+def test_percentile_matches_numpy():
+    import numpy
+
+    values = torch.rand(37, generator=torch.Generator().manual_seed(0)).tolist()
+    for q in (0, 50, 90, 99, 100):
+        assert percentile(values, q) == pytest.approx(numpy.percentile(values, q))
+    assert percentile([], 50) is None
+
+
+# -- named random shapes and the CUDA flags through serve / generate / LLM --------------------------
+
+
+def test_shape_tokenizer_covers_the_vocabulary():
+    tok = shape_tokenizer(600)
+    assert len(tok) == 600 and tok.decode(tok("Hello, world")["input_ids"]) == "Hello, world"
+    words = [tok.decode([i]) for i in range(258, 600)]  # past the 256 bytes, BOS and EOS
+    assert all(w.startswith(" t") for w in words) and len(set(words)) == len(words)
+
+
+ENGINE_FLAGS = [
+    "--shape",
+    "tiny",
+    "--gpu-memory-utilization",
+    "0.5",
+    "--no-cuda-graphs",
+    "--block-size",
+    "32",
+    "--max-batched-tokens",
+    "96",
+]
+
+
+def test_engine_flags_reach_the_server_engine():
+    from kestrel.cli import build_parser
+    from kestrel.engine.gpu_runner import GPUConfig
+    from kestrel.server.main import load_engine, server_config
+
+    args = build_parser().parse_args(["serve", *ENGINE_FLAGS])
+    engine = load_engine(args)
+    assert engine.config.gpu == GPUConfig(0.5, False, 32)
+    assert engine.config.scheduler.max_batched_tokens == 96
+    assert engine.vocab_size == len(engine.tokenizer) == 512
+    assert server_config(args).model_name == "tiny"
+
+
+def test_engine_flags_reach_generate_and_the_llm_api(capsys):
+    from kestrel.engine.gpu_runner import GPUConfig
+    from kestrel.llm import LLM
+    from kestrel.sampling import SamplingParams
+
+    assert main(["generate", *ENGINE_FLAGS, "-p", "Hi", "-n", "3", "--temp", "0"]) == 0
+    assert capsys.readouterr().out.strip()  # three " t<id>" words
+    llm = LLM(
+        shape="tiny",
+        gpu_memory_utilization=0.5,
+        cuda_graphs=False,
+        block_size=32,
+        max_batched_tokens=96,
+        device="cpu",
+    )
+    assert llm.engine.config.gpu == GPUConfig(0.5, False, 32)
+    assert llm.engine.config.scheduler.max_batched_tokens == 96
+    params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+    (a,), (b,) = llm.generate([[300, 301, 302]], params), llm.generate([[300, 301, 302]], params)
+    assert len(a.outputs[0].token_ids) == 4 and a.outputs[0].token_ids == b.outputs[0].token_ids
