@@ -323,3 +323,29 @@ def test_vision_models_stay_on_the_reference_runner(setup):
     (built, not run: no GPU needed)."""
     runner = make_runner(setup["llm"].model, torch.device("cuda"), 4, 64, 256)
     assert type(runner) is ModelRunner
+
+
+def test_preempted_image_requests_recompute_to_the_same_output(setup):
+    """Under a KV capacity the decodes outgrow, the newest image request is preempted and
+    recomputed from its prompt and output (chunks crossing the prompt's end): every request
+    still ends with the tokens it has alone."""
+    from kestrel.engine.engine import Engine, EngineConfig
+    from kestrel.engine.scheduler import SchedulerConfig
+
+    llm = setup["llm"]
+    scheduler = SchedulerConfig(max_running=4, prefill_chunk_size=CHUNK, kv_capacity=120)
+    engine = Engine(llm.model, llm.tokenizer, EngineConfig(scheduler=scheduler))
+    engine.processor = llm.engine.processor
+    conversations = [two_image_messages(PATCH, MERGE), one_image_messages(seed=7)]
+    params = SamplingParams(temperature=0, max_tokens=3 * NEW_TOKENS, ignore_eos=True)
+    tokens = {}
+    for i, conversation in enumerate(conversations):
+        engine.add_request(str(i), llm._chat_prompt(conversation), params)
+        tokens[str(i)] = []
+    while engine.has_unfinished():
+        for out in engine.step():
+            assert out.error is None, out.error
+            tokens[out.request_id] += out.new_token_ids
+    assert engine.scheduler.num_preempted > 0
+    for i, conversation in enumerate(conversations):
+        assert tokens[str(i)] == llm.chat(conversation, params)[0].outputs[0].token_ids
