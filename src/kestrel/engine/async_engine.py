@@ -301,13 +301,15 @@ class AsyncEngine:
         log.critical("the engine loop died: %r", error, exc_info=error)
         self.dead = error
         try:
-            self._loop.call_soon_threadsafe(
-                self._fail_all, EngineDeadError(f"the engine stopped: {error!r}")
-            )
-            if self.on_death is not None:
-                self._loop.call_soon_threadsafe(self.on_death, error)
+            # one callback, so whoever sees the streams fail also sees on_death already ran
+            self._loop.call_soon_threadsafe(self._announce_death, error)
         except RuntimeError:
             pass  # the event loop is already closed: nobody is left to tell
+
+    def _announce_death(self, error: BaseException) -> None:
+        if self.on_death is not None:
+            self.on_death(error)
+        self._fail_all(EngineDeadError(f"the engine stopped: {error!r}"))
 
 
 def _resolve(future: asyncio.Future, result: Any, error: BaseException | None) -> None:
