@@ -72,10 +72,9 @@ def main() -> None:
         llm = LLM(alias, progress=False, device="cpu")
         text = "The quick brown fox jumps over the lazy dog. " * args.prompt_tokens
         prompt = llm.tokenizer(text)["input_ids"][: args.prompt_tokens]
-        for system, measure in (("kestrel", lambda: kestrel_speed(llm, prompt, args.decode_tokens)),
-                                ("transformers", lambda: transformers_speed(alias, prompt, args.decode_tokens))):
-            result = {"model": alias, "system": system, **measure(), **context}
-            lines.append(json.dumps(result))
+        for system, speed in (("kestrel", kestrel_speed(llm, prompt, args.decode_tokens)),
+                              ("transformers", transformers_speed(alias, prompt, args.decode_tokens))):
+            lines.append(json.dumps({"model": alias, "system": system, **speed, **context}))
             print(lines[-1], flush=True)
     if args.out:
         with open(args.out, "w") as f:

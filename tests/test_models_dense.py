@@ -2,7 +2,6 @@
 
 import pytest
 import transformers
-
 from tests.reference import (
     assert_close,
     chunked_logits,

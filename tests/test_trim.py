@@ -3,8 +3,6 @@ outputs equal to a dense reference that applies the visibility rule, for every c
 
 import pytest
 import torch
-
-from kestrel.cache import LayerKVCache, SequenceCache, visible_mask
 from tests.reference import (
     assert_close,
     assert_masks_match_keys,
@@ -15,6 +13,8 @@ from tests.reference import (
     trimmed_visibility,
 )
 from tests.test_models_dense import COMMON, FAMILIES, PROMPT
+
+from kestrel.cache import LayerKVCache, SequenceCache, visible_mask
 
 MAX_KV = 12
 
