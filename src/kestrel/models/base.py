@@ -37,21 +37,27 @@ class CausalLM(nn.Module):
     live in `gguf_tensor` (e.g. undoing llama.cpp's Q/K row permutation).
     """
 
-    config_class_name = "PretrainedConfig"
     # True for families that serve images too: they get the checkpoint's whole config (with its
     # vision_config), not just the nested text_config the text families read
     multimodal = False
+    # the decoder stack (HF's `model.` prefix). When set, the head is built here (a vocabulary
+    # projection, tied to the embeddings when the config says so) and forward = head(stack(batch))
+    backbone: type[nn.Module] | None = None
 
     def __init__(self, config):
         super().__init__()
         self.config = config
+        if self.backbone is not None:
+            self.model = self.backbone(config)
+            self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+            self.tie_weights()
 
     def cache_specs(self) -> list[CacheSpec]:
         """One spec per layer: what each layer keeps per sequence."""
         raise NotImplementedError
 
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
-        raise NotImplementedError
+        return self.lm_head(self.model(batch))
 
     def checkpoint_name(self, name: str) -> str | Slot | None:
         """Map a checkpoint tensor name to a parameter name or a `Slot` (None: not ours, skip it)."""

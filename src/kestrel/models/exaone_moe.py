@@ -86,18 +86,11 @@ class ExaoneMoeModel(nn.Module):
 
 
 class ExaoneMoeForCausalLM(CausalLM):
-    def __init__(self, config):
-        super().__init__(config)
-        self.model = ExaoneMoeModel(config)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
-        self.tie_weights()
+    backbone = ExaoneMoeModel
 
     def cache_specs(self) -> list[CacheSpec]:
         windows = [layer.self_attn.window for layer in self.model.layers]
         return [CacheSpec("sliding", w) if w else CacheSpec("full") for w in windows]
-
-    def forward(self, batch: ForwardBatch) -> torch.Tensor:
-        return self.lm_head(self.model(batch))
 
     def checkpoint_name(self, name: str) -> str | Slot | None:
         if name.startswith("mtp."):

@@ -43,7 +43,9 @@ class Gemma3Block(nn.Module):
         self.post_feedforward_layernorm = gemma_norm(hidden, eps)
 
     def forward(self, x, batch: ForwardBatch, cos_sin) -> torch.Tensor:
-        x = x + self.post_attention_layernorm(self.self_attn(self.input_layernorm(x), batch, cos_sin))
+        x = x + self.post_attention_layernorm(
+            self.self_attn(self.input_layernorm(x), batch, cos_sin)
+        )
         return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
 
 
@@ -81,12 +83,11 @@ class Gemma3Model(nn.Module):
 
 
 class Gemma3ForCausalLM(CausalLM):
+    backbone = Gemma3Model
+
     def __init__(self, config):
         super().__init__(config)
-        self.model = Gemma3Model(config)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.softcap = getattr(config, "final_logit_softcapping", None)
-        self.tie_weights()
 
     def cache_specs(self) -> list[CacheSpec]:
         return [CacheSpec("sliding", w) if w else CacheSpec("full") for w in self.model.windows]

@@ -219,12 +219,11 @@ class Gemma4Model(nn.Module):
 
 
 class Gemma4ForCausalLM(CausalLM):
+    backbone = Gemma4Model
+
     def __init__(self, config):
         super().__init__(config)
-        self.model = Gemma4Model(config)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.softcap = getattr(config, "final_logit_softcapping", None)
-        self.tie_weights()
 
     def cache_specs(self) -> list[CacheSpec]:
         specs = []

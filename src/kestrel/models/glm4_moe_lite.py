@@ -77,17 +77,10 @@ class Glm4MoeLiteModel(nn.Module):
 
 
 class Glm4MoeLiteForCausalLM(CausalLM):
-    def __init__(self, config):
-        super().__init__(config)
-        self.model = Glm4MoeLiteModel(config)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
-        self.tie_weights()
+    backbone = Glm4MoeLiteModel
 
     def cache_specs(self) -> list[CacheSpec]:
         return latent_cache_specs(self.config.num_hidden_layers)
-
-    def forward(self, batch: ForwardBatch) -> torch.Tensor:
-        return self.lm_head(self.model(batch))
 
     def checkpoint_name(self, name: str) -> str | Slot | None:
         # multi-token-prediction layers (past num_hidden_layers) match no parameter: skipped

@@ -100,11 +100,7 @@ class JambaModel(nn.Module):
 
 
 class JambaForCausalLM(CausalLM):
-    def __init__(self, config):
-        super().__init__(config)
-        self.model = JambaModel(config)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
-        self.tie_weights()
+    backbone = JambaModel
 
     def cache_specs(self) -> list[CacheSpec]:
         c = self.config
@@ -112,9 +108,6 @@ class JambaForCausalLM(CausalLM):
             CacheSpec("full") if is_attention(c, i) else CacheSpec("recurrent")
             for i in range(c.num_hidden_layers)
         ]
-
-    def forward(self, batch: ForwardBatch) -> torch.Tensor:
-        return self.lm_head(self.model(batch))
 
     def checkpoint_name(self, name: str) -> str | Slot | None:
         # transformers calls the router `router`; the shared MoE calls it `gate`

@@ -34,7 +34,9 @@ class LlamaBlock(nn.Module):
         super().__init__()
         flavor = FLAVORS[config.model_type]
         bias = getattr(config, "attention_bias", False)
-        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        head_dim = (
+            getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        )
         eps = config.rms_norm_eps
         self.self_attn = Attention(
             layer_idx,
@@ -49,7 +51,9 @@ class LlamaBlock(nn.Module):
             qk_norm_factory=(lambda d: RMSNorm(d, eps)) if flavor["qk_norm"] else None,
         )
         self.mlp = GatedMLP(
-            config.hidden_size, config.intermediate_size, config.hidden_act,
+            config.hidden_size,
+            config.intermediate_size,
+            config.hidden_act,
             bias=getattr(config, "mlp_bias", False),
         )
         self.input_layernorm = RMSNorm(config.hidden_size, eps)
@@ -63,7 +67,9 @@ class LlamaBlock(nn.Module):
 class LlamaModel(nn.Module):
     def __init__(self, config):
         super().__init__()
-        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        head_dim = (
+            getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        )
         rope = rope_parameters(config)
         self.rotary_emb = RotaryEmbedding(head_dim, rope["rope_theta"], rope)
         self.windows = layer_windows(config)
@@ -82,17 +88,10 @@ class LlamaModel(nn.Module):
 
 
 class LlamaForCausalLM(CausalLM):
-    def __init__(self, config):
-        super().__init__(config)
-        self.model = LlamaModel(config)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
-        self.tie_weights()
+    backbone = LlamaModel
 
     def cache_specs(self) -> list[CacheSpec]:
         return [CacheSpec("sliding", w) if w else CacheSpec("full") for w in self.model.windows]
-
-    def forward(self, batch: ForwardBatch) -> torch.Tensor:
-        return self.lm_head(self.model(batch))
 
     def gguf_tensor(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
         # llama.cpp permutes Q/K rows for its interleaved RoPE; restore HF's rotate-half layout.
@@ -107,4 +106,8 @@ class LlamaForCausalLM(CausalLM):
 def unpermute_rows(w: torch.Tensor, n_heads: int) -> torch.Tensor:
     """Inverse of llama.cpp's `permute`: (H*D, in) rows from pair-interleaved to half-split."""
     out_dim = w.shape[0]
-    return w.reshape(n_heads, out_dim // n_heads // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
+    return (
+        w.reshape(n_heads, out_dim // n_heads // 2, 2, *w.shape[1:])
+        .transpose(1, 2)
+        .reshape(w.shape)
+    )

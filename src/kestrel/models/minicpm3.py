@@ -82,12 +82,11 @@ class MiniCPM3Model(nn.Module):
 
 
 class MiniCPM3ForCausalLM(CausalLM):
+    backbone = MiniCPM3Model
+
     def __init__(self, config):
         super().__init__(config)
-        self.model = MiniCPM3Model(config)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.logits_scaling = config.hidden_size / config.dim_model_base
-        self.tie_weights()
 
     def cache_specs(self) -> list[CacheSpec]:
         return latent_cache_specs(self.config.num_hidden_layers)

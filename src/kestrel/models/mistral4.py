@@ -88,17 +88,10 @@ class Mistral4Model(nn.Module):
 
 
 class Mistral4ForCausalLM(CausalLM):
-    def __init__(self, config):
-        super().__init__(config)
-        self.model = Mistral4Model(config)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
-        self.tie_weights()
+    backbone = Mistral4Model
 
     def cache_specs(self) -> list[CacheSpec]:
         return latent_cache_specs(self.config.num_hidden_layers)
-
-    def forward(self, batch: ForwardBatch) -> torch.Tensor:
-        return self.lm_head(self.model(batch))
 
     def checkpoint_name(self, name: str) -> str | Slot | None:
         # transformers saves stacked experts; older exports keep one tensor per expert

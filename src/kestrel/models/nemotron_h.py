@@ -137,17 +137,10 @@ class NemotronHModel(nn.Module):
 
 
 class NemotronHForCausalLM(CausalLM):
-    def __init__(self, config):
-        super().__init__(config)
-        self.model = NemotronHModel(config)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
-        self.tie_weights()
+    backbone = NemotronHModel
 
     def cache_specs(self) -> list[CacheSpec]:
         return [CACHE_SPECS.get(t, CacheSpec("none")) for t in self.config.layers_block_type]
-
-    def forward(self, batch: ForwardBatch) -> torch.Tensor:
-        return self.lm_head(self.model(batch))
 
     def tie_weights(self) -> None:
         if getattr(self.config, "tie_word_embeddings", False):
