@@ -63,6 +63,25 @@ class CausalLM(nn.Module):
         """Map a checkpoint tensor name to a parameter name or a `Slot` (None: not ours, skip it)."""
         return name
 
+    def gguf_names(self, table) -> dict[str, str]:
+        """GGUF tensor name -> the checkpoint name it loads as, through gguf's name table
+        (`gguf.TensorNameMap`) over our parameter names; families add what the table lacks.
+        llama.cpp names every tensor with a suffix: a parameter without one (stacked experts,
+        scalars) is stored as `<name>.weight`."""
+        names = {}
+        for name, _ in self.named_parameters(remove_duplicate=False):
+            gguf_name = table.get_name(name, try_suffixes=(".weight", ".bias"))
+            if gguf_name is not None:
+                suffixed = gguf_name.endswith((".weight", ".bias"))
+                names[gguf_name if suffixed else gguf_name + ".weight"] = name
+        return names
+
+    @classmethod
+    def config_from_gguf(cls, meta):
+        """The config of a GGUF file (`weights.gguf.GGUFMetadata`), for families whose
+        architecture transformers cannot read (listed in `weights.gguf.FAMILY_CONFIGS`)."""
+        raise NotImplementedError
+
     def gguf_tensor(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
         """Undo llama.cpp's conversion of one tensor (named with our parameter name)."""
         return tensor

@@ -5,10 +5,13 @@ layers are NoPE). Per-head q/k RMSNorm. The feed-forward is a dense gated MLP wh
 `mlp_layer_types` says "dense", else the shared MoE: sigmoid scores, score-correction bias,
 group-limited top-k, renormalised weights times `routed_scaling_factor`, plus shared experts.
 Checkpoints store one tensor per expert; `checkpoint_name` maps them into the stacked weights.
+GGUF files (llama.cpp's "exaone-moe") store gate and up experts as two stacked tensors; the config
+comes from their metadata (`config_from_gguf`), which transformers cannot read.
 """
 
 import torch
 from torch import nn
+from transformers import ExaoneMoeConfig
 
 from kestrel.cache import CacheSpec
 from kestrel.models.base import CausalLM, Slot, rope_parameters
@@ -96,4 +99,56 @@ class ExaoneMoeForCausalLM(CausalLM):
         if name.startswith("mtp."):
             return None  # multi-token-prediction head: not used for decoding
         name = name.replace("mlp.e_score_correction_bias", "mlp.gate.e_score_correction_bias")
+        if name.endswith((".experts.gate_proj", ".experts.up_proj")):  # GGUF: (E, I, H) each
+            I = self.config.moe_intermediate_size  # noqa: E741
+            rows = slice(0, I) if name.endswith("gate_proj") else slice(I, 2 * I)
+            return Slot(name.rsplit(".", 1)[0] + ".gate_up_proj", (slice(None), rows))
         return expert_slot(name, self.config.moe_intermediate_size) or name
+
+    def gguf_names(self, table) -> dict[str, str]:
+        names = super().gguf_names(table)
+        for i, layer in enumerate(self.model.layers):
+            if isinstance(layer.mlp, SparseMoE):
+                prefix = f"model.layers.{i}.mlp"
+                for proj in ("gate_proj", "up_proj"):  # stacked separately: ffn_{gate,up}_exps
+                    names[table.get_name(f"{prefix}.experts.{proj}") + ".weight"] = (
+                        f"{prefix}.experts.{proj}"
+                    )
+                bias = table.get_name(f"{prefix}.gate.e_score_correction") + ".bias"
+                names[bias] = f"{prefix}.gate.e_score_correction_bias"
+        return names
+
+    @classmethod
+    def config_from_gguf(cls, meta) -> ExaoneMoeConfig:
+        """llama.cpp's "exaone-moe" metadata; a layer is sparse when it has a router tensor."""
+        n = meta["block_count"]
+        window = meta.get("attention.sliding_window")
+        sliding = meta.per_layer("attention.sliding_window_pattern", n, window is not None)
+        sparse = [f"blk.{i}.ffn_gate_inp.weight" in meta.shapes for i in range(n)]
+        heads = meta["attention.head_count"]
+        return ExaoneMoeConfig(
+            vocab_size=meta.shapes["token_embd.weight"][0],
+            hidden_size=meta["embedding_length"],
+            intermediate_size=meta["feed_forward_length"],
+            num_hidden_layers=n,
+            num_attention_heads=heads,
+            num_key_value_heads=meta["attention.head_count_kv"],
+            head_dim=meta.get("attention.key_length", meta["embedding_length"] // heads),
+            max_position_embeddings=meta.get("context_length", 4096),
+            rms_norm_eps=meta["attention.layer_norm_rms_epsilon"],
+            rope_parameters={"rope_type": "default", "rope_theta": meta.get("rope.freq_base")},
+            sliding_window=window,
+            layer_types=["sliding_attention" if s else "full_attention" for s in sliding],
+            mlp_layer_types=["sparse" if s else "dense" for s in sparse],
+            moe_intermediate_size=meta["expert_feed_forward_length"],
+            num_experts=meta["expert_count"],
+            num_experts_per_tok=meta["expert_used_count"],
+            n_group=meta.get("expert_group_count", 1),
+            topk_group=meta.get("expert_group_used_count", 1),
+            num_shared_experts=meta.get("expert_shared_count", 0),
+            routed_scaling_factor=meta.get("expert_weights_scale", 1.0),
+            norm_topk_prob=meta.get("expert_weights_norm", True),
+            tie_word_embeddings="output.weight" not in meta.shapes,
+            bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
+            eos_token_id=meta.get("tokenizer.ggml.eos_token_id"),
+        )

@@ -7,11 +7,13 @@ q/k RMSNorms and a scale-free v norm replace the 1/sqrt(d) query scale. The last
 `num_kv_shared_layers` layers compute no K/V: they attend over the cache of the last earlier layer
 of their type. Per-layer input embeddings (PLE) gate a residual into every layer; the
 feed-forward is a dense gated MLP, plus routed experts when `enable_moe_block`; each layer ends
-with a learned `layer_scalar`; logits are soft-capped.
+with a learned `layer_scalar`; logits are soft-capped. GGUF files (llama.cpp's "gemma4") keep HF's
+norm weights and tensor layouts; their config is rebuilt from the metadata (`config_from_gguf`).
 """
 
 import torch
 from torch import nn
+from transformers import Gemma4TextConfig
 
 import kestrel.cache.recurrent  # noqa: F401  registers the "none" cache kind
 from kestrel.cache import CacheSpec
@@ -255,3 +257,78 @@ class Gemma4ForCausalLM(CausalLM):
     def checkpoint_name(self, name: str) -> str:
         # multimodal Gemma 4 checkpoints nest the text model; the other towers match no parameter
         return name.replace("model.language_model.", "model.", 1)
+
+    def gguf_names(self, table) -> dict[str, str]:
+        names = super().gguf_names(table)
+        for i, layer in enumerate(self.model.layers):
+            if layer.moe:  # llama.cpp files the router's scales under the router and the experts
+                names[f"blk.{i}.ffn_gate_inp.scale"] = f"model.layers.{i}.router.scale"
+                names[f"blk.{i}.ffn_down_exps.scale"] = f"model.layers.{i}.router.per_expert_scale"
+        return names
+
+    @classmethod
+    def config_from_gguf(cls, meta) -> Gemma4TextConfig:
+        """llama.cpp's "gemma4" metadata. Per-layer lists give the layer types (sliding pattern),
+        KV heads and MLP widths (double-wide on KV-shared layers); the full layers' partial RoPE is
+        the share of rope_freqs left at 1 (the rest are 1e30: unrotated); K = V when a full layer
+        owning its cache has no V tensor."""
+        n = meta["block_count"]
+        sliding = meta.per_layer("attention.sliding_window_pattern", n, True)
+        types = [SLIDING if s else FULL for s in sliding]
+        kv = meta.per_layer("attention.head_count_kv", n)
+        widths = meta.per_layer("feed_forward_length", n)
+        shared = meta.get("attention.shared_kv_layers", 0)
+        head_dim, global_head_dim = meta["attention.key_length_swa"], meta["attention.key_length"]
+        full_owners = [i for i in range(n - shared) if types[i] == FULL]
+        k_eq_v = any(f"blk.{i}.attn_v.weight" not in meta.shapes for i in full_owners)
+        freqs = meta.tensor("rope_freqs.weight")
+        partial = 1.0 if freqs is None else 2 * int((freqs == 1.0).sum()) / global_head_dim
+        per_layer = meta.get("embedding_length_per_layer_input", 0)
+        experts = meta.get("expert_count", 0)
+        vocab = meta.shapes["token_embd.weight"][0]
+        swa_rope = {"rope_type": "default", "rope_theta": meta.get("rope.freq_base_swa", 1e4)}
+        rotary_swa = meta.get("rope.dimension_count_swa", head_dim)
+        if rotary_swa != head_dim:
+            swa_rope["partial_rotary_factor"] = rotary_swa / head_dim
+        return Gemma4TextConfig(
+            vocab_size=vocab,
+            hidden_size=meta["embedding_length"],
+            intermediate_size=min(widths),
+            use_double_wide_mlp=max(widths) != min(widths),
+            num_hidden_layers=n,
+            num_attention_heads=meta["attention.head_count"],
+            num_key_value_heads=next(
+                (k for k, t in zip(kv, types, strict=True) if t == SLIDING), kv[0]
+            ),
+            head_dim=head_dim,
+            global_head_dim=global_head_dim,
+            attention_k_eq_v=k_eq_v,
+            num_global_key_value_heads=kv[full_owners[0]] if k_eq_v else None,
+            num_kv_shared_layers=shared,
+            layer_types=types,
+            sliding_window=meta.get("attention.sliding_window", 512),
+            rms_norm_eps=meta["attention.layer_norm_rms_epsilon"],
+            max_position_embeddings=meta.get("context_length", 131072),
+            final_logit_softcapping=meta.get("final_logit_softcapping"),
+            rope_parameters={
+                SLIDING: swa_rope,
+                FULL: {
+                    "rope_type": "proportional",
+                    "partial_rotary_factor": partial,
+                    "rope_theta": meta.get("rope.freq_base", 1e6),
+                },
+            },
+            hidden_size_per_layer_input=per_layer,
+            vocab_size_per_layer_input=meta.shapes.get("per_layer_token_embd.weight", (vocab,))[0],
+            enable_moe_block=experts > 0,
+            num_experts=experts or None,
+            top_k_experts=meta.get("expert_used_count"),
+            moe_intermediate_size=meta.get("expert_feed_forward_length"),
+            tie_word_embeddings="output.weight" not in meta.shapes,
+            bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
+            eos_token_id=meta.get("tokenizer.ggml.eos_token_id"),
+            pad_token_id=meta.get("tokenizer.ggml.padding_token_id"),
+        )
+
+
+SLIDING, FULL = "sliding_attention", "full_attention"

@@ -21,6 +21,7 @@ from kestrel.errors import UnsupportedModelError
 from kestrel.models.base import CausalLM, rope_parameters
 from kestrel.models.batch import ForwardBatch
 from kestrel.models.layers import Attention, GatedMLP, RMSNorm, RotaryEmbedding
+from kestrel.models.llama import unpermute_rows
 
 
 @strict
@@ -30,6 +31,8 @@ class NemotronNasConfig(LlamaConfig):
     model_type = "nemotron-nas"
     block_configs: list | None = None
     intermediate_size: int | None = None
+    # llama.cpp's per-frequency RoPE divisors (a GGUF's rope_freqs tensor, e.g. llama-3 scaling)
+    rope_freq_factors: list | None = None
 
 
 AutoConfig.register("nemotron-nas", NemotronNasConfig, exist_ok=True)
@@ -134,6 +137,8 @@ class NemotronNasModel(nn.Module):
         super().__init__()
         rope = rope_parameters(config)
         self.rotary_emb = RotaryEmbedding(head_dim(config), rope["rope_theta"], rope)
+        if config.rope_freq_factors:
+            self.rotary_emb.inv_freq /= torch.tensor(config.rope_freq_factors)
         self.blocks = [parse_block(config, raw) for raw in config.block_configs]
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(
@@ -171,3 +176,53 @@ class NemotronNasForCausalLM(CausalLM):
     def kv_bytes_per_token(self, dtype: torch.dtype) -> int:
         heads = sum(b.kv_heads for b in self.model.blocks if b.attention == "gqa")
         return 2 * heads * head_dim(self.config) * torch.finfo(dtype).bits // 8
+
+    @classmethod
+    def config_from_gguf(cls, meta) -> NemotronNasConfig:
+        """llama.cpp's "deci" metadata: per-layer head counts and MLP widths say each block's kind
+        (KV heads 0 with query heads: linear attention; both 0: none; width 0: no MLP)."""
+        n, hidden = meta["block_count"], meta["embedding_length"]
+        heads = meta.per_layer("attention.head_count", n)
+        kv = meta.per_layer("attention.head_count_kv", n)
+        widths = meta.per_layer("feed_forward_length", n)
+        freqs = meta.tensor("rope_freqs.weight")
+        return NemotronNasConfig(
+            vocab_size=meta.shapes["token_embd.weight"][0],
+            hidden_size=hidden,
+            num_hidden_layers=n,
+            num_attention_heads=max(heads),
+            num_key_value_heads=None,
+            block_configs=[
+                gguf_block(h, k, w, hidden) for h, k, w in zip(heads, kv, widths, strict=True)
+            ],
+            max_position_embeddings=meta.get("context_length", 4096),
+            rms_norm_eps=meta["attention.layer_norm_rms_epsilon"],
+            rope_parameters={"rope_type": "default", "rope_theta": meta.get("rope.freq_base", 1e4)},
+            rope_freq_factors=None if freqs is None else freqs.tolist(),
+            tie_word_embeddings="output.weight" not in meta.shapes,
+            bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
+            eos_token_id=meta.get("tokenizer.ggml.eos_token_id"),
+        )
+
+    def gguf_tensor(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
+        # llama.cpp permutes Q/K rows for its interleaved RoPE, K with each layer's own KV heads
+        if name.endswith(("q_proj.weight", "k_proj.weight")):
+            layer = int(name.split(".")[2])
+            block = self.model.blocks[layer]
+            heads = self.config.num_attention_heads if "q_proj" in name else block.kv_heads
+            return unpermute_rows(tensor, heads)
+        return tensor
+
+
+def gguf_block(heads: int, kv_heads: int, width: int, hidden: int) -> dict:
+    """One `block_configs` entry from a deci GGUF layer's head counts and MLP width."""
+    # the ffn_mult that `ffn_width` turns back into `width` (a multiple of 256, as DeciLM's are)
+    mult = (width + 0.5) * 1.5 / hidden if width else None
+    return {
+        "attention": {
+            "n_heads_in_group": heads // kv_heads if kv_heads else None,
+            "no_op": heads == 0,
+            "replace_with_linear": heads > 0 and kv_heads == 0,
+        },
+        "ffn": {"ffn_mult": mult, "no_op": width == 0, "replace_with_linear": False},
+    }

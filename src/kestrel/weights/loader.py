@@ -57,9 +57,14 @@ def load_config(source: ModelSource):
             return AutoConfig.from_pretrained(source.path)
         cached = _gguf_cache(source, "configs")
         if (cached / "config.json").exists():
+            _import_family(cached)
             return AutoConfig.from_pretrained(cached)
-        gguf_weights.open_gguf(source.path)  # validates the file before transformers reads it
-        config = AutoConfig.from_pretrained(source.path.parent, gguf_file=source.path.name)
+        reader = gguf_weights.open_gguf(source.path)  # validated before transformers reads it
+        family = gguf_weights.FAMILY_CONFIGS.get(gguf_weights.architecture(reader))
+        if family is not None:
+            config = model_class(family).config_from_gguf(gguf_weights.GGUFMetadata(reader))
+        else:
+            config = AutoConfig.from_pretrained(source.path.parent, gguf_file=source.path.name)
         _save(config, cached)
         return config
     except ModelLoadError:
@@ -96,6 +101,11 @@ def load_tokenizer(source: ModelSource):
     cached = _gguf_cache(source, "tokenizers")
     if (cached / "tokenizer_config.json").exists():
         return AutoTokenizer.from_pretrained(cached)
+    reader = gguf_weights.open_gguf(source.path)
+    # AutoTokenizer reads the file's config first, which transformers cannot for the archs whose
+    # config a family builds; the vocabulary itself converts without it
+    if gguf_weights.architecture(reader) in gguf_weights.FAMILY_CONFIGS:
+        from transformers import PreTrainedTokenizerFast as AutoTokenizer  # noqa: N814
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         tokenizer = AutoTokenizer.from_pretrained(source.path.parent, gguf_file=source.path.name)
@@ -162,7 +172,7 @@ def _checkpoint_tensors(model, source: ModelSource, names: list[str]):
     if source.is_gguf:
         reader = gguf_weights.open_gguf(source.path)
         gguf_weights.check_quant_types(reader, source.path)
-        return gguf_weights.read_tensors(reader, names), len(reader.tensors)
+        return gguf_weights.read_tensors(reader, model.gguf_names), len(reader.tensors)
     return st_weights.read_tensors(source.path), st_weights.count_tensors(source.path)
 
 
