@@ -120,8 +120,9 @@ class ExaoneMoeForCausalLM(CausalLM):
 
     @classmethod
     def config_from_gguf(cls, meta) -> ExaoneMoeConfig:
-        """llama.cpp's "exaone-moe" metadata; a layer is sparse when it has a router tensor."""
-        n = meta["block_count"]
+        """llama.cpp's "exaone-moe" metadata; a layer is sparse when it has a router tensor.
+        llama.cpp counts the multi-token-prediction layers in block_count, after the decoder's."""
+        n = meta["block_count"] - meta.get("nextn_predict_layers", 0)
         window = meta.get("attention.sliding_window")
         sliding = meta.per_layer("attention.sliding_window_pattern", n, window is not None)
         sparse = [f"blk.{i}.ffn_gate_inp.weight" in meta.shapes for i in range(n)]
