@@ -90,3 +90,9 @@ def test_top_logprobs_include_sampled_token():
     result = top_logprobs(LOGITS, token=3, k=2)
     assert set(result) == {3, 4, 0}
     assert result[4] == pytest.approx(float(LOGITS.log_softmax(-1)[4]))
+
+
+def test_tiny_top_p_keeps_the_likeliest_token():
+    # found by fuzzing: a top_p that rounds to 0 in float32 masked every token (NaN probabilities)
+    kept = ~torch.isinf(truncate(LOGITS, SamplingParams(top_p=1e-85)))
+    assert kept.tolist() == [False, False, False, False, True]

@@ -120,6 +120,7 @@ def truncate(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
         sorted_logits, order = logits.sort(descending=True)
         cumulative = sorted_logits.softmax(-1).cumsum(-1)
         drop = cumulative - sorted_logits.softmax(-1) >= params.top_p  # keep the token crossing p
+        drop[0] = False  # the likeliest token stays even when p is below float32's precision
         logits = logits.masked_fill(torch.zeros_like(drop).scatter(0, order, drop), float("-inf"))
     if params.min_p > 0:
         probs = logits.softmax(-1)
