@@ -96,3 +96,8 @@ def test_tiny_top_p_keeps_the_likeliest_token():
     # found by fuzzing: a top_p that rounds to 0 in float32 masked every token (NaN probabilities)
     kept = ~torch.isinf(truncate(LOGITS, SamplingParams(top_p=1e-85)))
     assert kept.tolist() == [False, False, False, False, True]
+
+
+def test_tiny_temperature_is_greedy_not_nan():
+    params = SamplingParams(temperature=1e-300)
+    assert sample(LOGITS, params, make_generator(0, torch.device("cpu")), [], []) == 4

@@ -13,6 +13,7 @@ import torch
 from kestrel.errors import InvalidRequestError
 
 MAX_LOGPROBS = 20
+GREEDY_BELOW = 1e-5  # temperatures under this sample greedily
 MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 1024  # per stop string
 
@@ -69,7 +70,8 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0
+        # as vLLM: a temperature this small would overflow logits / temperature to inf
+        return self.temperature < GREEDY_BELOW
 
     def for_choice(self, index: int) -> "SamplingParams":
         """The params of the `index`-th of n choices: one sequence each, distinct seeds."""
