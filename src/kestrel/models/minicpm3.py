@@ -12,8 +12,7 @@ import math
 import torch
 from torch import nn
 
-from kestrel.cache import CacheSpec
-from kestrel.models.base import CausalLM, rope_parameters
+from kestrel.models.base import rope_parameters
 from kestrel.models.batch import ForwardBatch
 from kestrel.models.layers import (
     GatedMLP,
@@ -23,10 +22,9 @@ from kestrel.models.layers import (
     rope_attention_factor,
 )
 from kestrel.models.mla import (
+    LatentCausalLM,
     MLABlock,
     MultiHeadLatentAttention,
-    latent_cache_specs,
-    latent_kv_bytes_per_token,
     mla_scale,
 )
 
@@ -81,18 +79,12 @@ class MiniCPM3Model(nn.Module):
         return self.norm(x[batch.logits_rows])
 
 
-class MiniCPM3ForCausalLM(CausalLM):
+class MiniCPM3ForCausalLM(LatentCausalLM):
     backbone = MiniCPM3Model
 
     def __init__(self, config):
         super().__init__(config)
         self.logits_scaling = config.hidden_size / config.dim_model_base
 
-    def cache_specs(self) -> list[CacheSpec]:
-        return latent_cache_specs(self.config.num_hidden_layers)
-
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         return self.lm_head(self.model(batch) / self.logits_scaling)
-
-    def kv_bytes_per_token(self, dtype: torch.dtype) -> int:
-        return latent_kv_bytes_per_token(self.config, dtype)

@@ -18,8 +18,17 @@ from torch import nn
 
 from kestrel.cache import LayerKVCache, visible_mask
 from kestrel.cache.sequence import CACHE_KINDS, CacheSpec
+from kestrel.models.base import CausalLM, rope_parameters
 from kestrel.models.batch import ForwardBatch
-from kestrel.models.layers import RMSNorm, apply_rope, apply_rope_interleaved, attend, yarn_mscale
+from kestrel.models.layers import (
+    RMSNorm,
+    RotaryEmbedding,
+    apply_rope,
+    apply_rope_interleaved,
+    attend,
+    rope_attention_factor,
+    yarn_mscale,
+)
 
 
 class LatentKVCache(LayerKVCache):
@@ -168,3 +177,60 @@ class MLABlock(nn.Module):
         x = x + h * self.residual_scale if self.residual_scale != 1.0 else x + h
         h = self.mlp(self.post_attention_layernorm(x))
         return x + h * self.residual_scale if self.residual_scale != 1.0 else x + h
+
+
+def llama4_query_scale(positions: torch.Tensor, beta: float, original_max: int) -> torch.Tensor:
+    """(T,) query multipliers from absolute positions: attention stays sharp at long range."""
+    return 1 + beta * torch.log1p(torch.floor(positions.float() / original_max))
+
+
+class MLADecoder(nn.Module):
+    """The DeepSeek-V3-shaped stack mistral4 and glm4_moe_lite share: embeddings, one rotary table
+    for the RoPE part, MLA blocks whose feed-forward `feed_forward(config, i)` builds (dense MLP or
+    MoE), a final norm. With `llama_4_scaling_beta` in the RoPE parameters (Mistral 4) queries are
+    scaled by `llama4_query_scale` of their absolute positions, never the live window."""
+
+    def __init__(self, config, feed_forward):
+        super().__init__()
+        rope = rope_parameters(config)
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.rotary_emb = RotaryEmbedding(
+            config.qk_rope_head_dim,
+            rope["rope_theta"],
+            rope,
+            rope_attention_factor(rope, config.max_position_embeddings),
+        )
+        self.beta = rope.get("llama_4_scaling_beta")
+        self.original_max = rope.get("original_max_position_embeddings")
+        scale = mla_scale(config.qk_nope_head_dim + config.qk_rope_head_dim, rope)
+        self.layers = nn.ModuleList(
+            MLABlock(
+                config,
+                MultiHeadLatentAttention(
+                    config, i, scale, interleaved=bool(config.rope_interleave)
+                ),
+                feed_forward(config, i),
+            )
+            for i in range(config.num_hidden_layers)
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, batch: ForwardBatch) -> torch.Tensor:
+        x = self.embed_tokens(batch.input_ids)
+        cos_sin = self.rotary_emb(batch.positions)  # absolute positions, shared by every layer
+        q_scale = None
+        if self.beta is not None:
+            q_scale = llama4_query_scale(batch.positions, self.beta, self.original_max)
+        for layer in self.layers:
+            x = layer(x, batch, cos_sin, q_scale)
+        return self.norm(x[batch.logits_rows])
+
+
+class LatentCausalLM(CausalLM):
+    """A family whose every layer is MLA: each caches its latent and RoPE key ("latent" kind)."""
+
+    def cache_specs(self) -> list[CacheSpec]:
+        return latent_cache_specs(self.config.num_hidden_layers)
+
+    def kv_bytes_per_token(self, dtype: torch.dtype) -> int:
+        return latent_kv_bytes_per_token(self.config, dtype)
