@@ -224,9 +224,8 @@ def kestrel_throughput(args, runner, work: Workload, max_num_seqs: int) -> dict:
 def kestrel_engine(args, model, config, device, max_num_seqs: int):
     """kestrel's Engine (scheduler + runner + detokenizer + stop checks), as the server's engine
     thread runs it, without HTTP."""
-    from kestrel.cli import gpu_config
-    from kestrel.engine.engine import Engine, EngineConfig
-    from kestrel.engine.scheduler import SchedulerConfig
+    from kestrel.cli import engine_config
+    from kestrel.engine.engine import Engine
 
     if args.shape:
         tokenizer = shape_tokenizer(config.vocab_size)
@@ -234,20 +233,7 @@ def kestrel_engine(args, model, config, device, max_num_seqs: int):
         from kestrel.weights.loader import load_tokenizer, resolve
 
         tokenizer = load_tokenizer(resolve(args.model))
-    scheduler = SchedulerConfig(
-        max_running=max_num_seqs,
-        prefill_chunk_size=args.prefill_chunk_size,
-        max_queue_depth=1 << 30,
-        max_batched_tokens=args.max_batched_tokens,
-    )
-    engine_config = EngineConfig(
-        max_kv_size=args.max_kv_size or None,
-        keep=args.keep,
-        ctx_size=args.ctx_size or None,
-        scheduler=scheduler,
-        gpu=gpu_config(args),
-    )
-    return Engine(model, tokenizer, engine_config, device)
+    return Engine(model, tokenizer, engine_config(args, max_num_seqs, 1 << 30), device)
 
 
 def engine_throughput(args, engine, work: Workload) -> dict:

@@ -80,6 +80,27 @@ def gpu_config(args):
     return GPUConfig(args.gpu_memory_utilization, not args.no_cuda_graphs, args.block_size)
 
 
+def engine_config(args, max_running: int, max_queue_depth: int, kv_capacity: int | None = None):
+    """The EngineConfig the engine flags describe (serve and bench build their engines from it)."""
+    from kestrel.engine.engine import EngineConfig
+    from kestrel.engine.scheduler import SchedulerConfig
+
+    scheduler = SchedulerConfig(
+        max_running=max_running,
+        prefill_chunk_size=args.prefill_chunk_size,
+        max_queue_depth=max_queue_depth,
+        max_batched_tokens=args.max_batched_tokens,
+        kv_capacity=kv_capacity,
+    )
+    return EngineConfig(
+        max_kv_size=args.max_kv_size or None,
+        keep=args.keep,
+        ctx_size=args.ctx_size or None,
+        scheduler=scheduler,
+        gpu=gpu_config(args),
+    )
+
+
 def add_sampling_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("-n", "--n-predict", "--max-tokens", dest="max_tokens", type=int, default=256)
     p.add_argument("--temp", "--temperature", dest="temperature", type=float, default=0.8)

@@ -8,8 +8,7 @@ import time
 
 import uvicorn
 
-from kestrel.engine.engine import Engine, EngineConfig
-from kestrel.engine.scheduler import SchedulerConfig
+from kestrel.engine.engine import Engine
 from kestrel.server import faults
 from kestrel.server.app import create_app
 from kestrel.server.limits import TimedH11Protocol
@@ -92,7 +91,7 @@ def server_config(args) -> ServerConfig:
 def load_engine(args) -> Engine:
     import torch
 
-    from kestrel.cli import gpu_config
+    from kestrel.cli import engine_config
     from kestrel.llm import resolve_device, resolve_dtype
     from kestrel.multimodal import MediaLimits, load_processor
     from kestrel.shapes import load_shape
@@ -107,20 +106,8 @@ def load_engine(args) -> Engine:
     else:
         model, tokenizer, _ = load(args.model, dtype, device, False)
     # every new request waits in the scheduler's queue until its next step, free slot or not
-    scheduler = SchedulerConfig(
-        max_running=args.parallel,
-        prefill_chunk_size=args.prefill_chunk_size,
-        max_queue_depth=args.parallel + args.max_queue_depth,
-        max_batched_tokens=args.max_batched_tokens,
-        kv_capacity=args.kv_cache_tokens or None,
-    )
-    config = EngineConfig(
-        max_kv_size=args.max_kv_size or None,
-        keep=args.keep,
-        ctx_size=args.ctx_size or None,
-        scheduler=scheduler,
-        gpu=gpu_config(args),
-    )
+    queue_depth = args.parallel + args.max_queue_depth
+    config = engine_config(args, args.parallel, queue_depth, args.kv_cache_tokens or None)
     engine = Engine(model, tokenizer, config, device)
     if getattr(model, "multimodal", False):  # images in chat messages
         limits = MediaLimits(allowed_local_media_path=args.allowed_local_media_path)
