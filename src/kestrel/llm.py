@@ -95,7 +95,7 @@ class LLM:
         if self.source is not None:  # images in chat messages, for models that take them
             limits = MediaLimits(allowed_local_media_path=allowed_local_media_path)
             self.engine.processor = load_processor(
-                self.model, self.source.path, self.tokenizer, limits
+                getattr(self.model, "multimodal", False), self.source.path, self.tokenizer, limits
             )
         self._ids = itertools.count()
 

@@ -279,10 +279,10 @@ def _image_spans(is_image: torch.Tensor, counts: list[int]) -> list[tuple[int, i
     return spans
 
 
-def load_processor(model, path, tokenizer, limits: MediaLimits = MediaLimits()):
+def load_processor(takes_images: bool, path, tokenizer, limits: MediaLimits = MediaLimits()):
     """The MultimodalProcessor of a checkpoint folder whose model takes images (Engine.processor);
     None for text models, or (with a warning) when the folder has no image processor config."""
-    if not getattr(model, "multimodal", False):
+    if not takes_images:
         return None
     try:
         return MultimodalProcessor.from_pretrained(path, tokenizer, limits)

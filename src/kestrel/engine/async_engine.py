@@ -7,6 +7,10 @@ loop in one `call_soon_threadsafe`. An abort therefore takes effect before the n
 If the loop itself raises (a bug, not one request's fault: the runner already isolates those), the
 engine is dead: every open stream gets the error, new requests fail at once with EngineDeadError,
 and `on_death` runs so the server can turn unhealthy and exit. Never alive-but-dead.
+
+The server hands it an `engine.process.EngineProcess` instead of an Engine: the same interface
+over a pipe to an Engine in a child process, so this thread only relays (tests drive an Engine
+in-process).
 """
 
 from __future__ import annotations
@@ -115,7 +119,8 @@ class AsyncEngine:
         self._pending: set[asyncio.Future] = set()  # call() futures the engine thread owes
         self._timing: dict[str, _Timing] = {}  # engine thread only
         self._inbox: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
-        self._wakeup = threading.Event()
+        # an engine in another process (engine.process) sets its own event when a step arrives
+        self._wakeup = getattr(engine, "wakeup", None) or threading.Event()
         self._stopping = False
         self._thread: threading.Thread | None = None
 
@@ -131,6 +136,9 @@ class AsyncEngine:
         self._wakeup.set()
         if self._thread is not None:
             self._thread.join(timeout)
+        close = getattr(self.engine, "close", None)
+        if close is not None:  # an engine process ends with its server
+            close()
 
     @property
     def num_unfinished(self) -> int:
@@ -290,12 +298,12 @@ class AsyncEngine:
         self.stats.finished[reason] = self.stats.finished.get(reason, 0) + 1
 
     def _publish_stats(self) -> None:
-        scheduler, runner = self.engine.scheduler, self.engine.runner
-        self.stats.waiting = len(scheduler.waiting)
-        self.stats.running = len(scheduler.running)
-        self.stats.kv_tokens_in_use = runner.kv_tokens_in_use()
-        self.stats.kv_tokens_trimmed = runner.tokens_trimmed
-        self.stats.preemptions = scheduler.num_preempted
+        load = self.engine.snapshot()
+        self.stats.waiting = load.waiting
+        self.stats.running = load.running
+        self.stats.kv_tokens_in_use = load.kv_tokens_in_use
+        self.stats.kv_tokens_trimmed = load.kv_tokens_trimmed
+        self.stats.preemptions = load.preemptions
 
     def _die(self, error: BaseException) -> None:
         log.critical("the engine loop died: %r", error, exc_info=error)

@@ -41,6 +41,17 @@ class RequestOutput:
     num_generated_tokens: int = 0
 
 
+@dataclass
+class EngineLoad:
+    """What the engine holds now; the server's gauges and counters read it after each step."""
+
+    waiting: int = 0
+    running: int = 0
+    kv_tokens_in_use: int = 0
+    kv_tokens_trimmed: int = 0
+    preemptions: int = 0
+
+
 class _TextState:
     """Per-request detokenizer and stop-string matcher; `emitted` counts characters streamed."""
 
@@ -66,6 +77,8 @@ class Engine:
         self.vocab_size = text.vocab_size
         self.eos_ids = stop_token_ids(tokenizer, text)
         self.ctx_size = self.config.ctx_size or getattr(text, "max_position_embeddings", 4096)
+        multimodal = getattr(model, "multimodal", False)
+        self.intake = RequestFactory(tokenizer, self.config, self.vocab_size, self.ctx_size, multimodal)
         self.requests: dict[str, Request] = {}
         self.text: dict[str, _TextState] = {}
         # chat messages with images -> MultimodalPrompt, for models that take images (set by
@@ -79,61 +92,17 @@ class Engine:
         max_kv_size: int | None = None,
     ) -> Request:
         """Validate and queue a request; raises InvalidRequestError or QueueFullError."""
-        if request_id in self.requests:
-            raise InvalidRequestError(f"duplicate request id {request_id!r}")
-        multimodal = prompt if isinstance(prompt, MultimodalPrompt) else None
-        if multimodal is not None and not getattr(self.runner.model, "multimodal", False):
-            raise InvalidRequestError("this model does not take images", param="messages")
-        if multimodal is not None:
-            prompt_ids = list(multimodal.token_ids)
-        else:
-            prompt_ids = encode(self.tokenizer, prompt)
-        self._validate(prompt_ids, params)
-        kv_bound = self._kv_bound(max_kv_size)
-        request = Request(
-            request_id, prompt_ids, params, self._max_tokens(prompt_ids, params, kv_bound),
-            max_kv_size=kv_bound, keep=self.config.keep, multimodal=multimodal,
-        )
-        self.scheduler.add(request)
-        self.requests[request_id] = request
-        self.text[request_id] = _TextState(self.tokenizer, request)
+        request = self.intake.build(request_id, prompt, params, max_kv_size)
+        self.add(request)
         return request
 
-    def _validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
-        if not prompt_ids:
-            raise InvalidRequestError("the prompt is empty", param="prompt")
-        if not all(isinstance(t, int) and 0 <= t < self.vocab_size for t in prompt_ids):
-            raise InvalidRequestError(f"prompt token ids must be in [0, {self.vocab_size})", param="prompt")
-        check_token_ids(params, self.vocab_size)
-
-    def _kv_bound(self, requested: int | None) -> int | None:
-        """The request's KV bound: its own if smaller than the server's, else the server's."""
-        bounds = [b for b in (requested, self.config.max_kv_size) if b]
-        bound = min(bounds) if bounds else None
-        if bound is not None and bound <= self.config.keep:
-            raise InvalidRequestError(f"max_kv_size must exceed keep ({self.config.keep})", param="max_kv_size")
-        capacity = self.config.scheduler.kv_capacity
-        if bound is not None and capacity and bound > capacity:
-            raise InvalidRequestError(f"max_kv_size must be at most the KV capacity ({capacity})", param="max_kv_size")
-        return bound
-
-    def _max_tokens(self, prompt_ids, params: SamplingParams, kv_bound: int | None) -> int:
-        """Without a KV bound the prompt must fit the context; max_tokens is clamped to what fits."""
-        room = self._context() - len(prompt_ids)
-        if kv_bound is None:
-            if room < 1:
-                raise InvalidRequestError(
-                    f"prompt has {len(prompt_ids)} tokens; the context holds {self.ctx_size} "
-                    "(start the server with a larger --ctx-size or a --max-kv-size)",
-                    param="messages", code="context_length_exceeded",
-                )
-            return min(params.max_tokens or room, room)
-        return params.max_tokens or self.ctx_size
-
-    def _context(self) -> int:
-        """Tokens one unbounded sequence may hold: the context, or less under a KV capacity."""
-        capacity = self.config.scheduler.kv_capacity
-        return min(self.ctx_size, capacity) if capacity else self.ctx_size
+    def add(self, request: Request) -> None:
+        """Queue a request `intake` built (here, or in the server's process); QueueFullError."""
+        if request.request_id in self.requests:
+            raise InvalidRequestError(f"duplicate request id {request.request_id!r}")
+        self.scheduler.add(request)
+        self.requests[request.request_id] = request
+        self.text[request.request_id] = _TextState(self.tokenizer, request)
 
     def step(self) -> list[RequestOutput]:
         plan = self.scheduler.schedule()
@@ -203,3 +172,76 @@ class Engine:
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work()
+
+    def snapshot(self) -> EngineLoad:
+        scheduler = self.scheduler
+        return EngineLoad(
+            len(scheduler.waiting), len(scheduler.running), self.runner.kv_tokens_in_use(),
+            self.runner.tokens_trimmed, scheduler.num_preempted,
+        )
+
+
+class RequestFactory:
+    """Validates a prompt and its parameters and builds the Request. It needs no model, so the
+    server's process validates with it and only valid requests reach the engine's process."""
+
+    def __init__(
+        self, tokenizer, config: EngineConfig, vocab_size: int, ctx_size: int, multimodal: bool
+    ):
+        self.tokenizer, self.config = tokenizer, config
+        self.vocab_size, self.ctx_size, self.multimodal = vocab_size, ctx_size, multimodal
+
+    def build(
+        self, request_id: str, prompt: str | list[int] | MultimodalPrompt, params: SamplingParams,
+        max_kv_size: int | None = None,
+    ) -> Request:
+        """The request; raises InvalidRequestError."""
+        multimodal = prompt if isinstance(prompt, MultimodalPrompt) else None
+        if multimodal is not None and not self.multimodal:
+            raise InvalidRequestError("this model does not take images", param="messages")
+        if multimodal is not None:
+            prompt_ids = list(multimodal.token_ids)
+        else:
+            prompt_ids = encode(self.tokenizer, prompt)
+        self._validate(prompt_ids, params)
+        kv_bound = self._kv_bound(max_kv_size)
+        return Request(
+            request_id, prompt_ids, params, self._max_tokens(prompt_ids, params, kv_bound),
+            max_kv_size=kv_bound, keep=self.config.keep, multimodal=multimodal,
+        )
+
+    def _validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
+        if not prompt_ids:
+            raise InvalidRequestError("the prompt is empty", param="prompt")
+        if not all(isinstance(t, int) and 0 <= t < self.vocab_size for t in prompt_ids):
+            raise InvalidRequestError(f"prompt token ids must be in [0, {self.vocab_size})", param="prompt")
+        check_token_ids(params, self.vocab_size)
+
+    def _kv_bound(self, requested: int | None) -> int | None:
+        """The request's KV bound: its own if smaller than the server's, else the server's."""
+        bounds = [b for b in (requested, self.config.max_kv_size) if b]
+        bound = min(bounds) if bounds else None
+        if bound is not None and bound <= self.config.keep:
+            raise InvalidRequestError(f"max_kv_size must exceed keep ({self.config.keep})", param="max_kv_size")
+        capacity = self.config.scheduler.kv_capacity
+        if bound is not None and capacity and bound > capacity:
+            raise InvalidRequestError(f"max_kv_size must be at most the KV capacity ({capacity})", param="max_kv_size")
+        return bound
+
+    def _max_tokens(self, prompt_ids, params: SamplingParams, kv_bound: int | None) -> int:
+        """Without a KV bound the prompt must fit the context; max_tokens is clamped to what fits."""
+        room = self._context() - len(prompt_ids)
+        if kv_bound is None:
+            if room < 1:
+                raise InvalidRequestError(
+                    f"prompt has {len(prompt_ids)} tokens; the context holds {self.ctx_size} "
+                    "(start the server with a larger --ctx-size or a --max-kv-size)",
+                    param="messages", code="context_length_exceeded",
+                )
+            return min(params.max_tokens or room, room)
+        return params.max_tokens or self.ctx_size
+
+    def _context(self) -> int:
+        """Tokens one unbounded sequence may hold: the context, or less under a KV capacity."""
+        capacity = self.config.scheduler.kv_capacity
+        return min(self.ctx_size, capacity) if capacity else self.ctx_size

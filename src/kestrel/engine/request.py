@@ -17,7 +17,7 @@ class Status(Enum):
     FINISHED = "finished"
 
 
-@dataclass
+@dataclass(eq=False)  # identity: the scheduler finds requests in its lists by `in`
 class Request:
     request_id: str
     prompt_ids: list[int]

@@ -1,6 +1,6 @@
 """The FastAPI app factory: routes, error mapping, auth, CORS and metrics middleware.
 
-`create_app(config, load)` serves at once; `load()` builds the Engine on a worker thread while
+`create_app(config, load)` serves at once; `load()` builds the engine on a worker thread while
 /health answers 503, then one warm-up generation runs and /health turns 200.
 """
 
@@ -12,8 +12,8 @@ from fastapi import FastAPI
 from fastapi.middleware.cors import CORSMiddleware
 
 import kestrel
-from kestrel.engine.async_engine import AsyncEngine
 from kestrel.engine.engine import Engine
+from kestrel.engine.process import EngineProcess
 from kestrel.server.auth import APIKeyMiddleware
 from kestrel.server.errors import install_error_handlers
 from kestrel.server.limits import RequestLimitsMiddleware
@@ -24,17 +24,16 @@ from kestrel.server.state import ServerConfig, ServerState
 
 def create_app(
     config: ServerConfig,
-    load: Callable[[], Engine] | None = None,
-    configure: Callable[[AsyncEngine], None] | None = None,
+    load: Callable[[], Engine | EngineProcess] | None = None,
     request_exit: Callable[[int], None] | None = None,
 ) -> FastAPI:
-    """`load` builds the engine (None: never ready, e.g. to inspect routes); `configure` sees the
-    AsyncEngine before it starts (test fault hooks); `request_exit(code)` asks the process to end."""
+    """`load` builds the engine (None: never ready, e.g. to inspect routes); `request_exit(code)`
+    asks the process to end."""
     state = ServerState(config, request_exit)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
-        task = asyncio.create_task(state.start(load, configure)) if load else None
+        task = asyncio.create_task(state.start(load)) if load else None
         yield
         if task is not None:
             task.cancel()

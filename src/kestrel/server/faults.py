@@ -10,7 +10,7 @@ nothing in a request can reach this code.
 
 import os
 
-from kestrel.engine.async_engine import AsyncEngine
+from kestrel.engine.engine import Engine
 
 ENV_VAR = "KESTREL_TEST_FAULTS"
 STAGES = ("forward", "sample", "detokenize", "loop")
@@ -50,13 +50,13 @@ class FaultHook:
         return self.prompts[request.request_id]
 
 
-def install_from_env(engine: AsyncEngine, environ=os.environ) -> bool:
-    """Install the hook on the runner, the engine and the loop when the variable is set."""
+def install_from_env(engine: Engine, environ=os.environ) -> bool:
+    """Install the hook on the runner and the engine (whose loop, in the engine process, calls
+    it at "loop") when the variable is set."""
     spec = environ.get(ENV_VAR)
     if not spec:
         return False
-    hook = FaultHook(parse(spec), engine.engine.tokenizer)
-    engine.engine.runner.fault_hook = hook
-    engine.engine.fault_hook = hook
+    hook = FaultHook(parse(spec), engine.tokenizer)
+    engine.runner.fault_hook = hook
     engine.fault_hook = hook
     return True

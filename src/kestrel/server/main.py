@@ -1,5 +1,6 @@
 """`kestrel serve`: build the app from the flags and run it on uvicorn."""
 
+import functools
 import logging
 import os
 import signal
@@ -9,6 +10,7 @@ import time
 import uvicorn
 
 from kestrel.engine.engine import Engine
+from kestrel.engine.process import EngineProcess
 from kestrel.server import faults
 from kestrel.server.app import create_app
 from kestrel.server.limits import TimedH11Protocol
@@ -30,7 +32,7 @@ def serve(args) -> int:
         exit_code = exit_code or code
         server.should_exit = True
 
-    app = create_app(server_config(args), lambda: load_engine(args), _configure, request_exit)
+    app = create_app(server_config(args), lambda: load_engine(args), request_exit=request_exit)
     config = uvicorn.Config(
         app,
         host=args.host,
@@ -88,15 +90,42 @@ def server_config(args) -> ServerConfig:
     )
 
 
-def load_engine(args) -> Engine:
+def load_engine(args) -> EngineProcess:
+    """The engine in its own process (model, runner, scheduler), with this process's tokenizer
+    and image processor for the routes. The tokenizer is loaded first: a GGUF vocabulary is
+    converted and cached then, and the child finds it cached."""
+    tokenizer, processor = load_frontend(args)
+    return EngineProcess(functools.partial(build_engine, args), tokenizer, processor)
+
+
+def load_frontend(args):
+    """(tokenizer, image processor or None) of the model, without its weights."""
+    from kestrel.multimodal import MediaLimits, load_processor
+    from kestrel.shapes import shape_config, shape_tokenizer
+    from kestrel.weights.loader import load_config, load_tokenizer, resolve, takes_images
+
+    if args.shape:
+        return shape_tokenizer(shape_config(args.shape).vocab_size), None
+    source = resolve(args.model)
+    tokenizer = load_tokenizer(source)
+    limits = MediaLimits(allowed_local_media_path=args.allowed_local_media_path)
+    images = takes_images(load_config(source))
+    return tokenizer, load_processor(images, source.path, tokenizer, limits)
+
+
+def build_engine(args) -> Engine:
+    """The Engine (in the engine process): weights on the device, and the test-only fault hooks
+    when their variable is set."""
     import torch
 
     from kestrel.cli import engine_config
     from kestrel.llm import resolve_device, resolve_dtype
-    from kestrel.multimodal import MediaLimits, load_processor
     from kestrel.shapes import load_shape
-    from kestrel.weights.loader import load, resolve
+    from kestrel.weights.loader import load
 
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
     if args.threads > 0:
         torch.set_num_threads(args.threads)
     device = resolve_device(args.device)
@@ -109,16 +138,10 @@ def load_engine(args) -> Engine:
     queue_depth = args.parallel + args.max_queue_depth
     config = engine_config(args, args.parallel, queue_depth, args.kv_cache_tokens or None)
     engine = Engine(model, tokenizer, config, device)
-    if getattr(model, "multimodal", False):  # images in chat messages
-        limits = MediaLimits(allowed_local_media_path=args.allowed_local_media_path)
-        engine.processor = load_processor(model, resolve(args.model).path, tokenizer, limits)
+    if faults.install_from_env(engine):
+        log.warning("TEST-ONLY fault injection is on (%s is set)", faults.ENV_VAR)
     return engine
 
 
 def _timed_h11(head_timeout: float) -> type[TimedH11Protocol]:
     return type("TimedH11", (TimedH11Protocol,), {"head_timeout": head_timeout})
-
-
-def _configure(engine) -> None:
-    if faults.install_from_env(engine):
-        log.warning("TEST-ONLY fault injection is on (%s is set)", faults.ENV_VAR)

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 from kestrel.engine.async_engine import AsyncEngine, GenerateRequest
 from kestrel.engine.engine import Engine
+from kestrel.engine.process import EngineProcess
 from kestrel.sampling import SamplingParams
 from kestrel.server.errors import model_not_found, unavailable
 from kestrel.server.generation import TokenText
@@ -56,12 +57,10 @@ class ServerState:
         if name != self.config.model_name and name not in self.config.aliases:
             raise model_not_found(name)
 
-    async def start(self, load: Callable[[], Engine], configure=None) -> None:
+    async def start(self, load: Callable[[], Engine | EngineProcess]) -> None:
         """Load the model (off the event loop), start the engine loop, run one warm-up."""
         try:
             engine = AsyncEngine(await asyncio.to_thread(load), self.metrics)
-            if configure is not None:
-                configure(engine)
             engine.on_death = self._on_engine_death
             engine.start()
             self.engine = engine

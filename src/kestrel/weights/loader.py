@@ -84,10 +84,15 @@ def _import_family(folder: Path) -> None:
         model_class(model_type)
 
 
+def takes_images(config) -> bool:
+    """Whether the checkpoint's family serves its images too (`CausalLM.multimodal`)."""
+    return config.model_type in ARCHITECTURES and model_class(config.model_type).multimodal
+
+
 def text_config(config):
     """Multimodal checkpoints nest the decoder's config; the text families read that one, the
-    families that serve the images too (`CausalLM.multimodal`) the whole config."""
-    if config.model_type in ARCHITECTURES and model_class(config.model_type).multimodal:
+    families that serve the images too the whole config."""
+    if takes_images(config):
         return config
     return getattr(config, "text_config", None) or config
 
