@@ -18,14 +18,14 @@ from kestrel import LLM, SamplingParams
 PROMPTS = ["The three primary colors are", "def fibonacci(n):", "The history of the Roman Empire"]
 
 
-def greedy(llm: LLM, steps: int) -> list[dict]:
+def greedy(llm: LLM, prompts: list[list[int]], steps: int) -> list[dict]:
     params = SamplingParams(temperature=0, max_tokens=steps, ignore_eos=True, logprobs=0)
     return [
         {
             "ids": r.outputs[0].token_ids,
             "logprobs": [max(lp.values()) for lp in r.outputs[0].logprobs],
         }
-        for r in llm.generate(PROMPTS, params)
+        for r in llm.generate(prompts, params)
     ]
 
 
@@ -42,19 +42,25 @@ def main() -> None:
     parser.add_argument("--out")
     parser.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
     args = parser.parse_args()
-    reference = greedy(LLM(args.model, device="cpu", dtype="float32", progress=False), args.steps)
+    cpu = LLM(args.model, device="cpu", dtype="float32", progress=False)
+    # both paths get the same ids: this compares the forward passes, not two tokenizer loads
+    # (the second load reads the converted tokenizer from kestrel's cache)
+    prompts = [cpu.tokenizer.encode(p) for p in PROMPTS]
+    reference = greedy(cpu, prompts, args.steps)
+    del cpu
     lines = []
     for dtype in args.dtypes:
         llm = LLM(args.model, device="cuda", dtype=dtype, progress=False)
-        runs = greedy(llm, args.steps)
+        runs = greedy(llm, prompts, args.steps)
         del llm  # the next engine sizes its KV pool from the memory this one frees
         gc.collect()
         torch.cuda.empty_cache()
-        for prompt, ref, run in zip(PROMPTS, reference, runs, strict=True):
+        for prompt, ids, ref, run in zip(PROMPTS, prompts, reference, runs, strict=True):
             line = {
                 "model": args.model,
                 "dtype": dtype,
                 "prompt": prompt,
+                "prompt_ids": ids,
                 "steps": args.steps,
                 "tokens_equal": run["ids"] == ref["ids"],
                 "leading_tokens_agree": agree(run["ids"], ref["ids"]),

@@ -73,3 +73,24 @@ def test_gemma3_long_prompt_chunked_prefill_matches_transformers(gemma3):
                 logits = gemma3.model(ForwardBatch.single(cache, piece, all_logits=False))
                 cache.advance(len(piece))
         torch.testing.assert_close(logits[-1], expected, rtol=1e-3, atol=1e-3)
+
+
+@pytest.mark.parametrize("alias", ["smollm2", "gemma3-270m"])
+def test_gguf_tokenizer_reads_back_from_the_cache_as_converted(alias, tmp_path, monkeypatch):
+    """The GGUF vocabulary is converted once and cached: the cached tokenizer must encode as the
+    fresh conversion does, with the BOS the file asks for. (transformers 5.17 broke both for
+    gemma3: no BOS fresh, character pieces cached; hence the floor in pyproject.toml.)"""
+    from kestrel.weights import gguf as gguf_weights
+    from kestrel.weights.loader import load_tokenizer
+
+    monkeypatch.setenv("KESTREL_CACHE_DIR", str(tmp_path))
+    source = resolve(alias)
+    fresh, cached = load_tokenizer(source), load_tokenizer(source)
+    assert any(tmp_path.rglob("tokenizer_config.json"))  # the second one was the cached copy
+    text = "The history of the Roman Empire, in 3 parts: émigrés & naïve café-goers."
+    ids = fresh(text)["input_ids"]
+    assert cached(text)["input_ids"] == ids
+    metadata = gguf_weights.GGUFMetadata(gguf_weights.open_gguf(source.path))
+    if metadata.get("tokenizer.ggml.add_bos_token"):
+        assert ids[0] == metadata["tokenizer.ggml.bos_token_id"]
+    assert fresh.decode(ids, skip_special_tokens=True) == text
