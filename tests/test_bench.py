@@ -185,10 +185,13 @@ def test_engine_flags_reach_the_server_engine():
     from kestrel.server.main import load_engine, server_config
 
     args = build_parser().parse_args(["serve", *ENGINE_FLAGS])
-    engine = load_engine(args)
-    assert engine.config.gpu == GPUConfig(0.5, False, 32)
-    assert engine.config.scheduler.max_batched_tokens == 96
-    assert engine.vocab_size == len(engine.tokenizer) == 512
+    engine = load_engine(args)  # the engine process: its config comes back from the child
+    try:
+        assert engine.config.gpu == GPUConfig(0.5, False, 32)
+        assert engine.config.scheduler.max_batched_tokens == 96
+        assert engine.intake.vocab_size == len(engine.tokenizer) == 512
+    finally:
+        engine.close()
     assert server_config(args).model_name == "tiny"
 
 

@@ -71,7 +71,10 @@ class PagedSequenceCache(SequenceCache):
         super().__init__([])  # no per-layer objects: the pool holds every layer
         self.specs = specs
         self.pool = pool
-        self.held: list[tuple[int, int]] = []  # (logical block, physical block), ascending
+        # (logical block, physical block), ascending; a tuple, replaced (never changed in place)
+        # when blocks come or go, so checkpoints share it and `table` is computed once per change
+        self.held: tuple[tuple[int, int], ...] = ()
+        self._table: tuple[list[int], int, int] | None = None
         windows = [s.window if s.kind == "sliding" else None for s in specs]
         # blocks behind the largest window are dead only if every layer slides
         self.evict_window = None if None in windows or not windows else max(windows)
@@ -89,8 +92,10 @@ class PagedSequenceCache(SequenceCache):
             self._free_dead(self.offset)
         bs = self.pool.block_size
         have = self.held[-1][0] + 1 if self.held else 0
-        for logical in range(have, (self.offset + m + bs - 1) // bs):
-            self.held.append((logical, self.pool.allocate()))
+        new = range(have, (self.offset + m + bs - 1) // bs)
+        if new:
+            self.held += tuple((logical, self.pool.allocate()) for logical in new)
+            self._table = None
 
     def _free_dead(self, next_position: int) -> None:
         bs, sinks = self.pool.block_size, min(self.keep, self.live_start)
@@ -100,12 +105,26 @@ class PagedSequenceCache(SequenceCache):
         alive = lambda b: b * bs < sinks or (b + 1) * bs > first_live  # noqa: E731
         dead = [phys for logical, phys in self.held if not alive(logical)]
         if dead:
-            self.held = [(lg, ph) for lg, ph in self.held if alive(lg)]
+            self.held = tuple((lg, ph) for lg, ph in self.held if alive(lg))
+            self._table = None
             self.pool.release(dead)
 
     def table(self) -> tuple[list[int], int, int]:
         """(physical blocks in order, n_sink, main_start): entry j holds logical block j for
         j < n_sink, else main_start + j - n_sink."""
+        if self._table is None:
+            self._table = self._make_table()
+        return self._table
+
+    def slots(self, start: int, n: int) -> list[int]:
+        """The pool slots of positions [start, start + n), which this cache holds (reserved)."""
+        bs = self.pool.block_size
+        if n == 1 and self.held and self.held[-1][0] == start // bs:  # decode: the newest block
+            return [self.held[-1][1] * bs + start % bs]
+        block_of = dict(self.held)
+        return [block_of[q // bs] * bs + q % bs for q in range(start, start + n)]
+
+    def _make_table(self) -> tuple[list[int], int, int]:
         blocks = [phys for _, phys in self.held]
         n_sink = 0
         while n_sink < len(self.held) and self.held[n_sink][0] == n_sink:
@@ -116,14 +135,14 @@ class PagedSequenceCache(SequenceCache):
 
     def free(self) -> None:
         self.pool.release([phys for _, phys in self.held], deferred=False)
-        self.held = []
+        self.held, self._table = (), None
 
     @property
     def live_tokens(self) -> int:
         return min(self.keep, self.live_start) + self.offset - self.live_start
 
     def checkpoint(self) -> tuple:
-        return (self.offset, self.live_start, self.keep, self.rope_delta, list(self.held))
+        return (self.offset, self.live_start, self.keep, self.rope_delta, self.held)
 
     def restore(self, state: tuple) -> None:
         self.offset, self.live_start, self.keep, self.rope_delta, held = state
@@ -131,7 +150,7 @@ class PagedSequenceCache(SequenceCache):
         now = {phys for _, phys in self.held}
         self.pool.release(now - before, deferred=False)  # allocated since: never visible
         self.pool.pending -= before - now  # trimmed since: take back
-        self.held = held
+        self.held, self._table = held, None
 
 
 @dataclass

@@ -8,6 +8,7 @@ tested against the reference runner without a GPU.
 
 import logging
 import math
+from array import array
 from dataclasses import dataclass, field
 
 import torch
@@ -185,7 +186,7 @@ class GPURunner(ModelRunner):
 
     def _pack_host(self, chunks: list[ScheduledChunk]) -> Packed:
         """Trim and reserve each sequence's blocks; the batch's index lists on the host."""
-        p, bs = Packed(), self.gpu.block_size
+        p = Packed()
         for s, chunk in enumerate(chunks):
             request, n = chunk.request, chunk.num_tokens
             if self.fault_hook:
@@ -196,10 +197,7 @@ class GPURunner(ModelRunner):
             start = len(p.ids)
             p.ids.extend(_pending_ids(request, n))
             p.positions.extend(range(cache.offset, cache.offset + n))
-            block_of = dict(cache.held)
-            p.slots.extend(
-                block_of[q // bs] * bs + q % bs for q in range(cache.offset, cache.offset + n)
-            )
+            p.slots.extend(cache.slots(cache.offset, n))
             blocks, n_sink, main_start = cache.table()
             p.seqs.append((blocks, n_sink, main_start, cache.live_start, cache.keep))
             p.tiles.append((s, start, n))
@@ -261,20 +259,21 @@ class GPURunner(ModelRunner):
     def _replay(self, p: Packed, size: int) -> torch.Tensor:
         b = len(p.seqs)
         width = max(len(s[0]) for s in p.seqs)
-        nb = [len(s[0]) for s in p.seqs]
-        cols = [
-            p.ids,
-            p.positions,
-            p.slots,
-            [1] * b,
-            nb,
-            *[list(c) for c in zip(*[s[1:] for s in p.seqs], strict=False)],
-        ]
-        pad = size - b
-        host = torch.tensor([c + [0] * pad for c in cols], dtype=torch.long)
-        table = torch.tensor([s[0] + [0] * (width - len(s[0])) for s in p.seqs], dtype=torch.long)
-        self.static[:, :size].copy_(host, non_blocking=True)
-        self.static_table[:b, :width].copy_(table, non_blocking=True)
+        pad = [0] * (size - b)
+        host = array("q")  # the rows of self.static, then the block table
+        for column in (p.ids, p.positions, p.slots, [1] * b, [len(s[0]) for s in p.seqs]):
+            host.extend(column)
+            host.extend(pad)
+        for k in range(1, 5):  # n_sink, main_start, live_start, keep
+            host.extend(s[k] for s in p.seqs)
+            host.extend(pad)
+        for blocks, *_ in p.seqs:
+            host.extend(blocks)
+            host.extend([0] * (width - len(blocks)))
+        host = torch.frombuffer(host, dtype=torch.long)
+        host_cols, table = host[: 9 * size], host[9 * size :]
+        self.static[:, :size].copy_(host_cols.view(9, size), non_blocking=True)
+        self.static_table[:b, :width].copy_(table.view(b, width), non_blocking=True)
         graph, logits = self.graphs[size]
         graph.replay()
         return logits
@@ -318,8 +317,10 @@ def build_batch(p: Packed, pool, tile_tokens: int, device, use_triton: bool) -> 
     # each part starts 16-byte aligned: Triton specializes kernels on pointer alignment
     padded = [part + [0] * (len(part) % 2) for part in flat]
     sizes = [len(x) for x in padded]
-    host = [v for part in padded for v in part] + [v for row in table for v in row]
-    dev = torch.tensor(host, dtype=torch.long).to(device, non_blocking=True)
+    host = array("q", [v for part in padded for v in part])
+    for row in table:
+        host.extend(row)
+    dev = torch.frombuffer(host, dtype=torch.long).to(device, non_blocking=True)
     parts = [t[: len(f)] for t, f in zip(dev[: sum(sizes)].split(sizes), flat, strict=True)]
     ids, positions, slots, rows, t_seq, t_start, t_len, nb, n_sink, main, live, keep = parts
     tables = dev[sum(sizes) :].view(len(p.seqs), width)

@@ -73,8 +73,10 @@ class Scheduler:
         kv = _KVLedger(self.config.kv_capacity, self.running)
         chunks, preempted = [], []
         for request in list(self.running):  # decodes first, oldest first
-            if request.is_prefilling or budget <= 0 or request not in self.running:
+            if request.is_prefilling or budget <= 0:
                 continue
+            if preempted and request.status is Status.WAITING:
+                continue  # preempted earlier in this loop, to make room for an older one
             if not self._make_room(kv, request, 1, preempted):
                 break  # it was the newest: preempted itself
             chunks.append(ScheduledChunk(request, 1))
@@ -155,8 +157,8 @@ class _KVLedger:
     """This step's KV accounting: tokens held by running requests, plus what planned chunks add."""
 
     def __init__(self, capacity: int | None, running: list[Request]):
-        self.capacity = capacity
-        self.used = sum(kv_tokens(r, r.num_computed) for r in running)
+        self.capacity = capacity  # None: nothing to account (every method returns at once)
+        self.used = sum(kv_tokens(r, r.num_computed) for r in running) if capacity is not None else 0
         self.planned: dict[str, int] = {}  # request id -> tokens scheduled this step
 
     def _computed(self, request: Request) -> int:
@@ -175,9 +177,13 @@ class _KVLedger:
         return n if self._growth(request, n) <= free else max(free, 0)
 
     def grow(self, request: Request, n: int) -> None:
+        if self.capacity is None:
+            return
         self.used += self._growth(request, n)
         self.planned[request.request_id] = self.planned.get(request.request_id, 0) + n
 
     def free(self, request: Request) -> None:
+        if self.capacity is None:
+            return
         self.used -= kv_tokens(request, self._computed(request))
         self.planned.pop(request.request_id, None)
