@@ -448,6 +448,24 @@ REQUEST_PATH = [
 ]
 UNSAFE_MODULES = {"pickle", "cPickle", "dill", "marshal", "shelve", "joblib", "cloudpickle"}
 UNSAFE_CALLS = {"eval", "exec", "compile", "__import__"}  # the builtins, not re.compile
+# the one allowed pickle: the server and its engine process exchange their own objects over a
+# pipe the server created (engine/process.py), and only these two functions touch pickle
+PIPE_CODEC = ("engine/process.py", {"_send", "_receive"})
+
+
+def _pipe_codec_lines(path: Path, tree: ast.AST) -> set[int]:
+    """Lines of the pipe codec's functions and its `import pickle` (empty for other files)."""
+    module, functions = PIPE_CODEC
+    if str(path.relative_to(SRC)) != module:
+        return set()
+    lines = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.FunctionDef) and node.name in functions:
+            lines |= set(range(node.lineno, node.end_lineno + 1))
+        elif isinstance(node, ast.Import) and [a.name for a in node.names] == ["pickle"]:
+            lines.add(node.lineno)
+    assert len(lines) > 3, "the pipe codec moved: update PIPE_CODEC"
+    return lines
 
 
 def test_no_pickle_eval_or_exec_on_request_paths():
@@ -455,7 +473,11 @@ def test_no_pickle_eval_or_exec_on_request_paths():
     for path in REQUEST_PATH:
         if not path.exists():
             continue
-        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        tree = ast.parse(path.read_text(), str(path))
+        allowed = _pipe_codec_lines(path, tree)
+        for node in ast.walk(tree):
+            if getattr(node, "lineno", 0) in allowed:
+                continue
             where = f"{path.relative_to(SRC)}:{getattr(node, 'lineno', 0)}"
             if isinstance(node, ast.Import):
                 problems += [where for a in node.names if a.name.split(".")[0] in UNSAFE_MODULES]

@@ -18,6 +18,7 @@ the AsyncEngine: the engine-death path, as in one process.
 from __future__ import annotations
 
 import logging
+import pickle
 import signal
 import socket
 import subprocess
@@ -75,7 +76,7 @@ class EngineProcess:
         self._process = subprocess.Popen([sys.executable, "-c", entry], pass_fds=[theirs.fileno()])
         theirs.close()
         self._conn = Connection(ours.detach())
-        self._conn.send(build)
+        _send(self._conn, build)
         kind, payload = self._receive_or_exit()
         if kind != "ready":
             self._process.wait()
@@ -94,7 +95,7 @@ class EngineProcess:
 
     def _receive_or_exit(self) -> tuple:
         try:
-            return self._conn.recv()
+            return _receive(self._conn)
         except (EOFError, OSError):
             code = self._process.wait()
             return "failed", EngineProcessError(f"the engine process exited (code {code})")
@@ -113,7 +114,7 @@ class EngineProcess:
         if request_id in self.unfinished:
             raise InvalidRequestError(f"duplicate request id {request_id!r}")
         request = self.intake.build(request_id, prompt, params, max_kv_size)
-        self._conn.send(("add", request))
+        _send(self._conn, ("add", request))
         self.unfinished.add(request_id)
         return request
 
@@ -121,7 +122,7 @@ class EngineProcess:
         if request_id not in self.unfinished:
             return False
         self.unfinished.discard(request_id)
-        self._conn.send(("abort", request_id))
+        _send(self._conn, ("abort", request_id))
         return True
 
     def has_unfinished(self) -> bool:
@@ -151,7 +152,7 @@ class EngineProcess:
 
     def close(self, timeout: float = 5.0) -> None:
         try:
-            self._conn.send(("stop", None))
+            _send(self._conn, ("stop", None))
         except OSError:
             pass  # already gone
         try:
@@ -172,13 +173,13 @@ def child_main(fd: int) -> None:
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     conn = Connection(fd)
     try:
-        build = conn.recv()
+        build = _receive(conn)
         engine = build()
         text = engine.intake
-        conn.send(("ready", _Ready(engine.config, text.vocab_size, text.ctx_size, text.multimodal)))
+        _send(conn, ("ready", _Ready(engine.config, text.vocab_size, text.ctx_size, text.multimodal)))
     except BaseException as error:
         log.exception("the engine failed to load")
-        conn.send(("failed", _portable(error)))
+        _send(conn, ("failed", _portable(error)))
         return
     try:
         _serve(conn, engine)
@@ -187,7 +188,7 @@ def child_main(fd: int) -> None:
     except BaseException as error:
         log.critical("the engine loop died: %r", error, exc_info=error)
         try:
-            conn.send(("dead", _portable(error)))
+            _send(conn, ("dead", _portable(error)))
         except OSError:
             pass
 
@@ -201,15 +202,15 @@ def _serve(conn, engine: Engine) -> None:
         if not engine.has_unfinished():
             if engine.snapshot() != sent:
                 sent = engine.snapshot()
-                conn.send(("step", [], sent))
+                _send(conn, ("step", [], sent))
             conn.poll(None)  # idle: wait for a command
         while conn.poll(0):
-            command, payload = conn.recv()
+            command, payload = _receive(conn)
             if command == "stop":
                 return
             failed = _apply(engine, command, payload)
             if failed:
-                conn.send(("step", [_portable_output(failed)], engine.snapshot()))
+                _send(conn, ("step", [_portable_output(failed)], engine.snapshot()))
         if not engine.has_unfinished():
             continue
         if engine.fault_hook:  # test-only ("loop" stage): outside isolation, kills the loop
@@ -217,7 +218,7 @@ def _serve(conn, engine: Engine) -> None:
                 engine.fault_hook("loop", request)
         outputs = engine.step()
         sent = engine.snapshot()
-        conn.send(("step", [_portable_output(o) for o in outputs], sent))
+        _send(conn, ("step", [_portable_output(o) for o in outputs], sent))
 
 
 def _apply(engine: Engine, command: str, payload) -> RequestOutput | None:
@@ -245,3 +246,13 @@ def _portable(error: BaseException) -> BaseException:
     if isinstance(error, InvalidRequestError | QueueFullError):
         return error
     return EngineError(f"{type(error).__name__}: {error}")
+
+
+def _send(conn: Connection, message) -> None:
+    """Plain pickle, not the Connection's own: multiprocessing's pickler (with torch's reductions)
+    would pass tensors as shared memory, which a process it did not spawn cannot open."""
+    conn.send_bytes(pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL))
+
+
+def _receive(conn: Connection):
+    return pickle.loads(conn.recv_bytes())  # only ever what the other side of our pipe sent

@@ -107,10 +107,10 @@ def load_frontend(args):
     if args.shape:
         return shape_tokenizer(shape_config(args.shape).vocab_size), None
     source = resolve(args.model)
+    config = load_config(source)  # first: it registers a family's own config class, if any
     tokenizer = load_tokenizer(source)
     limits = MediaLimits(allowed_local_media_path=args.allowed_local_media_path)
-    images = takes_images(load_config(source))
-    return tokenizer, load_processor(images, source.path, tokenizer, limits)
+    return tokenizer, load_processor(takes_images(config), source.path, tokenizer, limits)
 
 
 def build_engine(args) -> Engine:
