@@ -24,7 +24,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from kestrel.engine.engine import Engine, RequestOutput
+from kestrel.engine.engine import Engine, EngineLoad, RequestOutput
 from kestrel.engine.scheduler import QueueFullError
 from kestrel.errors import InvalidRequestError
 from kestrel.sampling import SamplingParams
@@ -44,11 +44,7 @@ class OverloadedError(QueueFullError):
 class EngineStats:
     """A snapshot the engine thread publishes after every step (read by /metrics, tests)."""
 
-    waiting: int = 0
-    running: int = 0
-    kv_tokens_in_use: int = 0
-    kv_tokens_trimmed: int = 0
-    preemptions: int = 0
+    load: EngineLoad = field(default_factory=EngineLoad)  # what the engine holds now
     steps: int = 0
     prompt_tokens: int = 0
     generation_tokens: int = 0
@@ -298,12 +294,7 @@ class AsyncEngine:
         self.stats.finished[reason] = self.stats.finished.get(reason, 0) + 1
 
     def _publish_stats(self) -> None:
-        load = self.engine.snapshot()
-        self.stats.waiting = load.waiting
-        self.stats.running = load.running
-        self.stats.kv_tokens_in_use = load.kv_tokens_in_use
-        self.stats.kv_tokens_trimmed = load.kv_tokens_trimmed
-        self.stats.preemptions = load.preemptions
+        self.stats.load = self.engine.snapshot()
 
     def _die(self, error: BaseException) -> None:
         log.critical("the engine loop died: %r", error, exc_info=error)

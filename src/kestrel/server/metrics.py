@@ -55,13 +55,14 @@ class EngineCollector:
         if engine is None:
             return
         stats = engine.stats
-        yield _gauge("kestrel_queue_depth", "requests waiting for a running slot", stats.waiting)
-        yield _gauge("kestrel_running_sequences", "sequences in the running batch", stats.running)
+        load = stats.load
+        yield _gauge("kestrel_queue_depth", "requests waiting for a running slot", load.waiting)
+        yield _gauge("kestrel_running_sequences", "sequences in the running batch", load.running)
         yield _gauge(
             "kestrel_requests_in_flight", "accepted, unfinished requests", engine.num_unfinished
         )
         yield _gauge(
-            "kestrel_kv_tokens_in_use", "live KV tokens over all sequences", stats.kv_tokens_in_use
+            "kestrel_kv_tokens_in_use", "live KV tokens over all sequences", load.kv_tokens_in_use
         )
         yield _gauge(
             "kestrel_engine_alive", "1 while the engine loop runs", int(engine.dead is None)
@@ -69,13 +70,13 @@ class EngineCollector:
         yield _counter(
             "kestrel_kv_trimmed_tokens",
             "KV tokens trimmed by --max-kv-size",
-            stats.kv_tokens_trimmed,
+            load.kv_tokens_trimmed,
         )
         yield _counter("kestrel_prompt_tokens", "prompt tokens admitted", stats.prompt_tokens)
         yield _counter("kestrel_generation_tokens", "tokens generated", stats.generation_tokens)
         yield _counter("kestrel_engine_steps", "engine steps run", stats.steps)
         yield _counter(
-            "kestrel_preemptions", "requests preempted for KV (then recomputed)", stats.preemptions
+            "kestrel_preemptions", "requests preempted for KV (then recomputed)", load.preemptions
         )
         finished = CounterMetricFamily(
             "kestrel_requests_finished", "engine requests by finish reason", labels=["reason"]
