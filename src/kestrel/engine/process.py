@@ -18,12 +18,14 @@ the AsyncEngine: the engine-death path, as in one process.
 from __future__ import annotations
 
 import logging
+import os
 import pickle
 import signal
 import socket
 import subprocess
 import sys
 import threading
+import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -171,6 +173,7 @@ def child_main(fd: int) -> None:
     # Ctrl-C and SIGTERM are the server's to handle (it drains, then closes this process)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    _exit_with_server(os.getppid())
     conn = Connection(fd)
     try:
         build = _receive(conn)
@@ -191,6 +194,18 @@ def child_main(fd: int) -> None:
             _send(conn, ("dead", _portable(error)))
         except OSError:
             pass
+
+
+def _exit_with_server(server: int) -> None:
+    """Exit within a second of the server's death, however it died and even mid-load (a closed
+    pipe is only noticed between steps)."""
+
+    def watch() -> None:
+        while os.getppid() == server:
+            time.sleep(1.0)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="kestrel-server-watch", daemon=True).start()
 
 
 def _serve(conn, engine: Engine) -> None:
