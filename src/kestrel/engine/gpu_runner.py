@@ -152,6 +152,7 @@ class GPURunner(ModelRunner):
     def _cache(self, request: Request) -> PagedSequenceCache:
         if request.request_id not in self.caches:
             self.caches[request.request_id] = PagedSequenceCache(self.specs, self.pool)
+        if request.request_id not in self.generators:  # kept across preemption
             self.generators[request.request_id] = make_generator(request.params.seed, self.device)
         return self.caches[request.request_id]
 
