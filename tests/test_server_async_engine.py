@@ -110,7 +110,7 @@ def test_a_dying_loop_fails_every_stream_and_refuses_new_requests(model, smollm2
 
     async def run():
         engine = AsyncEngine(_engine(model, smollm2_tokenizer, max_queue_depth=4))
-        engine.fault_hook = poison
+        engine.engine.fault_hook = poison
         engine.on_death = deaths.append
         engine.start()
         slow = SamplingParams(temperature=0, max_tokens=50, ignore_eos=True)

@@ -103,8 +103,6 @@ class AsyncEngine:
         self.listener = listener or LatencyListener()
         self.stats = EngineStats()
         self.on_death: Callable[[BaseException], None] | None = None
-        # test-only: called as hook("loop", request) for running requests before each step
-        self.fault_hook: Callable[[str, Any], None] | None = None
         self.dead: BaseException | None = None
         # admission control: at most this many unfinished requests. New requests wait in the
         # scheduler's queue until its next step, so its bound is the whole capacity (the server
@@ -240,9 +238,6 @@ class AsyncEngine:
             command()
 
     def _step(self) -> None:
-        if self.fault_hook:  # test-only; outside the runner's isolation, so it kills the loop
-            for request in self.engine.scheduler.running:
-                self.fault_hook("loop", request)
         outputs = self.engine.step()
         now = time.monotonic()
         for output in outputs:

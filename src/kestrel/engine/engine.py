@@ -84,7 +84,9 @@ class Engine:
         # chat messages with images -> MultimodalPrompt, for models that take images (set by
         # whoever loads the checkpoint: kestrel.multimodal.load_processor); None: text only
         self.processor = None
-        # test-only: called as hook("detokenize", request) before each detokenization
+        # test-only: called as hook("loop", request) for each running request before a step
+        # (outside the runner's isolation, so it kills whatever loop drives the engine) and as
+        # hook("detokenize", request) before each detokenization
         self.fault_hook = None
 
     def add_request(
@@ -105,6 +107,9 @@ class Engine:
         self.text[request.request_id] = _TextState(self.tokenizer, request)
 
     def step(self) -> list[RequestOutput]:
+        if self.fault_hook:
+            for request in self.scheduler.running:
+                self.fault_hook("loop", request)
         plan = self.scheduler.schedule()
         for request in plan.preempted:  # recomputed when they run again
             self.runner.evict(request.request_id)

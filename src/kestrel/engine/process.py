@@ -228,9 +228,6 @@ def _serve(conn, engine: Engine) -> None:
                 _send(conn, ("step", [_portable_output(failed)], engine.snapshot()))
         if not engine.has_unfinished():
             continue
-        if engine.fault_hook:  # test-only ("loop" stage): outside isolation, kills the loop
-            for request in engine.scheduler.running:
-                engine.fault_hook("loop", request)
         outputs = engine.step()
         sent = engine.snapshot()
         _send(conn, ("step", [_portable_output(o) for o in outputs], sent))

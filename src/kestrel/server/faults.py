@@ -51,8 +51,7 @@ class FaultHook:
 
 
 def install_from_env(engine: Engine, environ=os.environ) -> bool:
-    """Install the hook on the runner and the engine (whose loop, in the engine process, calls
-    it at "loop") when the variable is set."""
+    """Install the hook on the runner and the engine when the variable is set."""
     spec = environ.get(ENV_VAR)
     if not spec:
         return False
