@@ -72,9 +72,9 @@ class PagedSequenceCache(SequenceCache):
         self.specs = specs
         self.pool = pool
         # (logical block, physical block), ascending; a tuple, replaced (never changed in place)
-        # when blocks come or go, so checkpoints share it and `table` is computed once per change
+        # when blocks come or go, so checkpoints share it and `table` is computed once per tuple
         self.held: tuple[tuple[int, int], ...] = ()
-        self._table: tuple[list[int], int, int] | None = None
+        self._table: tuple[tuple, tuple[list[int], int, int]] | None = None  # (held, its table)
         windows = [s.window if s.kind == "sliding" else None for s in specs]
         # blocks behind the largest window are dead only if every layer slides
         self.evict_window = None if None in windows or not windows else max(windows)
@@ -95,7 +95,6 @@ class PagedSequenceCache(SequenceCache):
         new = range(have, (self.offset + m + bs - 1) // bs)
         if new:
             self.held += tuple((logical, self.pool.allocate()) for logical in new)
-            self._table = None
 
     def _free_dead(self, next_position: int) -> None:
         bs, sinks = self.pool.block_size, min(self.keep, self.live_start)
@@ -106,15 +105,14 @@ class PagedSequenceCache(SequenceCache):
         dead = [phys for logical, phys in self.held if not alive(logical)]
         if dead:
             self.held = tuple((lg, ph) for lg, ph in self.held if alive(lg))
-            self._table = None
             self.pool.release(dead)
 
     def table(self) -> tuple[list[int], int, int]:
         """(physical blocks in order, n_sink, main_start): entry j holds logical block j for
         j < n_sink, else main_start + j - n_sink."""
-        if self._table is None:
-            self._table = self._make_table()
-        return self._table
+        if self._table is None or self._table[0] is not self.held:
+            self._table = (self.held, self._make_table())
+        return self._table[1]
 
     def slots(self, start: int, n: int) -> list[int]:
         """The pool slots of positions [start, start + n), which this cache holds (reserved)."""
@@ -135,7 +133,7 @@ class PagedSequenceCache(SequenceCache):
 
     def free(self) -> None:
         self.pool.release([phys for _, phys in self.held], deferred=False)
-        self.held, self._table = (), None
+        self.held = ()
 
     @property
     def live_tokens(self) -> int:
@@ -150,7 +148,7 @@ class PagedSequenceCache(SequenceCache):
         now = {phys for _, phys in self.held}
         self.pool.release(now - before, deferred=False)  # allocated since: never visible
         self.pool.pending -= before - now  # trimmed since: take back
-        self.held, self._table = held, None
+        self.held = held
 
 
 @dataclass
