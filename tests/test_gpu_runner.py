@@ -10,34 +10,18 @@ import torch
 from kestrel.engine.gpu_runner import GPUConfig, GPURunner
 from kestrel.engine.request import Request
 from kestrel.engine.runner import ModelRunner
-from kestrel.engine.scheduler import Scheduler, SchedulerConfig
 from kestrel.sampling import SamplingParams
-from test_paged_cache import prompts, tiny_model
+from test_paged_cache import prompts, run_to_end, tiny_model
 
 pytestmark = pytest.mark.gpu
 
 
 def generate(runner, seqs, steps, max_kv_size=None, keep=0, max_running=4, chunk=5):
-    scheduler = Scheduler(SchedulerConfig(max_running=max_running, prefill_chunk_size=chunk))
     reqs = [
         Request(f"g{i}", p, SamplingParams(temperature=0), steps, max_kv_size, keep)
         for i, p in enumerate(seqs)
     ]
-    for r in reqs:
-        scheduler.add(r)
-    while scheduler.has_work():
-        plan = scheduler.schedule()
-        results = runner.execute(plan.chunks)
-        for c in plan.chunks:
-            c.request.num_computed += c.num_tokens
-        for res in results:
-            assert res.error is None, res.error
-            if res.token is not None:
-                res.request.output_ids.append(res.token)
-                if len(res.request.output_ids) >= steps:
-                    res.request.finish("length")
-        for r in scheduler.remove_finished():
-            runner.release(r.request_id)
+    run_to_end(runner, reqs, max_running=max_running, prefill_chunk_size=chunk)
     return [r.output_ids for r in reqs]
 
 

@@ -12,7 +12,7 @@ from transformers import Gemma3TextConfig, LlamaConfig
 from kestrel.cache.paged import BlockPool, PagedSequenceCache
 from kestrel.engine.gpu_runner import GPUConfig, GPURunner
 from kestrel.engine.request import Request
-from kestrel.engine.runner import ModelRunner
+from kestrel.engine.runner import ModelRunner, run_step
 from kestrel.engine.scheduler import ScheduledChunk, Scheduler, SchedulerConfig
 from kestrel.sampling import SamplingParams
 from kestrel.weights.loader import build_model
@@ -177,33 +177,33 @@ def test_runner_generates_same_greedy_tokens_as_reference():
     assert outs[0] == outs[1]
 
 
-def _seeded_run(runner, capacity) -> tuple[list[list[int]], int]:
-    """Seeded temperature-1 sampling of three prompts under a KV capacity: (outputs, preempted)."""
-    config = SchedulerConfig(
-        max_running=3, prefill_chunk_size=4, max_queue_depth=8, kv_capacity=capacity
-    )
-    scheduler = Scheduler(config)
-    requests = [
-        Request(f"s{i}", p, SamplingParams(temperature=1.0, seed=7 + i), 12)
-        for i, p in enumerate(prompts(6, 9, 5))
-    ]
+def run_to_end(runner, requests, **config) -> int:
+    """Drive scheduler and runner until every request has its max_tokens; the preemptions."""
+    scheduler = Scheduler(SchedulerConfig(**config))
     for request in requests:
         scheduler.add(request)
     while scheduler.has_work():
-        plan = scheduler.schedule()
-        for request in plan.preempted:
-            runner.evict(request.request_id)
-        results = runner.execute(plan.chunks)
-        for chunk in plan.chunks:
-            chunk.request.num_computed += chunk.num_tokens
-        for result in results:
+        for result in run_step(scheduler, runner):
+            assert result.error is None, result.error
             if result.token is not None:
                 result.request.output_ids.append(result.token)
                 if len(result.request.output_ids) >= result.request.max_tokens:
                     result.request.finish("length")
         for request in scheduler.remove_finished():
             runner.release(request.request_id)
-    return [r.output_ids for r in requests], scheduler.num_preempted
+    return scheduler.num_preempted
+
+
+def _seeded_run(runner, capacity) -> tuple[list[list[int]], int]:
+    """Seeded temperature-1 sampling of three prompts under a KV capacity: (outputs, preempted)."""
+    requests = [
+        Request(f"s{i}", p, SamplingParams(temperature=1.0, seed=7 + i), 12)
+        for i, p in enumerate(prompts(6, 9, 5))
+    ]
+    preempted = run_to_end(
+        runner, requests, max_running=3, prefill_chunk_size=4, kv_capacity=capacity
+    )
+    return [r.output_ids for r in requests], preempted
 
 
 @pytest.mark.parametrize("paged", [False, True])

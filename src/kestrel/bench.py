@@ -148,6 +148,7 @@ def drive(runner, prompts, outputs, args, max_num_seqs: int, progress: bool) -> 
     from tqdm import tqdm
 
     from kestrel.engine.request import Request
+    from kestrel.engine.runner import run_step
     from kestrel.engine.scheduler import Scheduler, SchedulerConfig
     from kestrel.sampling import SamplingParams
 
@@ -168,11 +169,7 @@ def drive(runner, prompts, outputs, args, max_num_seqs: int, progress: bool) -> 
     first, bar = {}, tqdm(total=sum(outputs), disable=not progress, unit="tok", leave=False)
     start = time.perf_counter()
     while scheduler.has_work():
-        plan = scheduler.schedule()
-        results = runner.execute(plan.chunks)
-        for c in plan.chunks:
-            c.request.num_computed += c.num_tokens
-        for res in results:
+        for res in run_step(scheduler, runner):
             if res.error is not None:
                 raise res.error
             if res.token is None:

@@ -7,7 +7,7 @@ import torch
 
 from kestrel.engine.gpu_runner import make_runner
 from kestrel.engine.request import Request
-from kestrel.engine.runner import ModelRunner, StepResult  # noqa: F401
+from kestrel.engine.runner import ModelRunner, StepResult, run_step  # noqa: F401
 from kestrel.engine.scheduler import Scheduler, SchedulerConfig
 from kestrel.errors import InvalidRequestError
 from kestrel.multimodal import MultimodalPrompt
@@ -110,14 +110,7 @@ class Engine:
         if self.fault_hook:
             for request in self.scheduler.running:
                 self.fault_hook("loop", request)
-        plan = self.scheduler.schedule()
-        for request in plan.preempted:  # recomputed when they run again
-            self.runner.evict(request.request_id)
-        if not plan.chunks:
-            return []
-        results = self.runner.execute(plan.chunks)
-        for chunk in plan.chunks:
-            chunk.request.num_computed += chunk.num_tokens
+        results = run_step(self.scheduler, self.runner)
         outputs = [out for result in results if (out := self._process(result)) is not None]
         for request in self.scheduler.remove_finished():
             self._release(request.request_id)

@@ -16,7 +16,7 @@ import torch
 
 from kestrel.cache import SequenceCache
 from kestrel.engine.request import Request
-from kestrel.engine.scheduler import ScheduledChunk
+from kestrel.engine.scheduler import ScheduledChunk, Scheduler
 from kestrel.models.base import CausalLM
 from kestrel.models.batch import ForwardBatch, SeqChunk
 from kestrel.sampling import make_generator, sample, top_logprobs
@@ -143,3 +143,18 @@ class ModelRunner:
 
     def kv_tokens_in_use(self) -> int:
         return sum(cache.live_tokens for cache in self.caches.values())
+
+
+def run_step(scheduler: Scheduler, runner: ModelRunner) -> list[StepResult]:
+    """One scheduled step: preempted requests' caches dropped (they are recomputed when they run
+    again), the chunks run, and each request's `num_computed` advanced. The caller appends the
+    sampled tokens, finishes requests and releases them (the Engine, `kestrel bench`, tests)."""
+    plan = scheduler.schedule()
+    for request in plan.preempted:
+        runner.evict(request.request_id)
+    if not plan.chunks:
+        return []
+    results = runner.execute(plan.chunks)
+    for chunk in plan.chunks:
+        chunk.request.num_computed += chunk.num_tokens
+    return results
