@@ -46,7 +46,6 @@ class IncrementalDetokenizer:
     """
 
     def __init__(self, tokenizer, prompt_ids: list[int], skip_special_tokens: bool = True):
-        self.tokenizer = tokenizer
         self.decode = fast_decode(tokenizer)
         self.skip_special_tokens = skip_special_tokens
         self.ids = list(prompt_ids[-4:])
@@ -67,7 +66,7 @@ class IncrementalDetokenizer:
 
 
 def fast_decode(tokenizer):
-    """The Rust tokenizer's decode where transformers' only wraps it (no clean-up of
+    """The Rust tokenizer's decode where transformers' decode only wraps it (no clean-up of
     tokenization spaces): the same text at a third of the cost, twice per generated token."""
     backend = getattr(tokenizer, "backend_tokenizer", None)
     if backend is None or getattr(tokenizer, "clean_up_tokenization_spaces", True):
