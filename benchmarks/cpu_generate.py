@@ -20,7 +20,11 @@ from kestrel import LLM, SamplingParams
 
 def kestrel_speed(llm: LLM, prompt_ids: list[int], decode_tokens: int) -> dict:
     engine = llm.engine
-    engine.add_request("bench", prompt_ids, SamplingParams(temperature=0, ignore_eos=True, max_tokens=decode_tokens + 1))
+    engine.add_request(
+        "bench",
+        prompt_ids,
+        SamplingParams(temperature=0, ignore_eos=True, max_tokens=decode_tokens + 1),
+    )
     start = time.perf_counter()
     engine.step()  # the whole prompt in one chunk, and the first token
     prefill = time.perf_counter() - start
@@ -37,17 +41,24 @@ def transformers_speed(alias: str, prompt_ids: list[int], decode_tokens: int) ->
     from kestrel.weights.loader import resolve
 
     path = resolve(alias).path
-    model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(
+        path.parent, gguf_file=path.name, dtype=torch.float32
+    ).eval()
     ids = torch.tensor([prompt_ids])
     with torch.inference_mode():
         start = time.perf_counter()
         model(ids)
         prefill = time.perf_counter() - start
         start = time.perf_counter()
-        model.generate(ids, max_new_tokens=decode_tokens + 1, min_new_tokens=decode_tokens + 1, do_sample=False)
+        model.generate(
+            ids, max_new_tokens=decode_tokens + 1, min_new_tokens=decode_tokens + 1, do_sample=False
+        )
         total = time.perf_counter() - start
     # generate() repeats the prefill; subtract it to leave the decode steps
-    return {"prefill_tok_s": len(prompt_ids) / prefill, "decode_tok_s": decode_tokens / max(total - prefill, 1e-9)}
+    return {
+        "prefill_tok_s": len(prompt_ids) / prefill,
+        "decode_tok_s": decode_tokens / max(total - prefill, 1e-9),
+    }
 
 
 def commit() -> str:
@@ -64,16 +75,23 @@ def main() -> None:
     parser.add_argument("--decode-tokens", type=int, default=64)
     parser.add_argument("--out", help="also write the JSON lines to this file")
     args = parser.parse_args()
-    context = {"command": " ".join([sys.executable.rsplit("/", 1)[-1], *sys.argv]), "commit": commit(),
-               "machine": f"{platform.machine()} {torch.get_num_threads()} threads, torch {torch.__version__}",
-               "dtype": "float32", "prompt_tokens": args.prompt_tokens, "decode_tokens": args.decode_tokens}
+    context = {
+        "command": " ".join([sys.executable.rsplit("/", 1)[-1], *sys.argv]),
+        "commit": commit(),
+        "machine": f"{platform.machine()} {torch.get_num_threads()} threads, torch {torch.__version__}",
+        "dtype": "float32",
+        "prompt_tokens": args.prompt_tokens,
+        "decode_tokens": args.decode_tokens,
+    }
     lines = []
     for alias in args.models:
         llm = LLM(alias, progress=False, device="cpu")
         text = "The quick brown fox jumps over the lazy dog. " * args.prompt_tokens
         prompt = llm.tokenizer(text)["input_ids"][: args.prompt_tokens]
-        for system, speed in (("kestrel", kestrel_speed(llm, prompt, args.decode_tokens)),
-                              ("transformers", transformers_speed(alias, prompt, args.decode_tokens))):
+        for system, speed in (
+            ("kestrel", kestrel_speed(llm, prompt, args.decode_tokens)),
+            ("transformers", transformers_speed(alias, prompt, args.decode_tokens)),
+        ):
             lines.append(json.dumps({"model": alias, "system": system, **speed, **context}))
             print(lines[-1], flush=True)
     if args.out:

@@ -131,7 +131,9 @@ def masked_reference_logits(folder: Path, model_cls, ids: list[int], masks) -> t
 
     def additive(mask: torch.Tensor) -> torch.Tensor:
         # (1, 1, n, n) float: 0 where visible, the most negative float elsewhere
-        return torch.zeros(mask.shape).masked_fill(~mask, torch.finfo(torch.float32).min)[None, None]
+        return torch.zeros(mask.shape).masked_fill(~mask, torch.finfo(torch.float32).min)[
+            None, None
+        ]
 
     if isinstance(masks, dict):  # a None mask (e.g. for hybrids' Mamba layers) passes through
         attention_mask = {t: None if m is None else additive(m) for t, m in masks.items()}
@@ -159,7 +161,8 @@ def assert_masks_match_keys():
         return original(q, keys, values, mask, *args, **kwargs)
 
     patched = [
-        m for name, m in list(sys.modules.items())
+        m
+        for name, m in list(sys.modules.items())
         if name.startswith("kestrel.models") and getattr(m, "attend", None) is original
     ]
     for module in patched:

@@ -6,7 +6,9 @@ import sys
 
 
 def kestrel(*args, timeout=300):
-    return subprocess.run([sys.executable, "-m", "kestrel", *args], capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-m", "kestrel", *args], capture_output=True, text=True, timeout=timeout
+    )
 
 
 def test_arch_lists_families():
@@ -23,7 +25,9 @@ def test_inspect_describes_gemma3():
 
 
 def test_generate_streams_greedy_text():
-    result = kestrel("generate", "-m", "smollm2", "-p", "The capital of France is", "-n", "4", "--temp", "0")
+    result = kestrel(
+        "generate", "-m", "smollm2", "-p", "The capital of France is", "-n", "4", "--temp", "0"
+    )
     assert result.returncode == 0 and "Paris" in result.stdout
 
 

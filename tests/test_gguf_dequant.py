@@ -32,7 +32,9 @@ def quantize(values: np.ndarray, qtype) -> np.ndarray:
 def test_dequantize_matches_reference_round_trip(qtype):
     rng = np.random.default_rng(0)
     values = rng.standard_normal((8, 256)).astype(np.float32)
-    if qtype in (T.Q4_K, T.Q5_K, T.Q6_K) and not gguf.quants._type_traits[qtype].__dict__.get("quantize_blocks"):
+    if qtype in (T.Q4_K, T.Q5_K, T.Q6_K) and not gguf.quants._type_traits[qtype].__dict__.get(
+        "quantize_blocks"
+    ):
         pytest.skip(f"gguf cannot quantize {qtype.name}; covered by the real models")
     try:
         data = quantize(values, qtype)
@@ -40,7 +42,11 @@ def test_dequantize_matches_reference_round_trip(qtype):
         pytest.skip(f"gguf cannot quantize {qtype.name}; covered by the real models")
     out = dequantize(FakeTensor(data, qtype, [256, 8]))  # GGUF shapes are reversed
     assert out.shape == (8, 256) and out.dtype == torch.float32
-    expected = gguf.quants.dequantize(data, qtype) if qtype not in (T.F32, T.F16) else data.astype(np.float32)
+    expected = (
+        gguf.quants.dequantize(data, qtype)
+        if qtype not in (T.F32, T.F16)
+        else data.astype(np.float32)
+    )
     np.testing.assert_array_equal(out.numpy(), expected)
     tolerance = {T.F32: 0, T.F16: 1e-2, T.BF16: 2e-2, T.Q8_0: 2e-2}.get(qtype, 0.5)
     assert np.abs(out.numpy() - values).max() <= tolerance + 1e-6

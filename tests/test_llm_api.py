@@ -35,7 +35,10 @@ def test_result_shape_and_logprobs(llm):
 
 def test_token_id_prompt_equals_text_prompt(llm):
     ids = llm.tokenizer("Once upon a time")["input_ids"]
-    assert llm.generate(ids, greedy())[0].outputs[0].text == llm.generate("Once upon a time", greedy())[0].outputs[0].text
+    assert (
+        llm.generate(ids, greedy())[0].outputs[0].text
+        == llm.generate("Once upon a time", greedy())[0].outputs[0].text
+    )
 
 
 def test_seed_reproduces_and_n_gives_distinct_choices(llm):

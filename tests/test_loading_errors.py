@@ -24,8 +24,12 @@ def test_folder_without_config(tmp_path):
 
 
 def test_unknown_architecture_lists_supported(tmp_path):
-    (tmp_path / "config.json").write_text(json.dumps({"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"]}))
-    with pytest.raises(UnsupportedModelError, match=r"unknown architecture 'gpt2'; supported: .*llama"):
+    (tmp_path / "config.json").write_text(
+        json.dumps({"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"]})
+    )
+    with pytest.raises(
+        UnsupportedModelError, match=r"unknown architecture 'gpt2'; supported: .*llama"
+    ):
         load(str(tmp_path), torch.float32, CPU, progress=False)
 
 
@@ -36,7 +40,9 @@ def write_gguf(path, tensor_type=gguf.GGMLQuantizationType.F32):
     if tensor_type == gguf.GGMLQuantizationType.F32:
         writer.add_tensor("token_embd.weight", data)
     else:  # raw bytes declared with a type we cannot dequantize
-        writer.add_tensor("token_embd.weight", np.zeros((4, 8), dtype=np.uint8), raw_dtype=tensor_type)
+        writer.add_tensor(
+            "token_embd.weight", np.zeros((4, 8), dtype=np.uint8), raw_dtype=tensor_type
+        )
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -63,7 +69,9 @@ def test_unsupported_quantization_type_is_named(tmp_path):
     from kestrel.weights.gguf import check_quant_types, open_gguf
 
     path = write_gguf(tmp_path / "model.gguf", gguf.GGMLQuantizationType.I8)
-    with pytest.raises(UnsupportedModelError, match="token_embd.weight has unsupported quantization type I8"):
+    with pytest.raises(
+        UnsupportedModelError, match="token_embd.weight has unsupported quantization type I8"
+    ):
         check_quant_types(open_gguf(path), path)
 
 

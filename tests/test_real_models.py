@@ -16,7 +16,9 @@ def transformers_model(alias: str):
     from transformers import AutoModelForCausalLM
 
     path = resolve(alias).path
-    return AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32).eval()
+    return AutoModelForCausalLM.from_pretrained(
+        path.parent, gguf_file=path.name, dtype=torch.float32
+    ).eval()
 
 
 def transformers_greedy(model, ids: list[int], steps: int) -> list[int]:

@@ -22,10 +22,24 @@ LOGITS = torch.tensor([2.0, 1.0, 0.5, -1.0, 3.0])
 @pytest.mark.parametrize(
     "field, value",
     [
-        ("temperature", -1), ("temperature", math.nan), ("temperature", math.inf), ("temperature", 1e9),
-        ("top_p", 0), ("top_p", 1.5), ("top_k", -2), ("n", 0), ("n", 10**6), ("max_tokens", 0),
-        ("max_tokens", -1), ("min_p", 2), ("logprobs", 21), ("seed", 2**64), ("stop", [""]),
-        ("stop", ["x"] * 17), ("logit_bias", {1: 1000}), ("repetition_penalty", 0),
+        ("temperature", -1),
+        ("temperature", math.nan),
+        ("temperature", math.inf),
+        ("temperature", 1e9),
+        ("top_p", 0),
+        ("top_p", 1.5),
+        ("top_k", -2),
+        ("n", 0),
+        ("n", 10**6),
+        ("max_tokens", 0),
+        ("max_tokens", -1),
+        ("min_p", 2),
+        ("logprobs", 21),
+        ("seed", 2**64),
+        ("stop", [""]),
+        ("stop", ["x"] * 17),
+        ("logit_bias", {1: 1000}),
+        ("repetition_penalty", 0),
     ],
 )
 def test_out_of_range_params_name_the_param(field, value):
@@ -65,7 +79,13 @@ def test_presence_and_frequency_penalties_use_output_counts():
 
 
 def test_top_k_top_p_min_p_mask_the_tail():
-    assert torch.isinf(truncate(LOGITS, SamplingParams(top_k=2))).tolist() == [False, True, True, True, False]
+    assert torch.isinf(truncate(LOGITS, SamplingParams(top_k=2))).tolist() == [
+        False,
+        True,
+        True,
+        True,
+        False,
+    ]
     kept = ~torch.isinf(truncate(LOGITS, SamplingParams(top_p=0.6)))
     assert kept.tolist() == [False, False, False, False, True]
     probs = LOGITS.softmax(-1)
@@ -81,7 +101,11 @@ def test_top_p_keeps_the_token_that_crosses_p():
 
 def test_seed_makes_sampling_reproducible():
     params = SamplingParams(temperature=1.0, seed=42)
-    draws = lambda: [sample(LOGITS, params, g, [], []) for g in [make_generator(42, torch.device("cpu"))] for _ in range(20)]  # noqa: E731
+    draws = lambda: [
+        sample(LOGITS, params, g, [], [])
+        for g in [make_generator(42, torch.device("cpu"))]
+        for _ in range(20)
+    ]  # noqa: E731
     assert draws() == draws()
     assert len(set(draws())) > 1
 

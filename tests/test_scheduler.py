@@ -10,8 +10,9 @@ from kestrel.engine.scheduler import QueueFullError, Scheduler, SchedulerConfig
 
 
 def make_request(i: int, prompt_len: int, max_kv_size=None, keep=0) -> Request:
-    return Request(f"r{i}", list(range(prompt_len)), None, max_tokens=8,
-                   max_kv_size=max_kv_size, keep=keep)
+    return Request(
+        f"r{i}", list(range(prompt_len)), None, max_tokens=8, max_kv_size=max_kv_size, keep=keep
+    )
 
 
 def run_step(scheduler: Scheduler):

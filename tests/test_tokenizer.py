@@ -4,7 +4,11 @@ import pytest
 
 from kestrel.tokenizer import IncrementalDetokenizer, StopStringMatcher, stop_token_ids
 
-TEXTS = ["Hello, world! 🦅 Kestrels hover.", "日本語のテキスト、そして emoji 👩‍👩‍👧", "  spaces\n\ttabs  "]
+TEXTS = [
+    "Hello, world! 🦅 Kestrels hover.",
+    "日本語のテキスト、そして emoji 👩‍👩‍👧",
+    "  spaces\n\ttabs  ",
+]
 
 
 @pytest.mark.parametrize("text", TEXTS)

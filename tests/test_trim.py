@@ -22,7 +22,9 @@ MAX_KV = 12
 @pytest.fixture(scope="module", params=["llama", "gemma3"])
 def tiny(request, tmp_path_factory):
     config_cls, model_cls, extra = FAMILIES[request.param]
-    folder = save_tiny(model_cls, config_cls(**COMMON, **extra), tmp_path_factory.mktemp(request.param))
+    folder = save_tiny(
+        model_cls, config_cls(**COMMON, **extra), tmp_path_factory.mktemp(request.param)
+    )
     return request.param, folder, model_cls, load_kestrel(folder)
 
 
@@ -32,8 +34,10 @@ def reference_masks(family: str, chunk: int, keep: int):
     if family != "gemma3":
         return full
     window = FAMILIES["gemma3"][2]["sliding_window"]
-    return {"full_attention": full,
-            "sliding_attention": trimmed_visibility(n, chunk, MAX_KV, keep, window)}
+    return {
+        "full_attention": full,
+        "sliding_attention": trimmed_visibility(n, chunk, MAX_KV, keep, window),
+    }
 
 
 @pytest.mark.parametrize("keep", [0, 4])
@@ -43,7 +47,9 @@ def test_trimmed_prefill_matches_dense_reference(tiny, chunk, keep):
     with assert_masks_match_keys() as seen:
         actual = chunked_logits(model, PROMPT, chunk, max_kv_size=MAX_KV, keep=keep)
     assert seen and max(cols for _, cols in seen) <= MAX_KV
-    expected = masked_reference_logits(folder, model_cls, PROMPT, reference_masks(family, chunk, keep))
+    expected = masked_reference_logits(
+        folder, model_cls, PROMPT, reference_masks(family, chunk, keep)
+    )
     assert_close(actual, expected)
 
 

@@ -29,7 +29,11 @@ def main(argv: list[str] | None = None) -> int:
 
 
 # SamplingParams field -> the flag that sets it, where the names differ
-FLAGS = {"temperature": "--temp", "max_tokens": "-n/--n-predict", "repetition_penalty": "--repeat-penalty"}
+FLAGS = {
+    "temperature": "--temp",
+    "max_tokens": "-n/--n-predict",
+    "repetition_penalty": "--repeat-penalty",
+}
 
 
 def serve_main() -> int:
@@ -55,20 +59,45 @@ def build_parser() -> argparse.ArgumentParser:
 def add_engine_args(p: argparse.ArgumentParser) -> None:
     """Model and engine flags shared by generate, run, serve and bench."""
     p.add_argument("-m", "--model", default=DEFAULT_MODEL, help="alias, .gguf file or HF folder")
-    p.add_argument("--dtype", default="auto", help="auto (float32 on CPU, bfloat16 on CUDA), float32, bfloat16, float16")
+    p.add_argument(
+        "--dtype",
+        default="auto",
+        help="auto (float32 on CPU, bfloat16 on CUDA), float32, bfloat16, float16",
+    )
     p.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N")
-    p.add_argument("--max-kv-size", type=int, default=0, help="per-sequence KV bound in tokens (0 = off)")
+    p.add_argument(
+        "--max-kv-size", type=int, default=0, help="per-sequence KV bound in tokens (0 = off)"
+    )
     p.add_argument("--keep", type=int, default=4, help="sink tokens kept when trimming")
     p.add_argument("-c", "--ctx-size", type=int, default=0, help="context length (0 = the model's)")
-    p.add_argument("--prefill-chunk-size", "-b", "--batch-size", dest="prefill_chunk_size", type=int, default=512)
-    p.add_argument("--max-batched-tokens", type=int, default=None,
-                   help="tokens per step (default: one prefill chunk plus one per running sequence; bench: 8192 on CUDA)")
+    p.add_argument(
+        "--prefill-chunk-size",
+        "-b",
+        "--batch-size",
+        dest="prefill_chunk_size",
+        type=int,
+        default=512,
+    )
+    p.add_argument(
+        "--max-batched-tokens",
+        type=int,
+        default=None,
+        help="tokens per step (default: one prefill chunk plus one per running sequence; bench: 8192 on CUDA)",
+    )
     from kestrel.shapes import SHAPES
 
-    p.add_argument("--shape", choices=sorted(SHAPES), help="random weights of a named shape instead of -m (benchmarks)")
+    p.add_argument(
+        "--shape",
+        choices=sorted(SHAPES),
+        help="random weights of a named shape instead of -m (benchmarks)",
+    )
     gpu = p.add_argument_group("CUDA")
-    gpu.add_argument("--gpu-memory-utilization", type=float, default=0.9,
-                     help="fraction of the GPU's memory for weights, activations and the KV pool")
+    gpu.add_argument(
+        "--gpu-memory-utilization",
+        type=float,
+        default=0.9,
+        help="fraction of the GPU's memory for weights, activations and the KV pool",
+    )
     gpu.add_argument("--no-cuda-graphs", action="store_true", help="run decode steps eagerly")
     gpu.add_argument("--block-size", type=int, default=64, help="KV pool block size in tokens")
 
@@ -153,10 +182,16 @@ def sampling_params(args):
     from kestrel.sampling import SamplingParams
 
     return SamplingParams(
-        max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
-        top_k=args.top_k, min_p=args.min_p, repetition_penalty=args.repetition_penalty,
-        presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty,
-        seed=args.seed, stop=args.stop,
+        max_tokens=args.max_tokens,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        min_p=args.min_p,
+        repetition_penalty=args.repetition_penalty,
+        presence_penalty=args.presence_penalty,
+        frequency_penalty=args.frequency_penalty,
+        seed=args.seed,
+        stop=args.stop,
     )
 
 
@@ -164,11 +199,17 @@ def load_llm(args, model: str | None = None):
     from kestrel.llm import LLM
 
     return LLM(
-        model or args.model, max_kv_size=args.max_kv_size, keep=args.keep,
-        prefill_chunk_size=args.prefill_chunk_size, ctx_size=args.ctx_size or None,
-        dtype=args.dtype, device=args.device, shape=args.shape,
+        model or args.model,
+        max_kv_size=args.max_kv_size,
+        keep=args.keep,
+        prefill_chunk_size=args.prefill_chunk_size,
+        ctx_size=args.ctx_size or None,
+        dtype=args.dtype,
+        device=args.device,
+        shape=args.shape,
         max_batched_tokens=args.max_batched_tokens,
-        gpu_memory_utilization=args.gpu_memory_utilization, cuda_graphs=not args.no_cuda_graphs,
+        gpu_memory_utilization=args.gpu_memory_utilization,
+        cuda_graphs=not args.no_cuda_graphs,
         block_size=args.block_size,
     )
 
@@ -250,8 +291,10 @@ def cmd_inspect(args) -> int:
         "dtype": str(getattr(config, "dtype", None) or "float32"),
         "context_length": getattr(config, "max_position_embeddings", None),
         "layers": [spec.kind for spec in model.cache_specs()],
-        "kv_bytes_per_token": {"float32": model.kv_bytes_per_token(torch.float32),
-                               "bfloat16": model.kv_bytes_per_token(torch.bfloat16)},
+        "kv_bytes_per_token": {
+            "float32": model.kv_bytes_per_token(torch.float32),
+            "bfloat16": model.kv_bytes_per_token(torch.bfloat16),
+        },
     }
     print(json.dumps(info, indent=2))
     return 0

@@ -31,7 +31,7 @@ def resolve_device(device: str | None) -> torch.device:
 
 
 def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype:
-    """"auto": float32 on the CPU (the reference path), bfloat16 on CUDA."""
+    """ "auto": float32 on the CPU (the reference path), bfloat16 on CUDA."""
     if isinstance(dtype, torch.dtype):
         return dtype
     if dtype == "auto":
@@ -86,11 +86,19 @@ class LLM:
             self.source = None
         else:
             self.model, self.tokenizer, self.source = load(model, dtype, self.device, progress)
-        scheduler = SchedulerConfig(max_running=max_num_seqs, prefill_chunk_size=prefill_chunk_size,
-                                    max_queue_depth=1 << 30, max_batched_tokens=max_batched_tokens)
-        config = EngineConfig(max_kv_size=max_kv_size or None, keep=keep, ctx_size=ctx_size,
-                              scheduler=scheduler,
-                              gpu=GPUConfig(gpu_memory_utilization, cuda_graphs, block_size))
+        scheduler = SchedulerConfig(
+            max_running=max_num_seqs,
+            prefill_chunk_size=prefill_chunk_size,
+            max_queue_depth=1 << 30,
+            max_batched_tokens=max_batched_tokens,
+        )
+        config = EngineConfig(
+            max_kv_size=max_kv_size or None,
+            keep=keep,
+            ctx_size=ctx_size,
+            scheduler=scheduler,
+            gpu=GPUConfig(gpu_memory_utilization, cuda_graphs, block_size),
+        )
         self.engine = Engine(self.model, self.tokenizer, config, self.device)
         if self.source is not None:  # images in chat messages, for models that take them
             limits = MediaLimits(allowed_local_media_path=allowed_local_media_path)
@@ -128,7 +136,9 @@ class LLM:
                 request_id = f"llm-{next(self._ids)}"
                 self.engine.add_request(request_id, prompt, params.for_choice(index))
                 wants_logprobs = params.logprobs is not None
-                outputs[request_id] = CompletionOutput(index, logprobs=[] if wants_logprobs else None)
+                outputs[request_id] = CompletionOutput(
+                    index, logprobs=[] if wants_logprobs else None
+                )
                 result.outputs.append(outputs[request_id])
             results.append(result)
         while self.engine.has_unfinished():

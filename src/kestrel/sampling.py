@@ -52,21 +52,73 @@ class SamplingParams:
 
     def _checks(self):
         finite = lambda x: isinstance(x, (int, float)) and math.isfinite(x)  # noqa: E731
-        yield (isinstance(self.n, int) and 1 <= self.n <= 128), "n", "must be an integer in [1, 128]"
-        yield (self.max_tokens is None or (isinstance(self.max_tokens, int) and 1 <= self.max_tokens < 2**31)), "max_tokens", "must be in [1, 2^31)"
-        yield finite(self.temperature) and 0 <= self.temperature <= 100, "temperature", "must be in [0, 100]"
+        yield (
+            (isinstance(self.n, int) and 1 <= self.n <= 128),
+            "n",
+            "must be an integer in [1, 128]",
+        )
+        yield (
+            (
+                self.max_tokens is None
+                or (isinstance(self.max_tokens, int) and 1 <= self.max_tokens < 2**31)
+            ),
+            "max_tokens",
+            "must be in [1, 2^31)",
+        )
+        yield (
+            finite(self.temperature) and 0 <= self.temperature <= 100,
+            "temperature",
+            "must be in [0, 100]",
+        )
         yield finite(self.top_p) and 0 < self.top_p <= 1, "top_p", "must be in (0, 1]"
-        yield isinstance(self.top_k, int) and self.top_k >= -1, "top_k", "must be -1, 0 (off) or positive"
+        yield (
+            isinstance(self.top_k, int) and self.top_k >= -1,
+            "top_k",
+            "must be -1, 0 (off) or positive",
+        )
         yield finite(self.min_p) and 0 <= self.min_p <= 1, "min_p", "must be in [0, 1]"
-        yield finite(self.repetition_penalty) and 0 < self.repetition_penalty <= 10, "repetition_penalty", "must be in (0, 10]"
-        yield finite(self.presence_penalty) and -2 <= self.presence_penalty <= 2, "presence_penalty", "must be in [-2, 2]"
-        yield finite(self.frequency_penalty) and -2 <= self.frequency_penalty <= 2, "frequency_penalty", "must be in [-2, 2]"
-        yield self.seed is None or (isinstance(self.seed, int) and 0 <= self.seed < 2**63), "seed", "must be an integer in [0, 2^63)"
-        yield self.logprobs is None or (isinstance(self.logprobs, int) and 0 <= self.logprobs <= MAX_LOGPROBS), "logprobs", f"must be in [0, {MAX_LOGPROBS}]"
-        yield len(self.stop) <= MAX_STOP_STRINGS, "stop", f"allows at most {MAX_STOP_STRINGS} strings"
+        yield (
+            finite(self.repetition_penalty) and 0 < self.repetition_penalty <= 10,
+            "repetition_penalty",
+            "must be in (0, 10]",
+        )
+        yield (
+            finite(self.presence_penalty) and -2 <= self.presence_penalty <= 2,
+            "presence_penalty",
+            "must be in [-2, 2]",
+        )
+        yield (
+            finite(self.frequency_penalty) and -2 <= self.frequency_penalty <= 2,
+            "frequency_penalty",
+            "must be in [-2, 2]",
+        )
+        yield (
+            self.seed is None or (isinstance(self.seed, int) and 0 <= self.seed < 2**63),
+            "seed",
+            "must be an integer in [0, 2^63)",
+        )
+        yield (
+            self.logprobs is None
+            or (isinstance(self.logprobs, int) and 0 <= self.logprobs <= MAX_LOGPROBS),
+            "logprobs",
+            f"must be in [0, {MAX_LOGPROBS}]",
+        )
+        yield (
+            len(self.stop) <= MAX_STOP_STRINGS,
+            "stop",
+            f"allows at most {MAX_STOP_STRINGS} strings",
+        )
         yield all(isinstance(s, str) and s for s in self.stop), "stop", "strings must be non-empty"
-        yield all(len(s) <= MAX_STOP_CHARS for s in self.stop), "stop", f"strings must be at most {MAX_STOP_CHARS} characters"
-        yield all(finite(v) and -100 <= v <= 100 for v in (self.logit_bias or {}).values()), "logit_bias", "values must be in [-100, 100]"
+        yield (
+            all(len(s) <= MAX_STOP_CHARS for s in self.stop),
+            "stop",
+            f"strings must be at most {MAX_STOP_CHARS} characters",
+        )
+        yield (
+            all(finite(v) and -100 <= v <= 100 for v in (self.logit_bias or {}).values()),
+            "logit_bias",
+            "values must be in [-100, 100]",
+        )
 
     @property
     def greedy(self) -> bool:
@@ -83,7 +135,9 @@ def check_token_ids(params: SamplingParams, vocab_size: int) -> None:
     """logit_bias keys and stop ids must be tokens of this model."""
     for token in list(params.logit_bias or {}) + list(params.stop_token_ids):
         if not (isinstance(token, int) and 0 <= token < vocab_size):
-            raise InvalidRequestError(f"token id {token!r} is not in [0, {vocab_size})", param="logit_bias")
+            raise InvalidRequestError(
+                f"token id {token!r} is not in [0, {vocab_size})", param="logit_bias"
+            )
 
 
 def make_generator(seed: int | None, device: torch.device) -> torch.Generator:
@@ -95,7 +149,9 @@ def make_generator(seed: int | None, device: torch.device) -> torch.Generator:
     return generator
 
 
-def process_logits(logits: torch.Tensor, params: SamplingParams, prompt_ids, output_ids) -> torch.Tensor:
+def process_logits(
+    logits: torch.Tensor, params: SamplingParams, prompt_ids, output_ids
+) -> torch.Tensor:
     """(V,) raw logits -> (V,) logits to sample from (float32)."""
     logits = logits.float().clone()
     if params.logit_bias:
@@ -107,7 +163,9 @@ def process_logits(logits: torch.Tensor, params: SamplingParams, prompt_ids, out
         p = params.repetition_penalty
         logits[seen] = torch.where(values > 0, values / p, values * p)
     if (params.presence_penalty or params.frequency_penalty) and output_ids:
-        counts = torch.bincount(torch.tensor(output_ids, device=logits.device), minlength=logits.shape[0])
+        counts = torch.bincount(
+            torch.tensor(output_ids, device=logits.device), minlength=logits.shape[0]
+        )
         logits -= params.frequency_penalty * counts + params.presence_penalty * (counts > 0)
     return logits
 

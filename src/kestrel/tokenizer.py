@@ -3,7 +3,14 @@
 from kestrel.errors import InvalidRequestError
 
 # end-of-turn tokens chat models emit instead of (or besides) EOS, as llama.cpp's "EOG" set
-END_OF_TURN_TOKENS = ("<|im_end|>", "<end_of_turn>", "<|eot_id|>", "<|endoftext|>", "<|end|>", "<turn|>")
+END_OF_TURN_TOKENS = (
+    "<|im_end|>",
+    "<end_of_turn>",
+    "<|eot_id|>",
+    "<|endoftext|>",
+    "<|end|>",
+    "<turn|>",
+)
 
 
 def stop_token_ids(tokenizer, config) -> set[int]:

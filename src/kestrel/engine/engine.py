@@ -57,7 +57,9 @@ class _TextState:
 
     def __init__(self, tokenizer, request: Request):
         params = request.params
-        self.detokenizer = IncrementalDetokenizer(tokenizer, request.prompt_ids, params.skip_special_tokens)
+        self.detokenizer = IncrementalDetokenizer(
+            tokenizer, request.prompt_ids, params.skip_special_tokens
+        )
         self.matcher = StopStringMatcher(params.stop, params.include_stop_str_in_output)
         self.emitted = 0
 
@@ -69,8 +71,9 @@ class Engine:
         self.device = torch.device(device or "cpu")
         ctx = self.config.ctx_size or getattr(model.config, "max_position_embeddings", 4096)
         sched = self.config.scheduler  # CUDA: the paged runner (pool, kernels, graphs)
-        self.runner = make_runner(model, self.device, sched.max_running, sched.token_budget, ctx,
-                                  self.config.gpu)
+        self.runner = make_runner(
+            model, self.device, sched.max_running, sched.token_budget, ctx, self.config.gpu
+        )
         self.scheduler = Scheduler(self.config.scheduler)
         # models that take images keep the whole config; vocabulary and context are the decoder's
         text = model.config.text_config if getattr(model, "multimodal", False) else model.config
@@ -78,7 +81,9 @@ class Engine:
         self.eos_ids = stop_token_ids(tokenizer, text)
         self.ctx_size = self.config.ctx_size or getattr(text, "max_position_embeddings", 4096)
         multimodal = getattr(model, "multimodal", False)
-        self.intake = RequestFactory(tokenizer, self.config, self.vocab_size, self.ctx_size, multimodal)
+        self.intake = RequestFactory(
+            tokenizer, self.config, self.vocab_size, self.ctx_size, multimodal
+        )
         self.requests: dict[str, Request] = {}
         self.text: dict[str, _TextState] = {}
         # chat messages with images -> MultimodalPrompt, for models that take images (set by
@@ -90,7 +95,10 @@ class Engine:
         self.fault_hook = None
 
     def add_request(
-        self, request_id: str, prompt: str | list[int] | MultimodalPrompt, params: SamplingParams,
+        self,
+        request_id: str,
+        prompt: str | list[int] | MultimodalPrompt,
+        params: SamplingParams,
         max_kv_size: int | None = None,
     ) -> Request:
         """Validate and queue a request; raises InvalidRequestError or QueueFullError."""
@@ -153,8 +161,15 @@ class Engine:
 
     def _output(self, request: Request, text="", ids=(), logprobs=(), error=None) -> RequestOutput:
         return RequestOutput(
-            request.request_id, text, list(ids), list(logprobs), request.finished,
-            request.finish_reason, error, len(request.prompt_ids), len(request.output_ids),
+            request.request_id,
+            text,
+            list(ids),
+            list(logprobs),
+            request.finished,
+            request.finish_reason,
+            error,
+            len(request.prompt_ids),
+            len(request.output_ids),
         )
 
     def abort(self, request_id: str) -> bool:
@@ -174,8 +189,11 @@ class Engine:
     def snapshot(self) -> EngineLoad:
         scheduler = self.scheduler
         return EngineLoad(
-            len(scheduler.waiting), len(scheduler.running), self.runner.kv_tokens_in_use(),
-            self.runner.tokens_trimmed, scheduler.num_preempted,
+            len(scheduler.waiting),
+            len(scheduler.running),
+            self.runner.kv_tokens_in_use(),
+            self.runner.tokens_trimmed,
+            scheduler.num_preempted,
         )
 
 
@@ -190,7 +208,10 @@ class RequestFactory:
         self.vocab_size, self.ctx_size, self.multimodal = vocab_size, ctx_size, multimodal
 
     def build(
-        self, request_id: str, prompt: str | list[int] | MultimodalPrompt, params: SamplingParams,
+        self,
+        request_id: str,
+        prompt: str | list[int] | MultimodalPrompt,
+        params: SamplingParams,
         max_kv_size: int | None = None,
     ) -> Request:
         """The request; raises InvalidRequestError."""
@@ -204,15 +225,22 @@ class RequestFactory:
         self._validate(prompt_ids, params)
         kv_bound = self._kv_bound(max_kv_size)
         return Request(
-            request_id, prompt_ids, params, self._max_tokens(prompt_ids, params, kv_bound),
-            max_kv_size=kv_bound, keep=self.config.keep, multimodal=multimodal,
+            request_id,
+            prompt_ids,
+            params,
+            self._max_tokens(prompt_ids, params, kv_bound),
+            max_kv_size=kv_bound,
+            keep=self.config.keep,
+            multimodal=multimodal,
         )
 
     def _validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
         if not prompt_ids:
             raise InvalidRequestError("the prompt is empty", param="prompt")
         if not all(isinstance(t, int) and 0 <= t < self.vocab_size for t in prompt_ids):
-            raise InvalidRequestError(f"prompt token ids must be in [0, {self.vocab_size})", param="prompt")
+            raise InvalidRequestError(
+                f"prompt token ids must be in [0, {self.vocab_size})", param="prompt"
+            )
         check_token_ids(params, self.vocab_size)
 
     def _kv_bound(self, requested: int | None) -> int | None:
@@ -220,10 +248,14 @@ class RequestFactory:
         bounds = [b for b in (requested, self.config.max_kv_size) if b]
         bound = min(bounds) if bounds else None
         if bound is not None and bound <= self.config.keep:
-            raise InvalidRequestError(f"max_kv_size must exceed keep ({self.config.keep})", param="max_kv_size")
+            raise InvalidRequestError(
+                f"max_kv_size must exceed keep ({self.config.keep})", param="max_kv_size"
+            )
         capacity = self.config.scheduler.kv_capacity
         if bound is not None and capacity and bound > capacity:
-            raise InvalidRequestError(f"max_kv_size must be at most the KV capacity ({capacity})", param="max_kv_size")
+            raise InvalidRequestError(
+                f"max_kv_size must be at most the KV capacity ({capacity})", param="max_kv_size"
+            )
         return bound
 
     def _max_tokens(self, prompt_ids, params: SamplingParams, kv_bound: int | None) -> int:
@@ -234,7 +266,8 @@ class RequestFactory:
                 raise InvalidRequestError(
                     f"prompt has {len(prompt_ids)} tokens; the context holds {self.ctx_size} "
                     "(start the server with a larger --ctx-size or a --max-kv-size)",
-                    param="messages", code="context_length_exceeded",
+                    param="messages",
+                    code="context_length_exceeded",
                 )
             return min(params.max_tokens or room, room)
         return params.max_tokens or self.ctx_size

@@ -179,7 +179,9 @@ def child_main(fd: int) -> None:
         build = _receive(conn)
         engine = build()
         text = engine.intake
-        _send(conn, ("ready", _Ready(engine.config, text.vocab_size, text.ctx_size, text.multimodal)))
+        _send(
+            conn, ("ready", _Ready(engine.config, text.vocab_size, text.ctx_size, text.multimodal))
+        )
     except BaseException as error:
         log.exception("the engine failed to load")
         _send(conn, ("failed", _portable(error)))

@@ -117,7 +117,9 @@ class ModelRunner:
             params = request.params
             generator = self.generators[request.request_id]
             token = sample(logits, params, generator, request.prompt_ids, request.output_ids)
-            logprobs = None if params.logprobs is None else top_logprobs(logits, token, params.logprobs)
+            logprobs = (
+                None if params.logprobs is None else top_logprobs(logits, token, params.logprobs)
+            )
             return StepResult(request, token, logprobs)
         except Exception as error:
             log.exception("request %s failed in sampling", request.request_id)

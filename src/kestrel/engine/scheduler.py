@@ -158,7 +158,9 @@ class _KVLedger:
 
     def __init__(self, capacity: int | None, running: list[Request]):
         self.capacity = capacity  # None: nothing to account (every method returns at once)
-        self.used = sum(kv_tokens(r, r.num_computed) for r in running) if capacity is not None else 0
+        self.used = (
+            sum(kv_tokens(r, r.num_computed) for r in running) if capacity is not None else 0
+        )
         self.planned: dict[str, int] = {}  # request id -> tokens scheduled this step
 
     def _computed(self, request: Request) -> int:

@@ -215,7 +215,9 @@ def cached_attention(
         q_pos = batch.positions[rows]
         if cache_layer_idx is None:
             layer = chunk.cache.layers[layer_idx]
-            keys, values, k_pos = layer.update(k[rows].transpose(0, 1), v[rows].transpose(0, 1), q_pos)
+            keys, values, k_pos = layer.update(
+                k[rows].transpose(0, 1), v[rows].transpose(0, 1), q_pos
+            )
         else:
             layer = chunk.cache.layers[cache_layer_idx]
             keys, values, k_pos = layer.keys, layer.values, layer.positions

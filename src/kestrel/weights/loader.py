@@ -149,8 +149,14 @@ def load_weights(model: CausalLM, source: ModelSource, progress: bool = True) ->
     params = dict(model.named_parameters(remove_duplicate=False))
     tensors, total = _checkpoint_tensors(model, source, list(params))
     filled: dict[str, int] = {}  # parameter name -> elements copied (several slots may fill one)
-    for name, tensor in tqdm(tensors, total=total, desc=f"loading {source.name}", unit="tensor",
-                             disable=not progress, leave=False):
+    for name, tensor in tqdm(
+        tensors,
+        total=total,
+        desc=f"loading {source.name}",
+        unit="tensor",
+        disable=not progress,
+        leave=False,
+    ):
         target = model.checkpoint_name(name)
         slot = Slot(target) if isinstance(target, str) else target
         if slot is None or slot.name not in params:

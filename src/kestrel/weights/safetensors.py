@@ -19,7 +19,9 @@ def shard_files(folder: Path) -> list[Path]:
         files = sorted(folder.glob("*.safetensors"))
     missing = [f for f in files if not f.exists()]
     if missing or not files:
-        raise ModelLoadError(f"{folder}: missing safetensors files {[str(m) for m in missing] or '*.safetensors'}")
+        raise ModelLoadError(
+            f"{folder}: missing safetensors files {[str(m) for m in missing] or '*.safetensors'}"
+        )
     return files
 
 
