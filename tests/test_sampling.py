@@ -101,11 +101,10 @@ def test_top_p_keeps_the_token_that_crosses_p():
 
 def test_seed_makes_sampling_reproducible():
     params = SamplingParams(temperature=1.0, seed=42)
-    draws = lambda: [
-        sample(LOGITS, params, g, [], [])
-        for g in [make_generator(42, torch.device("cpu"))]
-        for _ in range(20)
-    ]  # noqa: E731
+    def draws():
+        generator = make_generator(42, torch.device("cpu"))
+        return [sample(LOGITS, params, generator, [], []) for _ in range(20)]
+
     assert draws() == draws()
     assert len(set(draws())) > 1
 
