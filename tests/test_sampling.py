@@ -101,6 +101,7 @@ def test_top_p_keeps_the_token_that_crosses_p():
 
 def test_seed_makes_sampling_reproducible():
     params = SamplingParams(temperature=1.0, seed=42)
+
     def draws():
         generator = make_generator(42, torch.device("cpu"))
         return [sample(LOGITS, params, generator, [], []) for _ in range(20)]
