@@ -215,3 +215,31 @@ def test_engine_flags_reach_generate_and_the_llm_api(capsys):
     params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
     (a,), (b,) = llm.generate([[300, 301, 302]], params), llm.generate([[300, 301, 302]], params)
     assert len(a.outputs[0].token_ids) == 4 and a.outputs[0].token_ids == b.outputs[0].token_ids
+
+
+def test_roofline_reads_kv_bytes_from_the_family_not_the_config():
+    """gemma4's full layers have a wider head and fewer KV heads than `config.head_dim` and
+    `num_key_value_heads` say, and some transformers versions refuse `config.head_dim`: the
+    ceiling comes from the model's own KV bytes per token."""
+    from argparse import Namespace
+
+    import transformers
+
+    from kestrel.bench import Workload, ceilings, kv_bytes_per_token, weight_bytes
+    from kestrel.weights.loader import build_model
+
+    S, F = "sliding_attention", "full_attention"
+    config = transformers.Gemma4TextConfig(
+        vocab_size=128, hidden_size=32, intermediate_size=48, num_hidden_layers=3,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=8, global_head_dim=32,
+        num_global_key_value_heads=1, attention_k_eq_v=True, sliding_window=6,
+        layer_types=[S, S, F], hidden_size_per_layer_input=0, max_position_embeddings=256,
+    )  # fmt: skip
+    model = build_model(config, torch.float32, torch.device("cpu"))
+    kv = kv_bytes_per_token(config, torch.float32)
+    assert kv == model.kv_bytes_per_token(torch.float32)
+    assert kv != 2 * 2 * 8 * 3 * 4  # not what the config's top-level fields would say
+    args = Namespace(bandwidth=1e12, flops=1e15)
+    work = Workload(num_requests=1, prompt_tokens=100, output_tokens=8)
+    ceiling = ceilings(args, model, kv, torch.float32, work, 1)["ceiling_decode_tok_s"]
+    assert ceiling == pytest.approx(1e12 / (weight_bytes(model) + kv * 100))

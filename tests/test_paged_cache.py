@@ -219,3 +219,21 @@ def test_seeded_sampling_continues_exactly_across_preemption(paged):
     squeezed, preempted = _seeded_run(make(), 40)
     assert none_preempted == 0 and preempted > 0  # the case this test is about happened
     assert squeezed == alone
+
+
+def test_pool_sized_by_a_probe_step_then_generates_as_reference():
+    """With no fixed `num_blocks` the runner sizes its pool by running the largest step first
+    (on CUDA from the memory it measures; here the same probe step, then a fixed pool). A probe
+    that the runner cannot run breaks every GPU user at start (issue 13), so CI runs it too."""
+    model, cpu = tiny_model("llama"), torch.device("cpu")
+    seqs = prompts(5, 8)
+
+    def greedy(runner):
+        reqs = [Request(f"p{i}", p, SamplingParams(temperature=0), 6) for i, p in enumerate(seqs)]
+        run_to_end(runner, reqs, max_running=4, prefill_chunk_size=4)
+        return [r.output_ids for r in reqs]
+
+    paged = GPURunner(model, cpu, 4, 16, 256, GPUConfig(block_size=4, cuda_graphs=False))
+    assert paged.pool.num_blocks == 1024 and paged.pool.num_free == 1023  # block 0: padding
+    assert not paged.caches  # the probe left nothing behind
+    assert greedy(paged) == greedy(ModelRunner(model, cpu))

@@ -74,7 +74,15 @@ def weight_bytes(model) -> int:
     return total
 
 
-def ceilings(args, model, config, dtype, work: Workload, concurrency: int) -> dict:
+def kv_bytes_per_token(config, dtype) -> int:
+    """KV bytes a token costs, from kestrel's family on the meta device (no memory): the family
+    knows its caches (sliding, shared, latent, recurrent layers), the raw config does not."""
+    from kestrel.weights.loader import build_model
+
+    return build_model(config, dtype, torch.device("meta")).kv_bytes_per_token(dtype)
+
+
+def ceilings(args, model, kv_per_token: int, dtype, work: Workload, concurrency: int) -> dict:
     """Roofline bounds: decode is at best weights (+ live KV) / bandwidth per step, prefill and
     big batches at best 2 * params * tokens / FLOP rate."""
     bw, flops = args.bandwidth, args.flops
@@ -82,9 +90,6 @@ def ceilings(args, model, config, dtype, work: Workload, concurrency: int) -> di
         return {}
     w = weight_bytes(model)
     params = w / torch.finfo(dtype).bits * 8
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    kv_per_token = 2 * config.num_key_value_heads * head_dim * config.num_hidden_layers
-    kv_per_token *= torch.finfo(dtype).bits // 8
     if work.num_requests == 1:
         return {"ceiling_decode_tok_s": bw / (w + kv_per_token * work.prompt_tokens)}
     p, o, n = work.prompt_tokens, work.output_tokens, work.num_requests
@@ -361,6 +366,7 @@ def run_bench(args) -> int:
         _run_peer(peer, args, dtype, device, modes, latency, batch, env, out)
     model, config, label = load_model(args, device, dtype)
     args.vocab = config.vocab_size
+    kv_per_token = model.kv_bytes_per_token(dtype)
     base = {"engine": "kestrel", "model": label, "dtype": str(dtype).removeprefix("torch."), **env}
     for mode in modes:
         work = latency if mode == "latency" else batch
@@ -377,7 +383,7 @@ def run_bench(args) -> int:
                 if mode == "latency"
                 else kestrel_throughput(args, runner, work, seqs)
             )
-        numbers.update(ceilings(args, model, config, dtype, work, seqs))
+        numbers.update(ceilings(args, model, kv_per_token, dtype, work, seqs))
         emit(
             {
                 **base,
@@ -405,6 +411,7 @@ def _run_peer(peer, args, dtype, device, modes, latency, batch, env, out) -> Non
 
         config = text_config(load_config(resolve(args.model)))
     model = peer_model(config, dtype, device, args.seed)
+    kv_per_token = kv_bytes_per_token(config, dtype)
     base = {
         "engine": f"transformers {transformers.__version__}",
         "model": args.shape or args.model,
@@ -421,7 +428,7 @@ def _run_peer(peer, args, dtype, device, modes, latency, batch, env, out) -> Non
             )
         except Exception as error:  # report the peer's failure and go on with kestrel
             numbers = {"error": f"{type(error).__name__}: {error}"[:300]}
-        numbers.update(ceilings(args, model, config, dtype, work, work.num_requests))
+        numbers.update(ceilings(args, model, kv_per_token, dtype, work, work.num_requests))
         emit({**base, "mode": mode, **_workload(work, work.num_requests), **numbers}, out)
     del model
     if device.type == "cuda":

@@ -18,7 +18,7 @@ from kestrel.engine.request import Request
 from kestrel.engine.runner import ModelRunner, StepResult
 from kestrel.engine.scheduler import ScheduledChunk
 from kestrel.models.batch import ForwardBatch
-from kestrel.sampling import make_generator
+from kestrel.sampling import SamplingParams
 
 log = logging.getLogger("kestrel.gpu_runner")
 
@@ -110,23 +110,19 @@ class GPURunner(ModelRunner):
 
     def _profile_num_blocks(self) -> int:
         """Blocks that fit in --gpu-memory-utilization of the card after the weights and the
-        activations of the largest step (measured by running one)."""
-        if self.device.type != "cuda":
+        activations of the largest step (measured by running one). The CPU (tests) runs the
+        same probe step and gets a fixed pool."""
+        cuda = self.device.type == "cuda"
+        if cuda:
+            torch.cuda.synchronize()
+            free, total = torch.cuda.mem_get_info(self.device)
+            before = torch.cuda.memory_allocated(self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)
+        self._run_probe_step()
+        if not cuda:
             return 1024
         torch.cuda.synchronize()
-        free, total = torch.cuda.mem_get_info(self.device)
-        before = torch.cuda.memory_allocated(self.device)
-        torch.cuda.reset_peak_memory_stats(self.device)
-        n = self.token_budget
-        self.pool = self._make_pool((n + self.gpu.block_size - 1) // self.gpu.block_size + 2)
-        probe = Request("profile", [0] * n, None, 1)
-        self.caches["profile"] = PagedSequenceCache(self.specs, self.pool)
-        with torch.inference_mode():
-            self.model(self._pack_batch([ScheduledChunk(probe, n)]))
-        self.release("profile")
-        torch.cuda.synchronize()
         activations = torch.cuda.max_memory_allocated(self.device) - before
-        self.pool = None
         torch.cuda.empty_cache()
         graphs = 512 << 20 if self.gpu.cuda_graphs else 0
         budget = total * self.gpu.gpu_memory_utilization - (total - free) - activations - graphs
@@ -147,13 +143,22 @@ class GPURunner(ModelRunner):
         )
         return blocks
 
+    def _run_probe_step(self) -> None:
+        """One forward of the largest step (token_budget prompt tokens) over a pool just big
+        enough for it; the pool is dropped afterwards."""
+        n = self.token_budget
+        self.pool = self._make_pool((n + self.gpu.block_size - 1) // self.gpu.block_size + 2)
+        probe = Request("profile", [0] * n, SamplingParams(max_tokens=1), 1)
+        with torch.inference_mode():
+            self.model(self._pack_batch([ScheduledChunk(probe, n)]))
+        self.release("profile")
+        self.pool = None
+
     # -- the step -----------------------------------------------------------------------------
 
     def _cache(self, request: Request) -> PagedSequenceCache:
         if request.request_id not in self.caches:
             self.caches[request.request_id] = PagedSequenceCache(self.specs, self.pool)
-        if request.request_id not in self.generators:  # kept across preemption
-            self.generators[request.request_id] = make_generator(request.params.seed, self.device)
         return self.caches[request.request_id]
 
     def execute(self, chunks: list[ScheduledChunk]) -> list[StepResult]:

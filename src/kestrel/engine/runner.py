@@ -115,7 +115,7 @@ class ModelRunner:
             if self.fault_hook:
                 self.fault_hook("sample", request)
             params = request.params
-            generator = self.generators[request.request_id]
+            generator = self._generator(request)
             token = sample(logits, params, generator, request.prompt_ids, request.output_ids)
             logprobs = (
                 None if params.logprobs is None else top_logprobs(logits, token, params.logprobs)
@@ -128,9 +128,13 @@ class ModelRunner:
     def _cache(self, request: Request) -> SequenceCache:
         if request.request_id not in self.caches:
             self.caches[request.request_id] = SequenceCache(self.model.cache_specs())
-        if request.request_id not in self.generators:  # kept across preemption
-            self.generators[request.request_id] = make_generator(request.params.seed, self.device)
         return self.caches[request.request_id]
+
+    def _generator(self, request: Request) -> torch.Generator:
+        """The request's sampler state: made at its first sample, kept across preemption."""
+        if request.request_id not in self.generators:
+            self.generators[request.request_id] = make_generator(request.params.seed, self.device)
+        return self.generators[request.request_id]
 
     def release(self, request_id: str) -> None:
         self.caches.pop(request_id, None)
