@@ -42,13 +42,16 @@ def gpu_code_hash(root: Path = ROOT) -> str:
 
 
 def commit() -> str | None:
+    """KESTREL_COMMIT when set (a copy of the tree may carry stale git metadata), else git's."""
+    if os.environ.get("KESTREL_COMMIT"):
+        return os.environ["KESTREL_COMMIT"]
     try:
         done = subprocess.run(
             ["git", "rev-parse", "HEAD"], capture_output=True, text=True, cwd=ROOT
         )
-        return done.stdout.strip() or os.environ.get("KESTREL_COMMIT")
+        return done.stdout.strip() or None
     except OSError:
-        return os.environ.get("KESTREL_COMMIT")
+        return None
 
 
 def run_tests(junit: Path, extra: list[str]) -> tuple[int, float]:
