@@ -181,22 +181,26 @@ ENGINE_FLAGS = [
 
 def test_engine_flags_reach_the_server_engine():
     from kestrel.cli import build_parser
-    from kestrel.engine.gpu_runner import GPUConfig
-    from kestrel.server.main import load_engine, server_config
+    from kestrel.config import CacheConfig
+    from kestrel.engine.client import EngineStats, LatencyListener
+    from kestrel.server.main import load_engine, server_settings
 
     args = build_parser().parse_args(["serve", *ENGINE_FLAGS])
-    engine = load_engine(args)  # the engine process: its config comes back from the child
+    config = server_settings(args)
+    # the engine process: its config comes back from the child
+    engine = load_engine(config, "warning", LatencyListener(), EngineStats())
     try:
-        assert engine.config.gpu == GPUConfig(0.5, False, 32)
-        assert engine.config.scheduler.max_batched_tokens == 96
+        child = engine.intake.config
+        assert child.cache == CacheConfig(gpu_memory_utilization=0.5, block_size=32)
+        assert child.model.cuda_graphs is False and child.scheduler.max_batched_tokens == 96
         assert engine.intake.vocab_size == len(engine.tokenizer) == 512
     finally:
-        engine.close()
-    assert server_config(args).model_name == "tiny"
+        engine.stop()
+    assert config.server.model_name == "tiny"
 
 
 def test_engine_flags_reach_generate_and_the_llm_api(capsys):
-    from kestrel.engine.gpu_runner import GPUConfig
+    from kestrel.config import CacheConfig
     from kestrel.llm import LLM
     from kestrel.sampling import SamplingParams
 
@@ -210,8 +214,9 @@ def test_engine_flags_reach_generate_and_the_llm_api(capsys):
         max_batched_tokens=96,
         device="cpu",
     )
-    assert llm.engine.config.gpu == GPUConfig(0.5, False, 32)
-    assert llm.engine.config.scheduler.max_batched_tokens == 96
+    config = llm.engine.config
+    assert config.cache == CacheConfig(gpu_memory_utilization=0.5, block_size=32)
+    assert config.model.cuda_graphs is False and config.scheduler.max_batched_tokens == 96
     params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
     (a,), (b,) = llm.generate([[300, 301, 302]], params), llm.generate([[300, 301, 302]], params)
     assert len(a.outputs[0].token_ids) == 4 and a.outputs[0].token_ids == b.outputs[0].token_ids

@@ -7,7 +7,8 @@ import copy
 import pytest
 import torch
 
-from kestrel.engine.gpu_runner import GPUConfig, GPURunner
+from kestrel.config import CacheConfig
+from kestrel.engine.gpu_runner import GPURunner
 from kestrel.engine.request import Request
 from kestrel.engine.runner import ModelRunner
 from kestrel.sampling import SamplingParams
@@ -16,12 +17,12 @@ from test_paged_cache import prompts, run_to_end, tiny_model
 pytestmark = pytest.mark.gpu
 
 
-def generate(runner, seqs, steps, max_kv_size=None, keep=0, max_running=4, chunk=5):
+def generate(runner, seqs, steps, max_kv_size=None, keep=0, max_num_seqs=4, chunk=5):
     reqs = [
         Request(f"g{i}", p, SamplingParams(temperature=0), steps, max_kv_size, keep)
         for i, p in enumerate(seqs)
     ]
-    run_to_end(runner, reqs, max_running=max_running, prefill_chunk_size=chunk)
+    run_to_end(runner, reqs, max_num_seqs=max_num_seqs, prefill_chunk_size=chunk)
     return [r.output_ids for r in reqs]
 
 
@@ -39,7 +40,8 @@ def test_gpu_greedy_tokens_equal_cpu(kind, window, graphs, max_kv_size):
         4,
         9,
         256,
-        GPUConfig(block_size=16, num_blocks=200, cuda_graphs=graphs),
+        CacheConfig(block_size=16, num_blocks=200),
+        cuda_graphs=graphs,
     )
     assert bool(runner.graphs) == graphs
     assert generate(runner, seqs, 32, max_kv_size, 2) == expected

@@ -10,10 +10,11 @@ import torch
 from transformers import Gemma3TextConfig, LlamaConfig
 
 from kestrel.cache.paged import BlockPool, PagedSequenceCache
-from kestrel.engine.gpu_runner import GPUConfig, GPURunner
+from kestrel.config import CacheConfig, SchedulerConfig
+from kestrel.engine.gpu_runner import GPURunner
 from kestrel.engine.request import Request
 from kestrel.engine.runner import ModelRunner, run_step
-from kestrel.engine.scheduler import ScheduledChunk, Scheduler, SchedulerConfig
+from kestrel.engine.scheduler import ScheduledChunk, Scheduler
 from kestrel.sampling import SamplingParams
 from kestrel.weights.loader import build_model
 
@@ -63,7 +64,8 @@ def run_both(model, prompts, schedule, max_kv_size=None, keep=0, block_size=4, n
         8,
         64,
         256,
-        GPUConfig(block_size=block_size, num_blocks=num_blocks, cuda_graphs=False),
+        CacheConfig(block_size=block_size, num_blocks=num_blocks),
+        cuda_graphs=False,
     )
     reqs = [
         Request(f"r{i}", p, SamplingParams(temperature=0), 10**6, max_kv_size, keep)
@@ -157,7 +159,8 @@ def test_runner_generates_same_greedy_tokens_as_reference():
             4,
             32,
             256,
-            GPUConfig(block_size=4, num_blocks=64, cuda_graphs=False),
+            CacheConfig(block_size=4, num_blocks=64),
+            cuda_graphs=False,
         ),
     ):
         reqs = [
@@ -201,7 +204,7 @@ def _seeded_run(runner, capacity) -> tuple[list[list[int]], int]:
         for i, p in enumerate(prompts(6, 9, 5))
     ]
     preempted = run_to_end(
-        runner, requests, max_running=3, prefill_chunk_size=4, kv_capacity=capacity
+        runner, requests, max_num_seqs=3, prefill_chunk_size=4, kv_capacity=capacity
     )
     return [r.output_ids for r in requests], preempted
 
@@ -212,7 +215,7 @@ def test_seeded_sampling_continues_exactly_across_preemption(paged):
 
     def make():
         if paged:
-            return GPURunner(model, cpu, 3, 16, 256, GPUConfig(block_size=4, num_blocks=64))
+            return GPURunner(model, cpu, 3, 16, 256, CacheConfig(block_size=4, num_blocks=64))
         return ModelRunner(model, cpu)
 
     alone, none_preempted = _seeded_run(make(), None)
@@ -230,10 +233,10 @@ def test_pool_sized_by_a_probe_step_then_generates_as_reference():
 
     def greedy(runner):
         reqs = [Request(f"p{i}", p, SamplingParams(temperature=0), 6) for i, p in enumerate(seqs)]
-        run_to_end(runner, reqs, max_running=4, prefill_chunk_size=4)
+        run_to_end(runner, reqs, max_num_seqs=4, prefill_chunk_size=4)
         return [r.output_ids for r in reqs]
 
-    paged = GPURunner(model, cpu, 4, 16, 256, GPUConfig(block_size=4, cuda_graphs=False))
+    paged = GPURunner(model, cpu, 4, 16, 256, CacheConfig(block_size=4), cuda_graphs=False)
     assert paged.pool.num_blocks == 1024 and paged.pool.num_free == 1023  # block 0: padding
     assert not paged.caches  # the probe left nothing behind
     assert greedy(paged) == greedy(ModelRunner(model, cpu))

@@ -5,8 +5,9 @@ import sys
 
 import pytest
 
+from kestrel.config import SchedulerConfig
 from kestrel.engine.request import Request
-from kestrel.engine.scheduler import QueueFullError, Scheduler, SchedulerConfig
+from kestrel.engine.scheduler import QueueFullError, Scheduler
 
 
 def make_request(i: int, prompt_len: int, max_kv_size=None, keep=0) -> Request:
@@ -32,7 +33,7 @@ def test_scheduler_does_not_import_torch():
 
 
 def test_decodes_go_first_and_prefill_fills_the_budget():
-    s = Scheduler(SchedulerConfig(max_running=4, prefill_chunk_size=16))
+    s = Scheduler(SchedulerConfig(max_num_seqs=4, prefill_chunk_size=16))
     s.add(make_request(0, 4))
     run_step(s)  # r0 prefilled, now decoding
     s.add(make_request(1, 100))
@@ -41,7 +42,7 @@ def test_decodes_go_first_and_prefill_fills_the_budget():
 
 
 def test_long_prefill_does_not_starve_decodes():
-    s = Scheduler(SchedulerConfig(max_running=3, prefill_chunk_size=8))
+    s = Scheduler(SchedulerConfig(max_num_seqs=3, prefill_chunk_size=8))
     for i in range(2):
         s.add(make_request(i, 3))
     run_step(s)
@@ -52,8 +53,8 @@ def test_long_prefill_does_not_starve_decodes():
         assert ids[:2] == ["r0", "r1"] and ids[2] == "r2"
 
 
-def test_at_most_max_running_and_the_rest_wait():
-    s = Scheduler(SchedulerConfig(max_running=2, prefill_chunk_size=64))
+def test_at_most_max_num_seqs_and_the_rest_wait():
+    s = Scheduler(SchedulerConfig(max_num_seqs=2, prefill_chunk_size=64))
     for i in range(5):
         s.add(make_request(i, 4))
     run_step(s)
@@ -61,7 +62,7 @@ def test_at_most_max_running_and_the_rest_wait():
 
 
 def test_queue_is_bounded():
-    s = Scheduler(SchedulerConfig(max_running=1, max_queue_depth=2))
+    s = Scheduler(SchedulerConfig(max_num_seqs=1, max_queue_depth=2))
     s.add(make_request(0, 4))
     s.add(make_request(1, 4))
     with pytest.raises(QueueFullError):
@@ -76,7 +77,7 @@ def test_chunks_respect_the_kv_bound():
 
 
 def test_abort_removes_waiting_and_running():
-    s = Scheduler(SchedulerConfig(max_running=1))
+    s = Scheduler(SchedulerConfig(max_num_seqs=1))
     s.add(make_request(0, 4))
     s.add(make_request(1, 4))
     run_step(s)
@@ -88,7 +89,7 @@ def test_abort_removes_waiting_and_running():
 def test_bounded_requests_get_whole_chunks_or_wait():
     # the second bounded prompt would only get a partial chunk: it waits for a whole one instead,
     # so its chunk boundaries (and so its output) do not depend on what else runs
-    s = Scheduler(SchedulerConfig(max_running=4, prefill_chunk_size=16, max_batched_tokens=24))
+    s = Scheduler(SchedulerConfig(max_num_seqs=4, prefill_chunk_size=16, max_batched_tokens=24))
     s.add(make_request(0, 40, max_kv_size=20, keep=4))
     s.add(make_request(1, 40, max_kv_size=20, keep=4))
     plan = run_step(s)

@@ -9,8 +9,9 @@ import zlib
 
 import pytest
 
+from kestrel.config import SchedulerConfig
 from kestrel.engine.request import Request
-from kestrel.engine.scheduler import Scheduler, SchedulerConfig, kv_tokens
+from kestrel.engine.scheduler import Scheduler, kv_tokens
 
 
 def make_request(i: int, prompt_len: int, max_tokens: int, max_kv_size=None) -> Request:
@@ -79,7 +80,7 @@ SPECS = [(12, 20), (5, 30), (20, 10), (9, 25), (3, 40), (15, 15)]
 def test_under_any_capacity_all_finish_with_their_solo_output(capacity):
     requests = [make_request(i, *spec) for i, spec in enumerate(SPECS)]
     outputs, peak, preemptions = run(
-        requests, max_running=6, prefill_chunk_size=8, kv_capacity=capacity
+        requests, max_num_seqs=6, prefill_chunk_size=8, kv_capacity=capacity
     )
     assert outputs == _solo(SPECS)
     if capacity is not None:
@@ -93,7 +94,7 @@ def test_kv_bounded_requests_recompute_with_the_same_chunks():
     # must reproduce; their footprint is at most the bound
     specs = [(4, 24, 12), (6, 20, 12), (5, 22, 12)]  # decodes grow them to the bound
     requests = [make_request(i, *spec) for i, spec in enumerate(specs)]
-    outputs, peak, preemptions = run(requests, max_running=3, prefill_chunk_size=8, kv_capacity=30)
+    outputs, peak, preemptions = run(requests, max_num_seqs=3, prefill_chunk_size=8, kv_capacity=30)
     solo = {
         f"r{i}": run([make_request(i, *s)], prefill_chunk_size=8)[0][f"r{i}"]
         for i, s in enumerate(specs)
@@ -102,7 +103,7 @@ def test_kv_bounded_requests_recompute_with_the_same_chunks():
 
 
 def test_a_request_waits_until_its_first_chunk_fits():
-    s = Scheduler(SchedulerConfig(max_running=4, prefill_chunk_size=8, kv_capacity=12))
+    s = Scheduler(SchedulerConfig(max_num_seqs=4, prefill_chunk_size=8, kv_capacity=12))
     s.add(make_request(0, 10, 5))
     s.add(make_request(1, 10, 5))
     plan = s.schedule()
@@ -111,7 +112,7 @@ def test_a_request_waits_until_its_first_chunk_fits():
 
 
 def test_the_newest_running_request_is_preempted_and_queued_first():
-    s = Scheduler(SchedulerConfig(max_running=2, prefill_chunk_size=8, kv_capacity=9))
+    s = Scheduler(SchedulerConfig(max_num_seqs=2, prefill_chunk_size=8, kv_capacity=9))
     model = FakeModel()
     s.add(make_request(0, 4, 10))
     s.add(make_request(1, 4, 10))

@@ -6,10 +6,10 @@ import argparse
 import pytest
 from fastapi.testclient import TestClient
 
+from kestrel.config import ServerConfig
 from kestrel.server import faults
 from kestrel.server.app import create_app, route_table
 from kestrel.server.args import add_serve_args, apply_llama_env
-from kestrel.server.state import ServerConfig
 
 
 def _parse(argv, environ):
@@ -21,7 +21,13 @@ def _parse(argv, environ):
 
 def test_llama_server_flags_and_defaults():
     args = _parse(["-m", "x.gguf", "-c", "2048", "-n", "64", "-np", "4", "-b", "128"], {})
-    assert (args.model, args.ctx_size, args.max_tokens, args.parallel, args.prefill_chunk_size) == (
+    assert (
+        args.model,
+        args.ctx_size,
+        args.max_tokens,
+        args.max_num_seqs,
+        args.prefill_chunk_size,
+    ) == (
         "x.gguf",
         2048,
         64,
@@ -49,7 +55,7 @@ def test_llama_env_sets_defaults_and_the_command_line_wins():
         args.model,
         args.api_key,
         args.prefill_chunk_size,
-        args.parallel,
+        args.max_num_seqs,
     ) == (9001, 512, "a.gguf", "k", 32, 2)
     args = _parse(["--port", "9002", "-c", "256", "-m", "b.gguf"], env)
     assert (args.port, args.ctx_size, args.model) == (9002, 256, "b.gguf")

@@ -1,5 +1,6 @@
-"""AsyncEngine in-process on a tiny random llama: outputs equal the Engine's, admission control,
-abort frees the KV before the next step, and a dying loop fails every stream (never hangs)."""
+"""The in-process EngineClient on a tiny random llama: outputs equal the Engine's, admission
+control, abort frees the KV before the next step, and a dying loop fails every stream (never
+hangs)."""
 
 import asyncio
 
@@ -7,14 +8,14 @@ import pytest
 import transformers
 from tests.reference import load_kestrel, save_tiny
 
-from kestrel.engine.async_engine import (
-    AsyncEngine,
+from kestrel.config import build_config
+from kestrel.engine.client import (
     EngineDeadError,
     GenerateRequest,
+    InProcessEngineClient,
     OverloadedError,
 )
-from kestrel.engine.engine import Engine, EngineConfig
-from kestrel.engine.scheduler import SchedulerConfig
+from kestrel.engine.engine import Engine
 from kestrel.errors import InvalidRequestError
 from kestrel.sampling import SamplingParams
 
@@ -39,11 +40,11 @@ def model(tmp_path_factory):
     )
 
 
-def _engine(model, tokenizer, max_running=2, max_queue_depth=3) -> Engine:
-    scheduler = SchedulerConfig(
-        max_running=max_running, max_queue_depth=max_queue_depth, prefill_chunk_size=4
+def _engine(model, tokenizer, max_num_seqs=2, max_queue_depth=3) -> Engine:
+    config = build_config(
+        max_num_seqs=max_num_seqs, max_queue_depth=max_queue_depth, prefill_chunk_size=4
     )
-    return Engine(model, tokenizer, EngineConfig(scheduler=scheduler))
+    return Engine(model, tokenizer, config)
 
 
 def _offline(engine: Engine, prompt) -> list[int]:
@@ -62,8 +63,8 @@ def test_outputs_equal_the_engines_and_capacity_is_enforced(model, smollm2_token
     expected = [_offline(_engine(model, smollm2_tokenizer), p) for p in PROMPTS]
 
     async def run():
-        engine = AsyncEngine(_engine(model, smollm2_tokenizer))
-        engine.start()
+        engine = InProcessEngineClient(_engine(model, smollm2_tokenizer))
+        await engine.start()
         assert engine.capacity == 3
         with pytest.raises(InvalidRequestError):
             await engine.add([GenerateRequest("empty", [], GREEDY)])
@@ -83,8 +84,8 @@ def test_outputs_equal_the_engines_and_capacity_is_enforced(model, smollm2_token
 
 def test_abort_frees_the_kv_before_the_next_step(model, smollm2_tokenizer):
     async def run():
-        engine = AsyncEngine(_engine(model, smollm2_tokenizer))
-        engine.start()
+        engine = InProcessEngineClient(_engine(model, smollm2_tokenizer))
+        await engine.start()
         long = SamplingParams(temperature=0, max_tokens=100, ignore_eos=True)
         stream = await engine.add([GenerateRequest("a", PROMPTS[0], long)])
         async for out in stream:
@@ -109,10 +110,10 @@ def test_a_dying_loop_fails_every_stream_and_refuses_new_requests(model, smollm2
             raise RuntimeError("loop bug")
 
     async def run():
-        engine = AsyncEngine(_engine(model, smollm2_tokenizer, max_queue_depth=4))
+        engine = InProcessEngineClient(_engine(model, smollm2_tokenizer, max_queue_depth=4))
         engine.engine.fault_hook = poison
         engine.on_death = deaths.append
-        engine.start()
+        await engine.start()
         slow = SamplingParams(temperature=0, max_tokens=50, ignore_eos=True)
         other = await engine.add([GenerateRequest("other", PROMPTS[0], slow)])
         await engine.add([GenerateRequest("poison", PROMPTS[1], slow)])

@@ -13,13 +13,15 @@ pytestmark = pytest.mark.slow
 LOOP_MARKER = "__KESTREL_FAULT_LOOP__"
 ENV = [("KESTREL_TEST_FAULTS", f"loop:{LOOP_MARKER}")]
 ARGS = ["-m", "smollm2", "-c", "512"]
+NO_RESTART = ["--no-restart-engine"]  # engine restarts: test_server_restart.py
 
 
 @pytest.fixture(scope="module")
 def servers():
-    """(stays up when the engine dies, exits when it dies): loaded side by side."""
-    staying = start_server([*ARGS, "--no-exit-on-engine-failure"], ENV, wait=False)
-    exiting = start_server(ARGS, ENV, wait=False)
+    """(stays up when the engine dies, exits when it dies), neither restarting it: loaded side
+    by side."""
+    staying = start_server([*ARGS, *NO_RESTART, "--no-exit-on-engine-failure"], ENV, wait=False)
+    exiting = start_server([*ARGS, *NO_RESTART], ENV, wait=False)
     try:
         wait_healthy(staying)
         wait_healthy(exiting)

@@ -27,7 +27,9 @@ def servers():
     """Started side by side so their loads overlap: (kv-bounded, backpressure, engine-death)."""
     kv = start_server(_args("-np", "8", "--kv-cache-tokens", "320"), wait=False)
     small = start_server(_args("-np", "2", "--max-queue-depth", "3"), wait=False)
-    dying = start_server(_args(), [("KESTREL_TEST_FAULTS", f"loop:{LOOP_MARK}")], wait=False)
+    dying = start_server(
+        _args("--no-restart-engine"), [("KESTREL_TEST_FAULTS", f"loop:{LOOP_MARK}")], wait=False
+    )
     try:
         for server in (kv, small, dying):
             wait_healthy(server)

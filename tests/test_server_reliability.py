@@ -12,8 +12,8 @@ from pathlib import Path
 import httpx
 import pytest
 
+from kestrel.config import ServerConfig
 from kestrel.server.app import create_app, route_table
-from kestrel.server.state import ServerConfig
 from server_fixtures import API_KEY, shared_server, tiny_model
 
 pytestmark = pytest.mark.slow

@@ -329,12 +329,12 @@ def test_preempted_image_requests_recompute_to_the_same_output(setup):
     """Under a KV capacity the decodes outgrow, the newest image request is preempted and
     recomputed from its prompt and output (chunks crossing the prompt's end): every request
     still ends with the tokens it has alone."""
-    from kestrel.engine.engine import Engine, EngineConfig
-    from kestrel.engine.scheduler import SchedulerConfig
+    from kestrel.config import build_config
+    from kestrel.engine.engine import Engine
 
     llm = setup["llm"]
-    scheduler = SchedulerConfig(max_running=4, prefill_chunk_size=CHUNK, kv_capacity=120)
-    engine = Engine(llm.model, llm.tokenizer, EngineConfig(scheduler=scheduler))
+    config = build_config(max_num_seqs=4, prefill_chunk_size=CHUNK, kv_capacity=120)
+    engine = Engine(llm.model, llm.tokenizer, config)
     engine.processor = llm.engine.processor
     conversations = [two_image_messages(PATCH, MERGE), one_image_messages(seed=7)]
     params = SamplingParams(temperature=0, max_tokens=3 * NEW_TOKENS, ignore_eos=True)

@@ -139,13 +139,18 @@ def _sync(device) -> None:
 # -- kestrel ------------------------------------------------------------------------------------
 
 
+def bench_config(args, max_num_seqs: int):
+    """The engine flags' Config at this concurrency, every request queued at once."""
+    from kestrel.config import config_from_args
+
+    return config_from_args(args, max_num_seqs=max_num_seqs, max_queue_depth=1 << 30)
+
+
 def make_kestrel_runner(args, model, config, device, max_num_seqs: int):
-    from kestrel.cli import gpu_config
     from kestrel.engine.gpu_runner import make_runner
 
-    gpu = gpu_config(args)
     ctx = args.ctx_size or getattr(config, "max_position_embeddings", 4096)
-    return make_runner(model, device, max_num_seqs, args.max_batched_tokens, ctx, gpu)
+    return make_runner(model, device, bench_config(args, max_num_seqs), ctx)
 
 
 def drive(runner, prompts, outputs, args, max_num_seqs: int, progress: bool) -> dict:
@@ -154,19 +159,14 @@ def drive(runner, prompts, outputs, args, max_num_seqs: int, progress: bool) -> 
 
     from kestrel.engine.request import Request
     from kestrel.engine.runner import run_step
-    from kestrel.engine.scheduler import Scheduler, SchedulerConfig
+    from kestrel.engine.scheduler import Scheduler
     from kestrel.sampling import SamplingParams
 
-    config = SchedulerConfig(
-        max_running=max_num_seqs,
-        prefill_chunk_size=args.prefill_chunk_size,
-        max_queue_depth=1 << 30,
-        max_batched_tokens=args.max_batched_tokens,
-    )
-    scheduler = Scheduler(config)
+    config = bench_config(args, max_num_seqs)
+    scheduler = Scheduler(config.scheduler)
     params = SamplingParams(temperature=args.temperature, ignore_eos=True, max_tokens=None)
     requests = [
-        Request(f"b{i}", p, params, o, args.max_kv_size or None, args.keep)
+        Request(f"b{i}", p, params, o, config.cache.max_kv_size, config.cache.keep)
         for i, (p, o) in enumerate(zip(prompts, outputs, strict=True))
     ]
     for r in requests:
@@ -226,7 +226,6 @@ def kestrel_throughput(args, runner, work: Workload, max_num_seqs: int) -> dict:
 def kestrel_engine(args, model, config, device, max_num_seqs: int):
     """kestrel's Engine (scheduler + runner + detokenizer + stop checks), as the server's engine
     thread runs it, without HTTP."""
-    from kestrel.cli import engine_config
     from kestrel.engine.engine import Engine
 
     if args.shape:
@@ -235,7 +234,7 @@ def kestrel_engine(args, model, config, device, max_num_seqs: int):
         from kestrel.weights.loader import load_tokenizer, resolve
 
         tokenizer = load_tokenizer(resolve(args.model))
-    return Engine(model, tokenizer, engine_config(args, max_num_seqs, 1 << 30), device)
+    return Engine(model, tokenizer, bench_config(args, max_num_seqs), device)
 
 
 def engine_throughput(args, engine, work: Workload) -> dict:

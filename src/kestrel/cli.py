@@ -98,36 +98,13 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         default=0.9,
         help="fraction of the GPU's memory for weights, activations and the KV pool",
     )
-    gpu.add_argument("--no-cuda-graphs", action="store_true", help="run decode steps eagerly")
+    gpu.add_argument(
+        "--no-cuda-graphs",
+        dest="cuda_graphs",
+        action="store_false",
+        help="run decode steps eagerly",
+    )
     gpu.add_argument("--block-size", type=int, default=64, help="KV pool block size in tokens")
-
-
-def gpu_config(args):
-    """The paged CUDA runner's knobs from the engine flags."""
-    from kestrel.engine.gpu_runner import GPUConfig
-
-    return GPUConfig(args.gpu_memory_utilization, not args.no_cuda_graphs, args.block_size)
-
-
-def engine_config(args, max_running: int, max_queue_depth: int, kv_capacity: int | None = None):
-    """The EngineConfig the engine flags describe (serve and bench build their engines from it)."""
-    from kestrel.engine.engine import EngineConfig
-    from kestrel.engine.scheduler import SchedulerConfig
-
-    scheduler = SchedulerConfig(
-        max_running=max_running,
-        prefill_chunk_size=args.prefill_chunk_size,
-        max_queue_depth=max_queue_depth,
-        max_batched_tokens=args.max_batched_tokens,
-        kv_capacity=kv_capacity,
-    )
-    return EngineConfig(
-        max_kv_size=args.max_kv_size or None,
-        keep=args.keep,
-        ctx_size=args.ctx_size or None,
-        scheduler=scheduler,
-        gpu=gpu_config(args),
-    )
 
 
 def add_sampling_args(p: argparse.ArgumentParser) -> None:
@@ -196,22 +173,11 @@ def sampling_params(args):
 
 
 def load_llm(args, model: str | None = None):
+    from kestrel.config import config_from_args
     from kestrel.llm import LLM
 
-    return LLM(
-        model or args.model,
-        max_kv_size=args.max_kv_size,
-        keep=args.keep,
-        prefill_chunk_size=args.prefill_chunk_size,
-        ctx_size=args.ctx_size or None,
-        dtype=args.dtype,
-        device=args.device,
-        shape=args.shape,
-        max_batched_tokens=args.max_batched_tokens,
-        gpu_memory_utilization=args.gpu_memory_utilization,
-        cuda_graphs=not args.no_cuda_graphs,
-        block_size=args.block_size,
-    )
+    config = config_from_args(args, **({"model": model} if model else {}))
+    return LLM(config=config)
 
 
 def stream(llm, prompt_ids: list[int], params) -> str:

@@ -5,9 +5,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kestrel.engine.engine import Engine, EngineConfig, RequestOutput
-from kestrel.engine.gpu_runner import GPUConfig
-from kestrel.engine.scheduler import SchedulerConfig
+from kestrel.config import build_config
+from kestrel.engine.engine import Engine, RequestOutput
 from kestrel.multimodal import (
     MediaLimits,
     MultimodalPrompt,
@@ -59,49 +58,25 @@ class GenerationResult:
 class LLM:
     """Load a model once; generate for many prompts with continuous batching."""
 
-    def __init__(
-        self,
-        model: str = DEFAULT_MODEL,
-        max_kv_size: int | None = None,
-        keep: int = 4,
-        prefill_chunk_size: int = 512,
-        max_num_seqs: int = 8,
-        ctx_size: int | None = None,
-        dtype: str | torch.dtype = "auto",
-        device: str | None = None,
-        progress: bool = True,
-        max_batched_tokens: int | None = None,
-        gpu_memory_utilization: float = 0.9,
-        cuda_graphs: bool = True,
-        block_size: int = 64,
-        shape: str | None = None,
-        allowed_local_media_path: str | None = None,
-    ):
-        """`gpu_memory_utilization`, `cuda_graphs` and `block_size` configure the paged CUDA
-        runner (ignored on the CPU); `shape` loads random weights of a named shape instead."""
-        self.device = resolve_device(device)
-        dtype = resolve_dtype(dtype, self.device)
-        if shape:
-            self.model, self.tokenizer = load_shape(shape, dtype, self.device)
+    def __init__(self, model: str = DEFAULT_MODEL, progress: bool = True, config=None, **settings):
+        """`settings` are any of kestrel.config's names (max_kv_size, keep, prefill_chunk_size,
+        max_num_seqs, ctx_size, dtype, device, max_batched_tokens, gpu_memory_utilization,
+        cuda_graphs, block_size, shape, allowed_local_media_path, ...); or a whole `config`.
+        `shape` loads random weights of a named shape instead of `model`."""
+        config = config or build_config(model=model, **{"max_queue_depth": 1 << 30, **settings})
+        self.config = config
+        self.device = resolve_device(config.model.device)
+        dtype = resolve_dtype(config.model.dtype, self.device)
+        if config.model.shape:
+            self.model, self.tokenizer = load_shape(config.model.shape, dtype, self.device)
             self.source = None
         else:
-            self.model, self.tokenizer, self.source = load(model, dtype, self.device, progress)
-        scheduler = SchedulerConfig(
-            max_running=max_num_seqs,
-            prefill_chunk_size=prefill_chunk_size,
-            max_queue_depth=1 << 30,
-            max_batched_tokens=max_batched_tokens,
-        )
-        config = EngineConfig(
-            max_kv_size=max_kv_size or None,
-            keep=keep,
-            ctx_size=ctx_size,
-            scheduler=scheduler,
-            gpu=GPUConfig(gpu_memory_utilization, cuda_graphs, block_size),
-        )
+            self.model, self.tokenizer, self.source = load(
+                config.model.model, dtype, self.device, progress
+            )
         self.engine = Engine(self.model, self.tokenizer, config, self.device)
-        if self.source is not None:  # images in chat messages, for models that take them
-            limits = MediaLimits(allowed_local_media_path=allowed_local_media_path)
+        if self.source is not None:  # images in chat messages, for models that take images
+            limits = MediaLimits(allowed_local_media_path=config.server.allowed_local_media_path)
             self.engine.processor = load_processor(
                 getattr(self.model, "multimodal", False), self.source.path, self.tokenizer, limits
             )

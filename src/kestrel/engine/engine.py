@@ -5,25 +5,17 @@ from dataclasses import dataclass, field
 
 import torch
 
+from kestrel.config import Config
 from kestrel.engine.gpu_runner import make_runner
 from kestrel.engine.request import Request
 from kestrel.engine.runner import ModelRunner, StepResult, run_step  # noqa: F401
-from kestrel.engine.scheduler import Scheduler, SchedulerConfig
+from kestrel.engine.scheduler import Scheduler
 from kestrel.errors import InvalidRequestError
 from kestrel.multimodal import MultimodalPrompt
 from kestrel.sampling import SamplingParams, check_token_ids
 from kestrel.tokenizer import IncrementalDetokenizer, StopStringMatcher, encode, stop_token_ids
 
 log = logging.getLogger("kestrel.engine")
-
-
-@dataclass
-class EngineConfig:
-    max_kv_size: int | None = None  # default per-sequence KV bound (tokens); None/0 = off
-    keep: int = 4  # sink tokens kept when trimming
-    ctx_size: int | None = None  # context length; default: the model's max_position_embeddings
-    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
-    gpu: object = None  # engine.gpu_runner.GPUConfig of the paged CUDA runner; None: its defaults
 
 
 @dataclass
@@ -65,21 +57,18 @@ class _TextState:
 
 
 class Engine:
-    def __init__(self, model, tokenizer, config: EngineConfig | None = None, device=None):
-        self.config = config or EngineConfig()
+    def __init__(self, model, tokenizer, config: Config | None = None, device=None):
+        self.config = config or Config()
         self.tokenizer = tokenizer
         self.device = torch.device(device or "cpu")
-        ctx = self.config.ctx_size or getattr(model.config, "max_position_embeddings", 4096)
-        sched = self.config.scheduler  # CUDA: the paged runner (pool, kernels, graphs)
-        self.runner = make_runner(
-            model, self.device, sched.max_running, sched.token_budget, ctx, self.config.gpu
-        )
-        self.scheduler = Scheduler(self.config.scheduler)
         # models that take images keep the whole config; vocabulary and context are the decoder's
         text = model.config.text_config if getattr(model, "multimodal", False) else model.config
         self.vocab_size = text.vocab_size
         self.eos_ids = stop_token_ids(tokenizer, text)
-        self.ctx_size = self.config.ctx_size or getattr(text, "max_position_embeddings", 4096)
+        self.ctx_size = self.config.model.ctx_size or getattr(text, "max_position_embeddings", 4096)
+        # CUDA: the paged runner (pool, kernels, graphs); the reference runner otherwise
+        self.runner = make_runner(model, self.device, self.config, self.ctx_size)
+        self.scheduler = Scheduler(self.config.scheduler)
         multimodal = getattr(model, "multimodal", False)
         self.intake = RequestFactory(
             tokenizer, self.config, self.vocab_size, self.ctx_size, multimodal
@@ -201,9 +190,7 @@ class RequestFactory:
     """Validates a prompt and its parameters and builds the Request. It needs no model, so the
     server's process validates with it and only valid requests reach the engine's process."""
 
-    def __init__(
-        self, tokenizer, config: EngineConfig, vocab_size: int, ctx_size: int, multimodal: bool
-    ):
+    def __init__(self, tokenizer, config: Config, vocab_size: int, ctx_size: int, multimodal: bool):
         self.tokenizer, self.config = tokenizer, config
         self.vocab_size, self.ctx_size, self.multimodal = vocab_size, ctx_size, multimodal
 
@@ -230,7 +217,7 @@ class RequestFactory:
             params,
             self._max_tokens(prompt_ids, params, kv_bound),
             max_kv_size=kv_bound,
-            keep=self.config.keep,
+            keep=self.config.cache.keep,
             multimodal=multimodal,
         )
 
@@ -245,11 +232,12 @@ class RequestFactory:
 
     def _kv_bound(self, requested: int | None) -> int | None:
         """The request's KV bound: its own if smaller than the server's, else the server's."""
-        bounds = [b for b in (requested, self.config.max_kv_size) if b]
+        cache = self.config.cache
+        bounds = [b for b in (requested, cache.max_kv_size) if b]
         bound = min(bounds) if bounds else None
-        if bound is not None and bound <= self.config.keep:
+        if bound is not None and bound <= cache.keep:
             raise InvalidRequestError(
-                f"max_kv_size must exceed keep ({self.config.keep})", param="max_kv_size"
+                f"max_kv_size must exceed keep ({cache.keep})", param="max_kv_size"
             )
         capacity = self.config.scheduler.kv_capacity
         if bound is not None and capacity and bound > capacity:

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 import torch
 
 from kestrel.cache.paged import BlockPool, PagedAttention, PagedSequenceCache
+from kestrel.config import CacheConfig, Config
 from kestrel.engine.request import Request
 from kestrel.engine.runner import ModelRunner, StepResult
 from kestrel.engine.scheduler import ScheduledChunk
@@ -25,17 +26,6 @@ log = logging.getLogger("kestrel.gpu_runner")
 # families whose attention goes only through `cached_attention` (so the paged pool serves them)
 PAGED_FAMILIES = {"llama", "mistral", "qwen2", "qwen3", "gemma3", "gemma3_text"}
 GRAPH_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256, 320, 384, 448, 512)
-
-
-@dataclass
-class GPUConfig:
-    """Knobs of the paged runner (CLI: --gpu-memory-utilization, --no-cuda-graphs, --block-size)."""
-
-    gpu_memory_utilization: float = 0.9
-    cuda_graphs: bool = True
-    block_size: int = 64
-    num_blocks: int | None = None  # fixed pool size (tests, CPU); None: sized from free memory
-    fuse: bool = True  # fused Triton norms/RoPE/MLP on CUDA (kernels/fused.py)
 
 
 @dataclass
@@ -55,43 +45,55 @@ class Packed:
     rows: list[int] = field(default_factory=list)
 
 
-def make_runner(
-    model,
-    device: torch.device,
-    max_num_seqs: int,
-    token_budget: int,
-    max_model_len: int,
-    gpu: GPUConfig | None = None,
-) -> ModelRunner:
+def make_runner(model, device: torch.device, config: Config, max_model_len: int) -> ModelRunner:
     """The paged runner on CUDA for families it serves; the reference runner otherwise (and
     always for models that take images: only the reference runner feeds them)."""
     paged = model.config.model_type in PAGED_FAMILIES and not getattr(model, "multimodal", False)
     if device.type == "cuda" and paged:
-        return GPURunner(model, device, max_num_seqs, token_budget, max_model_len, gpu)
+        sched = config.scheduler
+        return GPURunner(
+            model,
+            device,
+            sched.max_num_seqs,
+            sched.token_budget,
+            max_model_len,
+            config.cache,
+            config.model.cuda_graphs,
+        )
     return ModelRunner(model, device)
 
 
 class GPURunner(ModelRunner):
-    def __init__(self, model, device, max_num_seqs, token_budget, max_model_len, gpu=None):
+    def __init__(
+        self,
+        model,
+        device: torch.device,
+        max_num_seqs: int,
+        token_budget: int,
+        max_model_len: int,
+        cache: CacheConfig | None = None,
+        cuda_graphs: bool = True,
+    ):
         super().__init__(model, device)
-        self.gpu = gpu or GPUConfig()
+        self.cache_config = cache or CacheConfig()
+        self.cuda_graphs = cuda_graphs
         self.max_num_seqs, self.token_budget = max_num_seqs, token_budget
         c = model.config
         self.head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
         self.num_kv_heads = c.num_key_value_heads
         self.group_pad = 1 << math.ceil(math.log2(c.num_attention_heads // self.num_kv_heads))
         self.specs = model.cache_specs()
-        bs = self.gpu.block_size
+        bs = self.cache_config.block_size
         self.table_width = (max_model_len + bs - 1) // bs + 2
         self.dtype = next(model.parameters()).dtype
         self.use_triton = device.type == "cuda"
-        if self.use_triton and self.gpu.fuse:
+        if self.use_triton:  # fused Triton norms/RoPE/MLP
             from kestrel.kernels.fused import fuse_model
 
             fuse_model(model)
-        self.pool = self._make_pool(self.gpu.num_blocks or self._profile_num_blocks())
+        self.pool = self._make_pool(self.cache_config.num_blocks or self._profile_num_blocks())
         self.graphs: dict[int, tuple] = {}
-        if device.type == "cuda" and self.gpu.cuda_graphs:
+        if device.type == "cuda" and cuda_graphs:
             self._capture_graphs()
 
     # -- memory -------------------------------------------------------------------------------
@@ -101,7 +103,7 @@ class GPURunner(ModelRunner):
         return BlockPool(
             n_layers,
             num_blocks,
-            self.gpu.block_size,
+            self.cache_config.block_size,
             self.num_kv_heads,
             self.head_dim,
             self.dtype,
@@ -124,10 +126,15 @@ class GPURunner(ModelRunner):
         torch.cuda.synchronize()
         activations = torch.cuda.max_memory_allocated(self.device) - before
         torch.cuda.empty_cache()
-        graphs = 512 << 20 if self.gpu.cuda_graphs else 0
-        budget = total * self.gpu.gpu_memory_utilization - (total - free) - activations - graphs
+        graphs = 512 << 20 if self.cuda_graphs else 0
+        utilization = self.cache_config.gpu_memory_utilization
+        budget = total * utilization - (total - free) - activations - graphs
         per_block = BlockPool.bytes_per_block(
-            len(self.specs), self.gpu.block_size, self.num_kv_heads, self.head_dim, self.dtype
+            len(self.specs),
+            self.cache_config.block_size,
+            self.num_kv_heads,
+            self.head_dim,
+            self.dtype,
         )
         blocks = int(budget // per_block)
         if blocks < 2:
@@ -138,7 +145,7 @@ class GPURunner(ModelRunner):
         log.info(
             "KV pool: %d blocks of %d tokens (%.1f GiB)",
             blocks,
-            self.gpu.block_size,
+            self.cache_config.block_size,
             blocks * per_block / 2**30,
         )
         return blocks
@@ -147,7 +154,9 @@ class GPURunner(ModelRunner):
         """One forward of the largest step (token_budget prompt tokens) over a pool just big
         enough for it; the pool is dropped afterwards."""
         n = self.token_budget
-        self.pool = self._make_pool((n + self.gpu.block_size - 1) // self.gpu.block_size + 2)
+        self.pool = self._make_pool(
+            (n + self.cache_config.block_size - 1) // self.cache_config.block_size + 2
+        )
         probe = Request("profile", [0] * n, SamplingParams(max_tokens=1), 1)
         with torch.inference_mode():
             self.model(self._pack_batch([ScheduledChunk(probe, n)]))

@@ -2,47 +2,47 @@
 share a GIL.
 
 In one process the event loop (SSE encoding and sending, thousands of events a second at high
-concurrency) and the engine thread (scheduling, packing, launching the GPU step, detokenizing)
+concurrency) and the engine loop (scheduling, packing, launching the GPU step, detokenizing)
 take turns on one interpreter lock, and every turn the engine waits for is time the GPU sits idle:
 through the server, 64 streams made only ~70% of the offline throughput. vLLM separates its API
 server and engine core for the same reason.
 
-`EngineProcess` has the Engine's interface (add_request, abort, step, has_unfinished, snapshot)
-and stands in for it under AsyncEngine: requests are validated here with the Engine's own
-`RequestFactory` (so errors are still synchronous 400s) and cross the pipe already built; the
-child runs `Engine.step()` in a loop and sends each step's outputs back in one message. A child
-that dies (or raises out of its loop) ends the stream of messages with an error, which kills
-the AsyncEngine: the engine-death path, as in one process.
+`EngineProcessClient` is the EngineClient over a socket to the child: requests are validated and
+built on the server's side (so errors are still synchronous 400s) and cross already built; the
+child runs `Engine.step()` in a loop and sends each step's outputs back in one message, which the
+event loop reads from the socket itself (no relay thread). A child that dies, is killed or raises
+out of its loop ends the stream of messages: the client fails its open requests and reports the
+death (the server then restarts the engine or exits).
+
+Messages are pickles framed by an 8-byte length, both ways.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 import pickle
+import select
 import signal
 import socket
+import struct
 import subprocess
 import sys
 import threading
 import time
-from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
-from multiprocessing.connection import Connection
 
-from kestrel.engine.engine import (
-    Engine,
-    EngineConfig,
-    EngineLoad,
-    RequestFactory,
-    RequestOutput,
-)
+from kestrel.config import Config
+from kestrel.engine.client import EngineClient, EngineStats, LatencyListener
+from kestrel.engine.engine import Engine, RequestFactory, RequestOutput
 from kestrel.engine.request import Request
 from kestrel.engine.scheduler import QueueFullError
 from kestrel.errors import InvalidRequestError
 
 log = logging.getLogger("kestrel.engine_process")
+HEADER = struct.Struct("!Q")
 
 
 class EngineProcessError(RuntimeError):
@@ -57,111 +57,99 @@ class EngineError(RuntimeError):
 class _Ready:
     """What the server's side needs to validate requests like the Engine would."""
 
-    config: EngineConfig
+    config: Config
     vocab_size: int
     ctx_size: int
     multimodal: bool
 
 
-class EngineProcess:
-    """An Engine in a spawned child process, driven through the Engine's interface.
+class EngineProcessClient(EngineClient):
+    """An Engine in a child process (a fresh interpreter), driven over a socket.
 
     `build` (picklable: it is called in the child) returns the Engine; `tokenizer` and
     `processor` are this process's own (the routes encode prompts and images here)."""
 
-    def __init__(self, build: Callable[[], Engine], tokenizer, processor=None):
-        self.tokenizer, self.processor = tokenizer, processor
+    def __init__(
+        self,
+        build: Callable[[], Engine],
+        tokenizer,
+        processor=None,
+        listener: LatencyListener | None = None,
+        stats: EngineStats | None = None,
+    ):
         # a fresh interpreter, not a fork: CUDA cannot be forked, nor can the server's threads
         # be; a plain subprocess (not multiprocessing's spawn) leaves no helper process behind
         ours, theirs = socket.socketpair()
         entry = f"from kestrel.engine.process import child_main; child_main({theirs.fileno()})"
-        self._process = subprocess.Popen([sys.executable, "-c", entry], pass_fds=[theirs.fileno()])
+        self.process = subprocess.Popen([sys.executable, "-c", entry], pass_fds=[theirs.fileno()])
         theirs.close()
-        self._conn = Connection(ours.detach())
-        _send(self._conn, build)
-        kind, payload = self._receive_or_exit()
-        if kind != "ready":
-            self._process.wait()
-            raise EngineProcessError(f"the engine failed to load: {payload}") from payload
-        ready: _Ready = payload
-        self.config = ready.config
-        self.intake = RequestFactory(
+        ready = self._load(ours, build)
+        intake = RequestFactory(
             tokenizer, ready.config, ready.vocab_size, ready.ctx_size, ready.multimodal
         )
-        self.unfinished: set[str] = set()
-        self.load = EngineLoad()
-        # set when a message arrives; AsyncEngine waits on it (and sets it for its own inbox)
-        self.wakeup = threading.Event()
-        self._messages: deque[tuple] = deque()
-        threading.Thread(target=self._read, name="kestrel-engine-reader", daemon=True).start()
+        super().__init__(intake, tokenizer, processor, listener, stats)
+        self._socket = ours
+        self._writer: asyncio.StreamWriter | None = None
+        self._reader_task: asyncio.Task | None = None
 
-    def _receive_or_exit(self) -> tuple:
+    def _load(self, sock: socket.socket, build) -> _Ready:
+        """Send `build`, wait (blocking: the caller runs this off the event loop) for ready."""
         try:
-            return _receive(self._conn)
+            _send(sock, build)
+            kind, payload = _receive(sock)
         except (EOFError, OSError):
-            code = self._process.wait()
-            return "failed", EngineProcessError(f"the engine process exited (code {code})")
+            kind, payload = "failed", self._exited()
+        if kind != "ready":
+            self.process.wait()
+            sock.close()
+            raise EngineProcessError(f"the engine failed to load: {payload}") from payload
+        return payload
 
-    def _read(self) -> None:
-        while True:
-            message = self._receive_or_exit()
-            self._messages.append(message)
-            self.wakeup.set()
-            if message[0] != "step":
-                return
+    def _exited(self) -> EngineProcessError:
+        code = self.process.wait()
+        return EngineProcessError(f"the engine process exited (code {code})")
 
-    # -- the Engine's interface ------------------------------------------------------------
+    async def start(self) -> None:
+        reader, self._writer = await asyncio.open_connection(sock=self._socket)
+        self._reader_task = asyncio.create_task(self._read(reader))
 
-    def add_request(self, request_id, prompt, params, max_kv_size=None) -> Request:
-        if request_id in self.unfinished:
-            raise InvalidRequestError(f"duplicate request id {request_id!r}")
-        request = self.intake.build(request_id, prompt, params, max_kv_size)
-        _send(self._conn, ("add", request))
-        self.unfinished.add(request_id)
-        return request
-
-    def abort(self, request_id: str) -> bool:
-        if request_id not in self.unfinished:
-            return False
-        self.unfinished.discard(request_id)
-        _send(self._conn, ("abort", request_id))
-        return True
-
-    def has_unfinished(self) -> bool:
-        return bool(self.unfinished or self._messages)
-
-    def step(self) -> list[RequestOutput]:
-        """The outputs of the steps the child finished since the last call; if none has, waits
-        for a message or a wakeup (then returns nothing, so the caller serves its inbox)."""
-        if not self._messages:
-            self.wakeup.wait()
-            self.wakeup.clear()
-        outputs = []
-        while self._messages:
-            kind, payload, *load = self._messages.popleft()
-            if kind != "step":
-                raise EngineProcessError(f"the engine process stopped: {payload}") from payload
-            self.load = load[0]
-            for output in payload:  # outputs of requests aborted meanwhile are dropped
-                if output.request_id in self.unfinished:
-                    if output.finished:
-                        self.unfinished.discard(output.request_id)
-                    outputs.append(output)
-        return outputs
-
-    def snapshot(self) -> EngineLoad:
-        return self.load
-
-    def close(self, timeout: float = 5.0) -> None:
+    def stop(self, timeout: float = 5.0) -> None:
+        if self._reader_task is not None:
+            self._reader_task.cancel()
         try:
-            _send(self._conn, ("stop", None))
+            if self._writer is None:  # never started: the socket is still ours to use
+                _send(self._socket, ("stop", None))
+            elif not self._writer.is_closing():
+                self._writer.write(_frame(("stop", None)))
+                self._writer.close()
         except OSError:
-            pass  # already gone
+            pass  # the child is gone already
         try:
-            self._process.wait(timeout)
+            self.process.wait(timeout)
         except subprocess.TimeoutExpired:
-            self._process.kill()
-            self._process.wait()
+            self.process.kill()
+            self.process.wait()
+
+    def _send_add(self, requests: list[Request]) -> None:
+        self._writer.write(_frame(("add", requests)))
+
+    def _send_abort(self, request_ids: list[str]) -> None:
+        self._writer.write(_frame(("abort", request_ids)))
+
+    async def _read(self, reader: asyncio.StreamReader) -> None:
+        """Every message the child sends, until it stops or dies."""
+        try:
+            while True:
+                kind, *payload = await _read_message(reader)
+                if kind != "step":
+                    raise EngineProcessError(f"the engine loop died: {payload[0]}") from payload[0]
+                self._receive(*payload)
+        except asyncio.CancelledError:
+            raise
+        except (asyncio.IncompleteReadError, OSError):
+            self._die(await asyncio.to_thread(self._exited))
+        except Exception as error:
+            self._die(error)
 
 
 # -- the child ------------------------------------------------------------------------------
@@ -174,33 +162,32 @@ def child_main(fd: int) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     _exit_with_server(os.getppid())
-    conn = Connection(fd)
+    sock = socket.socket(fileno=fd)
     try:
-        build = _receive(conn)
+        build = _receive(sock)
         engine = build()
         text = engine.intake
-        _send(
-            conn, ("ready", _Ready(engine.config, text.vocab_size, text.ctx_size, text.multimodal))
-        )
+        ready = _Ready(engine.config, text.vocab_size, text.ctx_size, text.multimodal)
+        _send(sock, ("ready", ready))
     except BaseException as error:
         log.exception("the engine failed to load")
-        _send(conn, ("failed", _portable(error)))
+        _send(sock, ("failed", _portable(error)))
         return
     try:
-        _serve(conn, engine)
+        _serve(sock, engine)
     except (EOFError, BrokenPipeError, ConnectionResetError):
         pass  # the server went away: nothing is left to serve
     except BaseException as error:
         log.critical("the engine loop died: %r", error, exc_info=error)
         try:
-            _send(conn, ("dead", _portable(error)))
+            _send(sock, ("dead", _portable(error)))
         except OSError:
             pass
 
 
 def _exit_with_server(server: int) -> None:
     """Exit within a second of the server's death, however it died and even mid-load (a closed
-    pipe is only noticed between steps)."""
+    socket is only noticed between steps)."""
 
     def watch() -> None:
         while os.getppid() == server:
@@ -210,7 +197,7 @@ def _exit_with_server(server: int) -> None:
     threading.Thread(target=watch, name="kestrel-server-watch", daemon=True).start()
 
 
-def _serve(conn, engine: Engine) -> None:
+def _serve(sock: socket.socket, engine: Engine) -> None:
     """Commands between steps (blocking for one while there is no work), then a step. Each step
     sends its outputs with the engine's load; an idle engine sends its load once more when it
     changed (after the last abort, say), so the server's gauges do not stay stale."""
@@ -219,33 +206,39 @@ def _serve(conn, engine: Engine) -> None:
         if not engine.has_unfinished():
             if engine.snapshot() != sent:
                 sent = engine.snapshot()
-                _send(conn, ("step", [], sent))
-            conn.poll(None)  # idle: wait for a command
-        while conn.poll(0):
-            command, payload = _receive(conn)
+                _send(sock, ("step", [], sent, False))
+            select.select([sock], [], [])  # idle: wait for a command
+        while select.select([sock], [], [], 0)[0]:
+            command, payload = _receive(sock)
             if command == "stop":
                 return
             failed = _apply(engine, command, payload)
             if failed:
-                _send(conn, ("step", [_portable_output(failed)], engine.snapshot()))
-        if not engine.has_unfinished():
-            continue
-        outputs = engine.step()
-        sent = engine.snapshot()
-        _send(conn, ("step", [_portable_output(o) for o in outputs], sent))
+                _send(sock, ("step", failed, engine.snapshot(), False))
+        if engine.has_unfinished():
+            outputs = engine.step()
+            sent = engine.snapshot()
+            _send(sock, ("step", [_portable_output(o) for o in outputs], sent, True))
 
 
-def _apply(engine: Engine, command: str, payload) -> RequestOutput | None:
-    """Run one command; the failed output of an "add" that raised (validated on the server's
-    side already, so that fails only its own request), else None."""
+def _apply(engine: Engine, command: str, payload) -> list[RequestOutput]:
+    """Run one command; the failed outputs of added requests that raised (validated on the
+    server's side already, so each fails only itself)."""
     if command == "abort":
-        engine.abort(payload)
-        return None
-    try:
-        engine.add(payload)
-    except Exception as error:
-        return RequestOutput(payload.request_id, finished=True, finish_reason="error", error=error)
-    return None
+        for request_id in payload:
+            engine.abort(request_id)
+        return []
+    failed = []
+    for request in payload:
+        try:
+            engine.add(request)
+        except Exception as error:
+            failed.append(
+                RequestOutput(
+                    request.request_id, finished=True, finish_reason="error", error=_portable(error)
+                )
+            )
+    return failed
 
 
 def _portable_output(output: RequestOutput) -> RequestOutput:
@@ -262,11 +255,36 @@ def _portable(error: BaseException) -> BaseException:
     return EngineError(f"{type(error).__name__}: {error}")
 
 
-def _send(conn: Connection, message) -> None:
-    """Plain pickle, not the Connection's own: multiprocessing's pickler (with torch's reductions)
-    would pass tensors as shared memory, which a process it did not spawn cannot open."""
-    conn.send_bytes(pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL))
+# -- framing: an 8-byte length, then a pickle ------------------------------------------------
 
 
-def _receive(conn: Connection):
-    return pickle.loads(conn.recv_bytes())  # only ever what the other side of our pipe sent
+def _frame(message) -> bytes:
+    """Plain pickle: multiprocessing's pickler (with torch's reductions) would pass tensors as
+    shared memory, which a process it did not spawn cannot open."""
+    data = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
+    return HEADER.pack(len(data)) + data
+
+
+def _send(sock: socket.socket, message) -> None:
+    sock.sendall(_frame(message))
+
+
+def _receive(sock: socket.socket):
+    (size,) = HEADER.unpack(_receive_exactly(sock, HEADER.size))
+    return pickle.loads(_receive_exactly(sock, size))  # only ever what our other side sent
+
+
+def _receive_exactly(sock: socket.socket, n: int) -> bytes:
+    chunks, left = [], n
+    while left:
+        chunk = sock.recv(min(left, 1 << 20))
+        if not chunk:
+            raise EOFError("the other side closed the socket")
+        chunks.append(chunk)
+        left -= len(chunk)
+    return b"".join(chunks)
+
+
+async def _read_message(reader: asyncio.StreamReader):
+    (size,) = HEADER.unpack(await reader.readexactly(HEADER.size))
+    return pickle.loads(await reader.readexactly(size))

@@ -14,24 +14,12 @@ output alike, so they finish with the output they would have had (vLLM's recompu
 from collections import deque
 from dataclasses import dataclass, field
 
+from kestrel.config import SchedulerConfig
 from kestrel.engine.request import Request, Status
 
 
 class QueueFullError(Exception):
     """The waiting queue is at `max_queue_depth`; the server answers 503 with Retry-After."""
-
-
-@dataclass
-class SchedulerConfig:
-    max_running: int = 8
-    prefill_chunk_size: int = 512
-    max_queue_depth: int = 64
-    max_batched_tokens: int | None = None  # default: one chunk plus one token per running sequence
-    kv_capacity: int | None = None  # KV tokens all running sequences may hold; None = unlimited
-
-    @property
-    def token_budget(self) -> int:
-        return self.max_batched_tokens or self.prefill_chunk_size + self.max_running
 
 
 @dataclass
@@ -84,7 +72,7 @@ class Scheduler:
         for request in self.running:  # then prefill chunks, oldest first
             if request.is_prefilling and budget > 0:
                 budget -= self._prefill(kv, request, budget, chunks)
-        while self.waiting and len(self.running) < self.config.max_running:
+        while self.waiting and len(self.running) < self.config.max_num_seqs:
             request = self.waiting[0]  # FIFO: starts when its first chunk fits
             first = min(request.num_pending, request.max_chunk(self.config.prefill_chunk_size))
             if request in preempted or kv.fit(request, first) < first:

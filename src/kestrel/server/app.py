@@ -1,6 +1,7 @@
 """The FastAPI app factory: routes, error mapping, auth, CORS and metrics middleware.
 
-`create_app(config, load)` serves at once; `load()` builds the engine on a worker thread while
+`create_app(config, load)` serves at once; `load(listener, stats)` builds the engine client on a
+worker thread while
 /health answers 503, then one warm-up generation runs and /health turns 200.
 """
 
@@ -12,19 +13,18 @@ from fastapi import FastAPI
 from fastapi.middleware.cors import CORSMiddleware
 
 import kestrel
-from kestrel.engine.engine import Engine
-from kestrel.engine.process import EngineProcess
+from kestrel.config import ServerConfig
 from kestrel.server.auth import APIKeyMiddleware
 from kestrel.server.errors import install_error_handlers
 from kestrel.server.limits import RequestLimitsMiddleware
 from kestrel.server.metrics import HTTPMetricsMiddleware
 from kestrel.server.routes import chat, completions, health, llama, models
-from kestrel.server.state import ServerConfig, ServerState
+from kestrel.server.state import LoadEngine, ServerState
 
 
 def create_app(
     config: ServerConfig,
-    load: Callable[[], Engine | EngineProcess] | None = None,
+    load: LoadEngine | None = None,
     request_exit: Callable[[int], None] | None = None,
 ) -> FastAPI:
     """`load` builds the engine (None: never ready, e.g. to inspect routes); `request_exit(code)`

@@ -17,7 +17,7 @@ LLAMA_ENV = {
     "port": "LLAMA_ARG_PORT",
     "ctx_size": "LLAMA_ARG_CTX_SIZE",
     "max_tokens": "LLAMA_ARG_N_PREDICT",
-    "parallel": "LLAMA_ARG_N_PARALLEL",
+    "max_num_seqs": "LLAMA_ARG_N_PARALLEL",
     "prefill_chunk_size": "LLAMA_ARG_BATCH",
     "threads": "LLAMA_ARG_THREADS",
     "api_key": "LLAMA_API_KEY",
@@ -32,7 +32,15 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--host", default="127.0.0.1", help="bind address (default: loopback only)")
     p.add_argument("--port", type=int, default=8080)
-    p.add_argument("-np", "--parallel", type=int, default=8, help="max running sequences")
+    p.add_argument(
+        "-np",
+        "--parallel",
+        "--max-num-seqs",
+        dest="max_num_seqs",
+        type=int,
+        default=8,
+        help="max running sequences",
+    )
     p.add_argument(
         "--max-queue-depth",
         type=int,
@@ -72,6 +80,7 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--kv-cache-tokens",
+        dest="kv_capacity",
         type=int,
         default=0,
         help="KV tokens all running sequences may hold (0 = unlimited); beyond it requests wait "
@@ -87,8 +96,22 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
         "--no-exit-on-engine-failure",
         dest="exit_on_engine_failure",
         action="store_false",
-        help="stay up (unhealthy, 503) if the engine loop dies",
+        help="stay up (unhealthy, 503) if the engine dies and is not restarted",
     )
+    p.add_argument(
+        "--no-restart-engine",
+        dest="restart_engine",
+        action="store_false",
+        help="do not restart an engine that died (crash, OOM kill): fail as --no-exit-... says",
+    )
+    p.add_argument(
+        "--max-engine-restarts",
+        type=int,
+        default=3,
+        help="engine restarts allowed within --engine-restart-window; one more and the server "
+        "gives up (exits non-zero)",
+    )
+    p.add_argument("--engine-restart-window", type=float, default=600.0, help="seconds (see above)")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     apply_llama_env(p)
 

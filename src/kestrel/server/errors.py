@@ -11,7 +11,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
 
-from kestrel.engine.async_engine import EngineDeadError
+from kestrel.engine.client import EngineDeadError
 from kestrel.engine.scheduler import QueueFullError
 from kestrel.errors import InvalidRequestError
 

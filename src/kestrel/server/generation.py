@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from fastapi import Request
 from fastapi.responses import StreamingResponse
 
-from kestrel.engine.async_engine import AsyncEngine, GenerateRequest, OutputStream
+from kestrel.engine.client import EngineClient, GenerateRequest, OutputStream
 from kestrel.engine.engine import RequestOutput
 from kestrel.multimodal import MultimodalPrompt
 from kestrel.sampling import SamplingParams
@@ -52,7 +52,7 @@ class Generation:
 
     def __init__(
         self,
-        engine: AsyncEngine,
+        engine: EngineClient,
         request_id: str,
         prompts: list[list[int] | MultimodalPrompt],
         params: SamplingParams,

@@ -9,12 +9,14 @@ import time
 
 import uvicorn
 
+from kestrel.config import Config, config_from_args
+from kestrel.engine.client import EngineStats, LatencyListener
 from kestrel.engine.engine import Engine
-from kestrel.engine.process import EngineProcess
+from kestrel.engine.process import EngineProcessClient
 from kestrel.server import faults
 from kestrel.server.app import create_app
 from kestrel.server.limits import TimedH11Protocol
-from kestrel.server.state import ServerConfig, ServerState
+from kestrel.server.state import ServerState
 
 log = logging.getLogger("kestrel.server")
 
@@ -32,7 +34,9 @@ def serve(args) -> int:
         exit_code = exit_code or code
         server.should_exit = True
 
-    app = create_app(server_config(args), lambda: load_engine(args), request_exit=request_exit)
+    config = server_settings(args)
+    load = functools.partial(load_engine, config, args.log_level)
+    app = create_app(config.server, load, request_exit=request_exit)
     config = uvicorn.Config(
         app,
         host=args.host,
@@ -76,67 +80,66 @@ class _Server(uvicorn.Server):
         self.should_exit = True
 
 
-def server_config(args) -> ServerConfig:
-    name = args.alias or args.shape or args.model
-    return ServerConfig(
-        model_name=name,
+def server_settings(args) -> Config:
+    """The server's whole Config from its flags. Every new request waits in the scheduler's
+    queue until its next step, free slot or not, so that queue holds -np + --max-queue-depth."""
+    return config_from_args(
+        args,
+        max_queue_depth=args.max_num_seqs + args.max_queue_depth,
+        model_name=args.alias or args.shape or args.model,
         aliases={args.model, os.path.basename(str(args.model))},
         api_key=args.api_key or None,
         allowed_origins=[o.strip() for o in args.allowed_origins.split(",") if o.strip()],
         default_max_tokens=args.max_tokens if args.max_tokens > 0 else None,
-        exit_on_engine_failure=args.exit_on_engine_failure,
-        max_request_bytes=args.max_request_bytes,
-        client_timeout=args.client_timeout,
     )
 
 
-def load_engine(args) -> EngineProcess:
+def load_engine(
+    config: Config, log_level: str, listener: LatencyListener, stats: EngineStats
+) -> EngineProcessClient:
     """The engine in its own process (model, runner, scheduler), with this process's tokenizer
     and image processor for the routes. The tokenizer is loaded first: a GGUF vocabulary is
     converted and cached then, and the child finds it cached."""
-    tokenizer, processor = load_frontend(args)
-    return EngineProcess(functools.partial(build_engine, args), tokenizer, processor)
+    tokenizer, processor = load_frontend(config)
+    build = functools.partial(build_engine, config, log_level)
+    return EngineProcessClient(build, tokenizer, processor, listener, stats)
 
 
-def load_frontend(args):
+def load_frontend(config: Config):
     """(tokenizer, image processor or None) of the model, without its weights."""
     from kestrel.multimodal import MediaLimits, load_processor
     from kestrel.shapes import shape_config, shape_tokenizer
     from kestrel.weights.loader import load_config, load_tokenizer, resolve, takes_images
 
-    if args.shape:
-        return shape_tokenizer(shape_config(args.shape).vocab_size), None
-    source = resolve(args.model)
-    config = load_config(source)  # first: it registers a family's own config class, if any
+    if config.model.shape:
+        return shape_tokenizer(shape_config(config.model.shape).vocab_size), None
+    source = resolve(config.model.model)
+    model_config = load_config(source)  # first: it registers a family's own config class, if any
     tokenizer = load_tokenizer(source)
-    limits = MediaLimits(allowed_local_media_path=args.allowed_local_media_path)
-    return tokenizer, load_processor(takes_images(config), source.path, tokenizer, limits)
+    limits = MediaLimits(allowed_local_media_path=config.server.allowed_local_media_path)
+    return tokenizer, load_processor(takes_images(model_config), source.path, tokenizer, limits)
 
 
-def build_engine(args) -> Engine:
+def build_engine(config: Config, log_level: str) -> Engine:
     """The Engine (in the engine process): weights on the device, and the test-only fault hooks
     when their variable is set."""
     import torch
 
-    from kestrel.cli import engine_config
     from kestrel.llm import resolve_device, resolve_dtype
     from kestrel.shapes import load_shape
     from kestrel.weights.loader import load
 
     logging.basicConfig(
-        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+        level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
-    if args.threads > 0:
-        torch.set_num_threads(args.threads)
-    device = resolve_device(args.device)
-    dtype = resolve_dtype(args.dtype, device)
-    if args.shape:  # random weights of a named shape (benchmarks)
-        model, tokenizer = load_shape(args.shape, dtype, device)
+    if config.parallel.threads > 0:
+        torch.set_num_threads(config.parallel.threads)
+    device = resolve_device(config.model.device)
+    dtype = resolve_dtype(config.model.dtype, device)
+    if config.model.shape:  # random weights of a named shape (benchmarks)
+        model, tokenizer = load_shape(config.model.shape, dtype, device)
     else:
-        model, tokenizer, _ = load(args.model, dtype, device, False)
-    # every new request waits in the scheduler's queue until its next step, free slot or not
-    queue_depth = args.parallel + args.max_queue_depth
-    config = engine_config(args, args.parallel, queue_depth, args.kv_cache_tokens or None)
+        model, tokenizer, _ = load(config.model.model, dtype, device, False)
     engine = Engine(model, tokenizer, config, device)
     if faults.install_from_env(engine):
         log.warning("TEST-ONLY fault injection is on (%s is set)", faults.ENV_VAR)

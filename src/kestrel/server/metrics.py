@@ -6,13 +6,13 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from kestrel.engine.async_engine import AsyncEngine, LatencyListener
+from kestrel.engine.client import EngineClient, EngineStats, LatencyListener
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 
 
 class Metrics(LatencyListener):
-    def __init__(self, engine: Callable[[], AsyncEngine | None]):
+    def __init__(self, engine: Callable[[], EngineClient | None], stats: EngineStats):
         self.registry = CollectorRegistry()
         self.http_requests = Counter(
             "kestrel_http_requests",
@@ -32,7 +32,7 @@ class Metrics(LatencyListener):
             buckets=LATENCY_BUCKETS,
             registry=self.registry,
         )
-        self.registry.register(EngineCollector(engine))
+        self.registry.register(EngineCollector(engine, stats))
 
     def first_token(self, seconds: float) -> None:
         self.ttft.observe(seconds)
@@ -45,28 +45,23 @@ class Metrics(LatencyListener):
 
 
 class EngineCollector:
-    """Engine counters and gauges from the snapshot the engine thread publishes each step."""
+    """Engine counters (kept across engine restarts) and gauges of the engine's latest load."""
 
-    def __init__(self, engine: Callable[[], AsyncEngine | None]):
-        self.engine = engine
+    def __init__(self, engine: Callable[[], EngineClient | None], stats: EngineStats):
+        self.engine, self.stats = engine, stats
 
     def collect(self):
-        engine = self.engine()
-        if engine is None:
-            return
-        stats = engine.stats
+        engine, stats = self.engine(), self.stats
         load = stats.load
+        in_flight = engine.num_unfinished if engine is not None else 0
+        alive = engine is not None and engine.dead is None
         yield _gauge("kestrel_queue_depth", "requests waiting for a running slot", load.waiting)
         yield _gauge("kestrel_running_sequences", "sequences in the running batch", load.running)
-        yield _gauge(
-            "kestrel_requests_in_flight", "accepted, unfinished requests", engine.num_unfinished
-        )
+        yield _gauge("kestrel_requests_in_flight", "accepted, unfinished requests", in_flight)
         yield _gauge(
             "kestrel_kv_tokens_in_use", "live KV tokens over all sequences", load.kv_tokens_in_use
         )
-        yield _gauge(
-            "kestrel_engine_alive", "1 while the engine loop runs", int(engine.dead is None)
-        )
+        yield _gauge("kestrel_engine_alive", "1 while the engine runs", int(alive))
         yield _counter(
             "kestrel_kv_trimmed_tokens",
             "KV tokens trimmed by --max-kv-size",

@@ -1,13 +1,19 @@
-"""The server's lifecycle: loading -> ready -> draining, or failed. Routes get the engine here."""
+"""The server's lifecycle: loading -> ready -> draining, or failed; restarting while a dead engine
+comes back. Routes get the engine client here."""
 
 import asyncio
 import logging
+import time
+from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
 
-from kestrel.engine.async_engine import AsyncEngine, GenerateRequest
-from kestrel.engine.engine import Engine
-from kestrel.engine.process import EngineProcess
+from kestrel.config import ServerConfig
+from kestrel.engine.client import (
+    EngineClient,
+    EngineStats,
+    GenerateRequest,
+    LatencyListener,
+)
 from kestrel.sampling import SamplingParams
 from kestrel.server.errors import model_not_found, unavailable
 from kestrel.server.generation import TokenText
@@ -16,40 +22,39 @@ from kestrel.tokenizer import encode
 
 log = logging.getLogger("kestrel.server")
 
-
-@dataclass
-class ServerConfig:
-    model_name: str  # the id /v1/models lists
-    aliases: set[str] = field(default_factory=set)  # other names `model` may use
-    api_key: str | None = None
-    allowed_origins: list[str] = field(default_factory=list)
-    default_max_tokens: int | None = None
-    exit_on_engine_failure: bool = True
-    max_request_bytes: int = 8 * 2**20  # larger bodies: 413 before they are read whole
-    client_timeout: float = 30.0  # seconds a client has to send its request head, and its body
+# builds a started-to-be engine client (blocking: it runs on a worker thread)
+LoadEngine = Callable[[LatencyListener, EngineStats], EngineClient]
 
 
 class ServerState:
     def __init__(self, config: ServerConfig, request_exit: Callable[[int], None] | None = None):
         self.config = config
-        self.status = "loading"  # loading | ready | draining | failed
-        self.engine: AsyncEngine | None = None
+        self.status = "loading"  # loading | ready | restarting | draining | failed
+        self.engine: EngineClient | None = None
         self.token_text: TokenText | None = None
-        self.metrics = Metrics(lambda: self.engine)
+        self.stats = EngineStats()  # kept across engine restarts (Prometheus counters)
+        self.metrics = Metrics(lambda: self.engine, self.stats)
         self.request_exit = request_exit or (lambda code: None)
+        self._load: LoadEngine | None = None
+        self._restarts: deque[float] = deque()  # monotonic times of recent restarts
+        self._tasks: set[asyncio.Task] = set()
 
     @property
     def tokenizer(self):
-        return self.engine.engine.tokenizer
+        return self.engine.tokenizer
 
-    def ready_engine(self) -> AsyncEngine:
-        """The engine, or 503 while loading, draining or after the engine died."""
+    @property
+    def processor(self):
+        return self.engine.processor
+
+    def ready_engine(self) -> EngineClient:
+        """The engine, or 503 while loading, restarting, draining or after the engine died."""
         if self.status != "ready" or self.engine is None or self.engine.dead is not None:
             raise unavailable(f"the server is not ready ({self.health()})")
         return self.engine
 
     def health(self) -> str:
-        if self.engine is not None and self.engine.dead is not None:
+        if self.status == "ready" and self.engine is not None and self.engine.dead is not None:
             return "engine failed"
         return self.status
 
@@ -57,15 +62,11 @@ class ServerState:
         if name != self.config.model_name and name not in self.config.aliases:
             raise model_not_found(name)
 
-    async def start(self, load: Callable[[], Engine | EngineProcess]) -> None:
-        """Load the model (off the event loop), start the engine loop, run one warm-up."""
+    async def start(self, load: LoadEngine) -> None:
+        """Load the model (off the event loop), start the engine, run one warm-up."""
+        self._load = load
         try:
-            engine = AsyncEngine(await asyncio.to_thread(load), self.metrics)
-            engine.on_death = self._on_engine_death
-            engine.start()
-            self.engine = engine
-            self.token_text = TokenText(engine.engine.tokenizer)
-            await self._warm_up(engine)
+            await self._start_engine()
         except Exception:
             log.exception("the model failed to load")
             self.status = "failed"
@@ -75,20 +76,73 @@ class ServerState:
             self.status = "ready"
         log.info("ready: serving %s", self.config.model_name)
 
-    async def _warm_up(self, engine: AsyncEngine) -> None:
-        prompt = encode(engine.engine.tokenizer, "Hello")
+    async def _start_engine(self) -> None:
+        engine = await asyncio.to_thread(self._load, self.metrics, self.stats)
+        await engine.start()
+        self.engine = engine
+        self.token_text = TokenText(engine.tokenizer)
+        await self._warm_up(engine)  # a death before this returns fails the start instead
+        engine.on_death = self._on_engine_death
+
+    async def _warm_up(self, engine: EngineClient) -> None:
+        prompt = encode(engine.tokenizer, "Hello")
         params = SamplingParams(max_tokens=1, temperature=0)
         stream = await engine.add([GenerateRequest("warmup", prompt, params)])
         async for output in stream:
             if output.error is not None:
                 raise output.error
 
+    # -- engine death: restart, or give up ------------------------------------------------------
+
     def _on_engine_death(self, error: BaseException) -> None:
+        if self.status in ("ready", "restarting") and self._may_restart():
+            log.error("the engine died (%r); restarting it", error)
+            self.status = "restarting"
+            task = asyncio.get_running_loop().create_task(self._restart())
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+            return
+        self._give_up()
+
+    def _may_restart(self) -> bool:
+        """Restarts are on and fewer than the limit happened within the window."""
+        if not self.config.restart_engine:
+            return False
+        now = time.monotonic()
+        while self._restarts and now - self._restarts[0] > self.config.engine_restart_window:
+            self._restarts.popleft()
+        return len(self._restarts) < self.config.max_engine_restarts
+
+    async def _restart(self) -> None:
+        self._restarts.append(time.monotonic())
+        dead, self.engine = self.engine, None
+        await asyncio.to_thread(dead.stop)  # reap what is left of the old process
+        try:
+            await self._start_engine()
+        except Exception:
+            log.exception("the engine failed to restart")
+            self._give_up()
+            return
+        if self.status == "restarting":
+            self.status = "ready"
+        log.info("the engine is back: serving %s", self.config.model_name)
+
+    def _give_up(self) -> None:
+        if self.config.restart_engine:
+            log.critical(
+                "the engine died %d times within %.0f s: giving up",
+                len(self._restarts) + 1,
+                self.config.engine_restart_window,
+            )
+        if self.status == "restarting":
+            self.status = "failed"
         if self.config.exit_on_engine_failure:
             log.critical(
                 "exiting: the engine loop died (run with --no-exit-on-engine-failure to stay up)"
             )
             self.request_exit(1)
+
+    # -- shutdown -------------------------------------------------------------------------------
 
     def idle(self) -> bool:
         """No accepted request is unfinished (a draining server exits once this holds)."""
@@ -102,5 +156,7 @@ class ServerState:
 
     def stop(self) -> None:
         self.drain()
+        for task in self._tasks:
+            task.cancel()
         if self.engine is not None:
             self.engine.stop()

@@ -60,7 +60,7 @@ async def _prompt(state: ServerState, body: ChatCompletionRequest) -> list[int] 
     messages = [m.as_template_dict() for m in body.messages]
     try:
         if image_part_params(messages):  # decoding and preprocessing images: off the event loop
-            return await asyncio.to_thread(chat_prompt, state.engine.engine.processor, messages)
+            return await asyncio.to_thread(chat_prompt, state.processor, messages)
         return apply_chat_template(state.tokenizer, messages)
     except InvalidRequestError:
         raise

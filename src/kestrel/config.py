@@ -1,0 +1,110 @@
+"""Every setting of kestrel, in typed dataclasses, built once by `build_config` from the command
+line (and llama-server's environment variables, through the flags' defaults) or from `LLM(...)`'s
+keyword arguments. One name per concept: each field name is unique across the sections, so a flat
+set of names (a flag's `dest`, a keyword argument) says where each value goes. Plain Python: the
+scheduler reads its part without importing torch.
+"""
+
+from dataclasses import dataclass, field, fields
+
+from kestrel.weights.embedded import DEFAULT_MODEL
+
+
+@dataclass
+class ModelConfig:
+    """What to load, and where to run it."""
+
+    model: str = DEFAULT_MODEL  # an alias, a .gguf file or a Hugging Face folder
+    shape: str | None = None  # random weights of a named shape instead (benchmarks)
+    dtype: str = "auto"  # auto: float32 on the CPU, bfloat16 on CUDA
+    device: str = "auto"  # auto, cpu, cuda, cuda:N
+    ctx_size: int | None = None  # context length; None: the model's max_position_embeddings
+    cuda_graphs: bool = True  # capture decode steps as CUDA graphs
+
+
+@dataclass
+class CacheConfig:
+    """Each sequence's KV bound, and the GPU's paged KV pool."""
+
+    max_kv_size: int | None = None  # per-sequence KV bound in tokens; None: off
+    keep: int = 4  # sink tokens kept at the front when trimming
+    block_size: int = 64  # tokens per block of the paged pool
+    gpu_memory_utilization: float = 0.9  # of the card, for weights, activations and the pool
+    num_blocks: int | None = None  # a fixed pool size (tests); None: sized from free memory
+
+
+@dataclass
+class SchedulerConfig:
+    """Continuous batching (engine/scheduler.py)."""
+
+    max_num_seqs: int = 8  # running sequences (-np/--parallel)
+    prefill_chunk_size: int = 512
+    max_queue_depth: int = 64  # requests the scheduler holds beyond the running ones
+    max_batched_tokens: int | None = None  # default: one chunk plus one token per running sequence
+    kv_capacity: int | None = None  # KV tokens all running sequences may hold; None: unlimited
+
+    @property
+    def token_budget(self) -> int:
+        return self.max_batched_tokens or self.prefill_chunk_size + self.max_num_seqs
+
+
+@dataclass
+class ParallelConfig:
+    """How the work is spread over the machine."""
+
+    threads: int = 0  # CPU threads; 0: torch's default
+
+
+@dataclass
+class ServerConfig:
+    """`kestrel serve` only."""
+
+    model_name: str = DEFAULT_MODEL  # the id /v1/models lists
+    aliases: set[str] = field(default_factory=set)  # other names `model` may use
+    api_key: str | None = None
+    allowed_origins: list[str] = field(default_factory=list)
+    allowed_local_media_path: str | None = None  # file:// images only under this folder
+    default_max_tokens: int | None = None
+    exit_on_engine_failure: bool = True
+    max_request_bytes: int = 8 * 2**20  # larger bodies: 413 before they are read whole
+    client_timeout: float = 30.0  # seconds a client has to send its request head, and its body
+    restart_engine: bool = True  # a dead engine is restarted (up to the limit below)
+    max_engine_restarts: int = 3  # restarts allowed within engine_restart_window...
+    engine_restart_window: float = 600.0  # ...seconds; one more and the server gives up
+
+
+@dataclass
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    server: ServerConfig = field(default_factory=ServerConfig)
+
+
+# 0 means "off" on the command line (llama-server's habit) for these
+ZERO_IS_NONE = {"ctx_size", "max_kv_size", "kv_capacity"}
+
+
+def build_config(**values) -> Config:
+    """The Config these named values describe (field names of any section); the rest default.
+    Raises TypeError naming an unknown name."""
+    owner = {f.name: name for name, cls in _section_classes().items() for f in fields(cls)}
+    unknown = sorted(set(values) - set(owner))
+    if unknown:
+        raise TypeError(f"unknown setting(s): {', '.join(unknown)}")
+    parts: dict[str, dict] = {name: {} for name in _section_classes()}
+    for key, value in values.items():
+        parts[owner[key]][key] = None if key in ZERO_IS_NONE and value == 0 else value
+    return Config(**{name: cls(**parts[name]) for name, cls in _section_classes().items()})
+
+
+def config_from_args(args, **overrides) -> Config:
+    """The Config of parsed flags: every flag whose dest names a setting, then `overrides`."""
+    names = {f.name for cls in _section_classes().values() for f in fields(cls)}
+    values = {k: v for k, v in vars(args).items() if k in names and v is not None}
+    return build_config(**{**values, **overrides})
+
+
+def _section_classes() -> dict[str, type]:
+    return {f.name: f.default_factory for f in fields(Config)}
