@@ -7,6 +7,7 @@ with and without a window; the fused norm / activation / RoPE kernels on random 
 import pytest
 import torch
 
+from kestrel.cache import paged
 from kestrel.cache.paged import BlockPool, PagedSequenceCache
 from kestrel.cache.sequence import CacheSpec
 from kestrel.engine.gpu_runner import Packed, build_batch
@@ -52,7 +53,7 @@ def check_paged_attention(device, dtype, chunk, window, hq=8, hkv=2, d=64, bs=16
     batch = build_batch(p, pool, tile_tokens, device, use_triton=True)
     q = torch.randn(len(p.ids), hq, d, device=device, dtype=dtype)
     args = (q, pool.k[0], pool.v[0], batch.attention, d**-0.5, window)
-    expected = attention.paged_attention_torch(*args)
+    expected = paged.paged_attention_torch(*args)
     actual = attention.paged_attention_triton(*args)
     tol = 2e-2 if dtype == torch.bfloat16 else 1e-4
     torch.testing.assert_close(actual.float(), expected.float(), rtol=tol, atol=tol)

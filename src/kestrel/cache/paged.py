@@ -18,7 +18,9 @@ from dataclasses import dataclass
 
 import torch
 
+from kestrel.cache.mask import visible_mask
 from kestrel.cache.sequence import CacheSpec, SequenceCache
+from kestrel.kernels.attention import attend, paged_attention_triton, triton, write_kv
 
 
 class KVPoolExhaustedError(RuntimeError):
@@ -179,10 +181,47 @@ class PagedAttention:
 
     def __call__(self, q, k, v, layer_idx, scale, window=None, cache_layer_idx=None):
         """q: (T, Hq, D), k/v: (T, Hkv, D) -> (T, Hq, D); writes k/v unless reading another layer."""
-        from kestrel.kernels.attention import paged_attention, write_kv
-
         layer = layer_idx if cache_layer_idx is None else cache_layer_idx
         k_cache, v_cache = self.pool.k[layer], self.pool.v[layer]
         if cache_layer_idx is None:
             write_kv(k_cache, v_cache, k, v, self.slot_mapping)
         return paged_attention(q, k_cache, v_cache, self, scale, window, self.use_triton)
+
+
+# -- attention over the pool -------------------------------------------------------------------
+
+
+def paged_attention(q, k_cache, v_cache, meta, scale, window=None, use_triton=True):
+    """q: (T, Hq, D) -> (T, Hq, D) attending the pool's keys of each query's sequence."""
+    if use_triton and triton is not None and q.is_cuda:
+        return paged_attention_triton(q, k_cache, v_cache, meta, scale, window)
+    return paged_attention_torch(q, k_cache, v_cache, meta, scale, window)
+
+
+def key_positions(block_size, n_blocks, n_sink, main_start, device) -> torch.Tensor:
+    """(n_blocks * block_size,) positions of the slots of a sequence's held blocks."""
+    j = torch.arange(n_blocks, device=device)
+    logical = torch.where(j < n_sink, j, main_start + j - n_sink)
+    return (logical[:, None] * block_size + torch.arange(block_size, device=device)).flatten()
+
+
+def paged_attention_torch(q, k_cache, v_cache, meta, scale, window=None) -> torch.Tensor:
+    """The reference: gather each tile's keys, build the mask from positions, run `attend`."""
+    out = torch.zeros_like(q)
+    bs, hkv, d = k_cache.shape[1:]
+    host = lambda t: t.tolist()  # noqa: E731
+    seqs, starts, lens = host(meta.tile_seq), host(meta.tile_start), host(meta.tile_len)
+    for s, start, n in zip(seqs, starts, lens, strict=True):
+        if n == 0:
+            continue
+        nb = int(meta.num_blocks[s])
+        blocks = meta.block_tables[s, :nb].long()
+        keys = k_cache[blocks].reshape(nb * bs, hkv, d).transpose(0, 1)  # (Hkv, L, D)
+        values = v_cache[blocks].reshape(nb * bs, hkv, d).transpose(0, 1)
+        k_pos = key_positions(bs, nb, int(meta.n_sink[s]), int(meta.main_start[s]), q.device)
+        q_pos = meta.positions[start : start + n]
+        live = (k_pos < meta.keep[s]) | (k_pos >= meta.live_start[s])
+        mask = visible_mask(q_pos, k_pos, window) & live[None, :]
+        rows = q[start : start + n].transpose(0, 1)  # (Hq, n, D)
+        out[start : start + n] = attend(rows, keys, values, mask, scale).transpose(0, 1)
+    return out

@@ -18,6 +18,7 @@ from kestrel.config import CacheConfig, Config
 from kestrel.engine.request import Request
 from kestrel.engine.runner import ModelRunner, StepResult
 from kestrel.engine.scheduler import ScheduledChunk
+from kestrel.models.base import head_dim
 from kestrel.models.batch import ForwardBatch
 from kestrel.sampling import SamplingParams
 
@@ -79,7 +80,7 @@ class GPURunner(ModelRunner):
         self.cuda_graphs = cuda_graphs
         self.max_num_seqs, self.token_budget = max_num_seqs, token_budget
         c = model.config
-        self.head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+        self.head_dim = head_dim(c)
         self.num_kv_heads = c.num_key_value_heads
         self.group_pad = 1 << math.ceil(math.log2(c.num_attention_heads // self.num_kv_heads))
         self.specs = model.cache_specs()
@@ -88,7 +89,7 @@ class GPURunner(ModelRunner):
         self.dtype = next(model.parameters()).dtype
         self.use_triton = device.type == "cuda"
         if self.use_triton:  # fused Triton norms/RoPE/MLP
-            from kestrel.kernels.fused import fuse_model
+            from kestrel.models.fused import fuse_model
 
             fuse_model(model)
         self.pool = self._make_pool(self.cache_config.num_blocks or self._profile_num_blocks())

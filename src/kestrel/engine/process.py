@@ -173,16 +173,22 @@ def child_main(fd: int) -> None:
         log.exception("the engine failed to load")
         _send(sock, ("failed", _portable(error)))
         return
+    code = 0
     try:
         _serve(sock, engine)
     except (EOFError, BrokenPipeError, ConnectionResetError):
         pass  # the server went away: nothing is left to serve
     except BaseException as error:
         log.critical("the engine loop died: %r", error, exc_info=error)
+        code = 1
         try:
             _send(sock, ("dead", _portable(error)))
         except OSError:
             pass
+    # nothing is left to clean up: skip the interpreter's teardown (seconds with torch loaded)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def _exit_with_server(server: int) -> None:

@@ -1,5 +1,7 @@
-"""Paged attention over a `BlockPool`: one Triton kernel for prefill chunks, decode tokens and
-mixed batches, and the PyTorch fallback it is tested against.
+"""Attention kernels: `attend` (dense, over the keys a cache returned, with a mask) and paged
+attention over a `BlockPool`: one Triton kernel for prefill chunks, decode tokens and mixed
+batches (its PyTorch fallback, the reference it is tested against, is in cache/paged.py). This
+module imports nothing from kestrel: kernels are the bottom of the import graph.
 
 The kernel runs one program per (query tile, KV head): a tile is up to `tile_tokens` consecutive
 tokens of one sequence times the query heads sharing that KV head (GQA), so each K/V block is read
@@ -9,9 +11,7 @@ window, and pos_k < keep or pos_k >= live_start.
 """
 
 import torch
-
-from kestrel.cache.mask import visible_mask
-from kestrel.models.layers import attend
+import torch.nn.functional as F
 
 try:
     import triton
@@ -20,47 +20,26 @@ except ImportError:  # CPU-only installs: the fallback serves
     triton = None
 
 
+def attend(q, keys, values, mask, scale, softcap: float | None = None) -> torch.Tensor:
+    """q: (Hq, m, D), keys/values: (Hkv, L, D), mask: (m, L) bool -> (Hq, m, Dv). GQA by repeat."""
+    if softcap is None:
+        return F.scaled_dot_product_attention(
+            q, keys, values, attn_mask=mask, scale=scale, enable_gqa=q.shape[0] != keys.shape[0]
+        )
+    groups = q.shape[0] // keys.shape[0]
+    keys = keys.repeat_interleave(groups, 0)
+    values = values.repeat_interleave(groups, 0)
+    scores = (q @ keys.transpose(-1, -2)).float() * scale
+    scores = softcap * torch.tanh(scores / softcap)
+    scores = scores.masked_fill(~mask, float("-inf"))
+    return (scores.softmax(-1).to(values.dtype)) @ values
+
+
 def write_kv(k_cache, v_cache, k, v, slot_mapping) -> None:
     """Store new keys/values (T, Hkv, D) at their flat slots of (blocks, block_size, Hkv, D)."""
     nb, bs, h, d = k_cache.shape
     k_cache.view(nb * bs, h, d).index_copy_(0, slot_mapping, k.to(k_cache.dtype))
     v_cache.view(nb * bs, h, d).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
-
-
-def paged_attention(q, k_cache, v_cache, meta, scale, window=None, use_triton=True):
-    """q: (T, Hq, D) -> (T, Hq, D) attending the pool's keys of each query's sequence."""
-    if use_triton and triton is not None and q.is_cuda:
-        return paged_attention_triton(q, k_cache, v_cache, meta, scale, window)
-    return paged_attention_torch(q, k_cache, v_cache, meta, scale, window)
-
-
-def key_positions(block_size, n_blocks, n_sink, main_start, device) -> torch.Tensor:
-    """(n_blocks * block_size,) positions of the slots of a sequence's held blocks."""
-    j = torch.arange(n_blocks, device=device)
-    logical = torch.where(j < n_sink, j, main_start + j - n_sink)
-    return (logical[:, None] * block_size + torch.arange(block_size, device=device)).flatten()
-
-
-def paged_attention_torch(q, k_cache, v_cache, meta, scale, window=None) -> torch.Tensor:
-    """The reference: gather each tile's keys, build the mask from positions, run `attend`."""
-    out = torch.zeros_like(q)
-    bs, hkv, d = k_cache.shape[1:]
-    host = lambda t: t.tolist()  # noqa: E731
-    seqs, starts, lens = host(meta.tile_seq), host(meta.tile_start), host(meta.tile_len)
-    for s, start, n in zip(seqs, starts, lens, strict=True):
-        if n == 0:
-            continue
-        nb = int(meta.num_blocks[s])
-        blocks = meta.block_tables[s, :nb].long()
-        keys = k_cache[blocks].reshape(nb * bs, hkv, d).transpose(0, 1)  # (Hkv, L, D)
-        values = v_cache[blocks].reshape(nb * bs, hkv, d).transpose(0, 1)
-        k_pos = key_positions(bs, nb, int(meta.n_sink[s]), int(meta.main_start[s]), q.device)
-        q_pos = meta.positions[start : start + n]
-        live = (k_pos < meta.keep[s]) | (k_pos >= meta.live_start[s])
-        mask = visible_mask(q_pos, k_pos, window) & live[None, :]
-        rows = q[start : start + n].transpose(0, 1)  # (Hq, n, D)
-        out[start : start + n] = attend(rows, keys, values, mask, scale).transpose(0, 1)
-    return out
 
 
 def paged_attention_triton(q, k_cache, v_cache, meta, scale, window=None) -> torch.Tensor:

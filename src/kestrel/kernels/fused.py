@@ -2,23 +2,28 @@
 RMSNorm (one kernel instead of seven), the gated MLP's activation-times-up, and RoPE on q and k
 of a fused qkv projection.
 
-`fuse_model` rewires a loaded model's Attention / GatedMLP / RMSNorm instances to use them: q/k/v
-(and gate/up) weights become views of one concatenated tensor, so names and memory stay the same
-and one GEMM replaces three (two). Model files are untouched; the CPU path never calls this.
+models/fused.py rewires a loaded model to use them (`fuse_model`). This module imports nothing
+from kestrel: kernels are the bottom of the import graph.
 """
-
-import types
 
 import torch
 import torch.nn.functional as F
-
-from kestrel.models.layers import ACTIVATIONS, Attention, GatedMLP, RMSNorm, RotaryEmbedding
 
 try:
     import triton
     import triton.language as tl
 except ImportError:
     triton = None
+
+
+# the activations of gated MLPs, by their config names
+ACTIVATIONS = {
+    "silu": F.silu,
+    "gelu": F.gelu,
+    "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
+    "gelu_tanh": lambda x: F.gelu(x, approximate="tanh"),
+    "relu2": lambda x: F.relu(x).square(),
+}
 
 
 def _triton_ok(x: torch.Tensor) -> bool:
@@ -223,74 +228,3 @@ if triton is not None:
             vdst = VC + (slot * hkv + kh) * 2 * HALF
             tl.store(vdst + i, v.to(VC.dtype.element_ty))
             tl.store(vdst + HALF + i, v2.to(VC.dtype.element_ty))
-
-
-# -- rewiring a loaded model --------------------------------------------------------------------
-
-
-def fuse_model(model: torch.nn.Module) -> None:
-    """Point the model's norms, MLPs and attention projections at the fused kernels."""
-    for module in model.modules():
-        if isinstance(module, RMSNorm):
-            module.forward = types.MethodType(_norm_forward, module)
-        elif isinstance(module, GatedMLP) and module.gate_proj.bias is None:
-            module.gate_up = _concat_weights(module, ["gate_proj", "up_proj"])
-            module.forward = types.MethodType(_mlp_forward, module)
-        elif isinstance(module, Attention) and _fusable(module):
-            module.qkv_weight = _concat_weights(module, ["q_proj", "k_proj", "v_proj"])
-            biases = [getattr(module, n).bias for n in ("q_proj", "k_proj", "v_proj")]
-            module.qkv_bias = None if biases[0] is None else torch.cat(biases)
-            module.forward = types.MethodType(_attention_forward, module)
-
-
-def _concat_weights(module, names: list[str]) -> torch.Tensor:
-    """Concatenate the Linear weights along the output axis; the Linears keep views of it."""
-    fused = torch.cat([getattr(module, n).weight for n in names])
-    start = 0
-    for n in names:
-        linear = getattr(module, n)
-        rows = linear.weight.shape[0]
-        linear.weight = torch.nn.Parameter(fused[start : start + rows], requires_grad=False)
-        start += rows
-    return fused
-
-
-def _fusable(attn: Attention) -> bool:
-    return (
-        attn.q_norm is None
-        and type(attn.rope) is RotaryEmbedding
-        and attn.rope.attention_scaling == 1.0
-    )
-
-
-def _norm_forward(self, x):
-    return rms_norm(x, self.weight, self.eps, self.unit_offset)
-
-
-def _mlp_forward(self, x):
-    return self.down_proj(act_mul(F.linear(x, self.gate_up), _act_name(self.act)))
-
-
-def _act_name(act) -> str:
-    return next((name for name, fn in ACTIVATIONS.items() if fn is act), "silu")
-
-
-def _attention_forward(self, x, batch, rope_cos_sin=None):
-    from kestrel.models.layers import cached_attention
-
-    t = x.shape[0]
-    qkv = F.linear(x, self.qkv_weight, self.qkv_bias)  # (T, (Hq + 2 Hkv) D)
-    hq, hkv, d = self.num_heads, self.num_kv_heads, self.head_dim
-    cos, sin = rope_cos_sin if rope_cos_sin is not None else self.rope(batch.positions)
-    meta = getattr(batch, "attention", None)
-    if meta is not None:  # paged pool: k/v stored by the RoPE kernel, one launch for all three
-        from kestrel.kernels.attention import paged_attention
-
-        kc, vc = meta.pool.k[self.layer_idx], meta.pool.v[self.layer_idx]
-        q = rope_store(qkv, cos, sin, hq, hkv, d, kc, vc, meta.slot_mapping)
-        out = paged_attention(q, kc, vc, meta, self.scale, self.window, meta.use_triton)
-        return self.o_proj(out.reshape(t, -1))
-    q, k = rope_qk(qkv, cos, sin, hq, hkv, d)
-    v = qkv[:, (hq + hkv) * d :].view(t, hkv, d)
-    out = cached_attention(q, k, v, self.layer_idx, batch, self.scale, self.window)
-    return self.o_proj(out.reshape(t, -1))

@@ -19,6 +19,11 @@ def rope_parameters(config, layer_type: str | None = None) -> dict:
     return params
 
 
+def head_dim(config) -> int:
+    """Attention head size: the config's `head_dim`, else hidden_size / heads (older configs)."""
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
 @dataclass(frozen=True)
 class Slot:
     """Part of a parameter that one checkpoint tensor fills: `param[index]`, transposed first when
@@ -97,6 +102,5 @@ class CausalLM(nn.Module):
     def kv_bytes_per_token(self, dtype: torch.dtype) -> int:
         """Bytes of KV cache one token costs across all layers (for `inspect` and pool sizing)."""
         c = self.config
-        head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
-        per_layer = 2 * c.num_key_value_heads * head_dim
+        per_layer = 2 * c.num_key_value_heads * head_dim(c)
         return per_layer * c.num_hidden_layers * torch.finfo(dtype).bits // 8

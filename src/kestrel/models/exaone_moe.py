@@ -14,14 +14,10 @@ from torch import nn
 from transformers import ExaoneMoeConfig
 
 from kestrel.cache import CacheSpec
-from kestrel.models.base import CausalLM, Slot, rope_parameters
+from kestrel.models.base import CausalLM, Slot, head_dim, rope_parameters
 from kestrel.models.batch import ForwardBatch
 from kestrel.models.layers import Attention, GatedMLP, RMSNorm, RotaryEmbedding
 from kestrel.models.moe import SparseMoE, expert_slot
-
-
-def head_dim(config) -> int:
-    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
 
 
 def moe_layer(config) -> SparseMoE:

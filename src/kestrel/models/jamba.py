@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from kestrel.cache import CacheSpec
-from kestrel.models.base import CausalLM, Slot
+from kestrel.models.base import CausalLM, Slot, head_dim
 from kestrel.models.batch import ForwardBatch
 from kestrel.models.layers import Attention, GatedMLP, RMSNorm
 from kestrel.models.mamba import MambaMixer, sequence_groups
@@ -52,10 +52,6 @@ def mamba_mixer(c, i: int) -> MambaMixer:
         bias=c.mamba_proj_bias,
         norm_eps=c.rms_norm_eps,
     )
-
-
-def head_dim(c) -> int:
-    return getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
 
 
 def attention(c, i: int) -> Attention:

@@ -6,19 +6,12 @@ Tensors are packed across sequences: (T, ...) where T is the total tokens of the
 import math
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from kestrel.cache import visible_mask
+from kestrel.kernels.attention import attend
+from kestrel.kernels.fused import ACTIVATIONS
 from kestrel.models.batch import ForwardBatch
-
-ACTIVATIONS = {
-    "silu": F.silu,
-    "gelu": F.gelu,
-    "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
-    "gelu_tanh": lambda x: F.gelu(x, approximate="tanh"),
-    "relu2": lambda x: F.relu(x).square(),
-}
 
 
 class RMSNorm(nn.Module):
@@ -224,21 +217,6 @@ def cached_attention(
         mask = visible_mask(q_pos, k_pos, window)
         out[rows] = attend(q[rows].transpose(0, 1), keys, values, mask, scale).transpose(0, 1)
     return out
-
-
-def attend(q, keys, values, mask, scale, softcap: float | None = None) -> torch.Tensor:
-    """q: (Hq, m, D), keys/values: (Hkv, L, D), mask: (m, L) bool -> (Hq, m, Dv). GQA by repeat."""
-    if softcap is None:
-        return F.scaled_dot_product_attention(
-            q, keys, values, attn_mask=mask, scale=scale, enable_gqa=q.shape[0] != keys.shape[0]
-        )
-    groups = q.shape[0] // keys.shape[0]
-    keys = keys.repeat_interleave(groups, 0)
-    values = values.repeat_interleave(groups, 0)
-    scores = (q @ keys.transpose(-1, -2)).float() * scale
-    scores = softcap * torch.tanh(scores / softcap)
-    scores = scores.masked_fill(~mask, float("-inf"))
-    return (scores.softmax(-1).to(values.dtype)) @ values
 
 
 class Attention(nn.Module):

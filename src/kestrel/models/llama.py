@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from kestrel.cache import CacheSpec
-from kestrel.models.base import CausalLM, rope_parameters
+from kestrel.models.base import CausalLM, head_dim, rope_parameters
 from kestrel.models.batch import ForwardBatch
 from kestrel.models.layers import Attention, GatedMLP, RMSNorm, RotaryEmbedding
 
@@ -34,16 +34,13 @@ class LlamaBlock(nn.Module):
         super().__init__()
         flavor = FLAVORS[config.model_type]
         bias = getattr(config, "attention_bias", False)
-        head_dim = (
-            getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-        )
         eps = config.rms_norm_eps
         self.self_attn = Attention(
             layer_idx,
             config.hidden_size,
             config.num_attention_heads,
             config.num_key_value_heads,
-            head_dim,
+            head_dim(config),
             rope,
             window=window,
             qkv_bias=bias if flavor["qkv_bias"] is None else flavor["qkv_bias"],
@@ -67,11 +64,8 @@ class LlamaBlock(nn.Module):
 class LlamaModel(nn.Module):
     def __init__(self, config):
         super().__init__()
-        head_dim = (
-            getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-        )
         rope = rope_parameters(config)
-        self.rotary_emb = RotaryEmbedding(head_dim, rope["rope_theta"], rope)
+        self.rotary_emb = RotaryEmbedding(head_dim(config), rope["rope_theta"], rope)
         self.windows = layer_windows(config)
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(

@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from kestrel.cache import CacheSpec
-from kestrel.models.base import CausalLM, Slot
+from kestrel.models.base import CausalLM, Slot, head_dim
 from kestrel.models.batch import ForwardBatch
 from kestrel.models.layers import ACTIVATIONS, Attention, RMSNorm
 from kestrel.models.mamba import Mamba2Mixer, sequence_groups
@@ -90,9 +90,13 @@ def make_mixer(c, layer_idx: int) -> nn.Module:
             dt_limit=(c.time_step_min, float("inf")),
         )
     if kind == "full_attention":
-        head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
         return Attention(
-            layer_idx, c.hidden_size, c.num_attention_heads, c.num_key_value_heads, head_dim, None
+            layer_idx,
+            c.hidden_size,
+            c.num_attention_heads,
+            c.num_key_value_heads,
+            head_dim(c),
+            None,
         )
     if kind == "mlp":
         return NemotronHMLP(c.hidden_size, c.intermediate_size, c.mlp_hidden_act, c.mlp_bias)
@@ -154,6 +158,5 @@ class NemotronHForCausalLM(CausalLM):
 
     def kv_bytes_per_token(self, dtype: torch.dtype) -> int:
         c = self.config
-        head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
         layers = c.layers_block_type.count("full_attention")
-        return 2 * c.num_key_value_heads * head_dim * layers * torch.finfo(dtype).bits // 8
+        return 2 * c.num_key_value_heads * head_dim(c) * layers * torch.finfo(dtype).bits // 8

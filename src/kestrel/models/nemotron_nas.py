@@ -18,7 +18,7 @@ from transformers import AutoConfig, LlamaConfig
 import kestrel.cache.recurrent  # noqa: F401  registers the "none" cache kind
 from kestrel.cache import CacheSpec
 from kestrel.errors import UnsupportedModelError
-from kestrel.models.base import CausalLM, rope_parameters
+from kestrel.models.base import CausalLM, head_dim, rope_parameters
 from kestrel.models.batch import ForwardBatch
 from kestrel.models.layers import Attention, GatedMLP, RMSNorm, RotaryEmbedding
 from kestrel.models.llama import unpermute_rows
@@ -88,10 +88,6 @@ class LinearMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.linear_mlp(x)
-
-
-def head_dim(config) -> int:
-    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
 
 
 class NasBlock(nn.Module):

@@ -15,6 +15,7 @@ from torch import nn
 
 from kestrel.cache import CacheSpec
 from kestrel.models.base import CausalLM, rope_parameters
+from kestrel.models.base import head_dim as base_head_dim
 from kestrel.models.batch import ForwardBatch, ImageRows
 from kestrel.models.layers import Attention, GatedMLP, RMSNorm
 from kestrel.models.llama import layer_windows
@@ -98,13 +99,13 @@ class Qwen2VLForConditionalGeneration(CausalLM):
     # --- what the Qwen-VL generations change ---------------------------------------------------
 
     def build_rotary(self, text) -> MRotaryEmbedding:
-        head_dim = text.hidden_size // text.num_attention_heads
+        head_dim = base_head_dim(text)
         rope = rope_parameters(text)
         sections = rope.get("mrope_section", [16, 24, 24])
         return MRotaryEmbedding(head_dim, rope["rope_theta"], sections, scaling=rope)
 
     def build_layer(self, text, i: int, window: int | None, rotary) -> DecoderLayer:
-        head_dim = text.hidden_size // text.num_attention_heads
+        head_dim = base_head_dim(text)
         attn = Attention(
             i,
             text.hidden_size,

@@ -7,7 +7,7 @@ wins over the environment because the variable only sets the flag's default.
 import argparse
 import os
 
-from kestrel.cli import add_engine_args
+from kestrel.flags import add_engine_args
 
 # flag dest -> llama-server's environment variable
 LLAMA_ENV = {

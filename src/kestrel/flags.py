@@ -1,0 +1,57 @@
+"""The model and engine flags that generate, run, serve and bench share (their dests are
+kestrel.config's names, so `config_from_args` reads them)."""
+
+import argparse
+
+from kestrel.weights.embedded import DEFAULT_MODEL
+
+
+def add_engine_args(p: argparse.ArgumentParser) -> None:
+    """Model and engine flags shared by generate, run, serve and bench."""
+    p.add_argument("-m", "--model", default=DEFAULT_MODEL, help="alias, .gguf file or HF folder")
+    p.add_argument(
+        "--dtype",
+        default="auto",
+        help="auto (float32 on CPU, bfloat16 on CUDA), float32, bfloat16, float16",
+    )
+    p.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N")
+    p.add_argument(
+        "--max-kv-size", type=int, default=0, help="per-sequence KV bound in tokens (0 = off)"
+    )
+    p.add_argument("--keep", type=int, default=4, help="sink tokens kept when trimming")
+    p.add_argument("-c", "--ctx-size", type=int, default=0, help="context length (0 = the model's)")
+    p.add_argument(
+        "--prefill-chunk-size",
+        "-b",
+        "--batch-size",
+        dest="prefill_chunk_size",
+        type=int,
+        default=512,
+    )
+    p.add_argument(
+        "--max-batched-tokens",
+        type=int,
+        default=None,
+        help="tokens per step (default: one prefill chunk plus one per running sequence; bench: 8192 on CUDA)",
+    )
+    from kestrel.shapes import SHAPES
+
+    p.add_argument(
+        "--shape",
+        choices=sorted(SHAPES),
+        help="random weights of a named shape instead of -m (benchmarks)",
+    )
+    gpu = p.add_argument_group("CUDA")
+    gpu.add_argument(
+        "--gpu-memory-utilization",
+        type=float,
+        default=0.9,
+        help="fraction of the GPU's memory for weights, activations and the KV pool",
+    )
+    gpu.add_argument(
+        "--no-cuda-graphs",
+        dest="cuda_graphs",
+        action="store_false",
+        help="run decode steps eagerly",
+    )
+    gpu.add_argument("--block-size", type=int, default=64, help="KV pool block size in tokens")
