@@ -1,10 +1,13 @@
 """The checks every text family passes against its oracle (transformers' model on the same tiny
-checkpoint). A family's test file builds a `Tiny` in a module fixture named `tiny` (from a
-`Family` spec), defines `kv_chunk = kv_chunks([...])` for the `--max-kv-size` cases, and imports
-the tests it runs (and `one_thread`, to run its module on one thread); family-specific checks
-stay in its own file."""
+checkpoint). A family's test file (tests/test_models_<family>.py) declares the registry keys it
+covers (`COVERS`), builds a `Tiny` in a module fixture named `tiny` (from a `Family` spec),
+defines `kv_chunk = kv_chunks([...])` for the `--max-kv-size` cases, and imports every test of
+`CHECKS` (and `one_thread`, to run its module on one thread) except those it lists in
+`OPT_OUTS`, a {test name: why it does not apply} dict; tests/test_model_suites.py holds every
+family file to that. Family-specific checks stay in its own file."""
 
 from collections.abc import Callable
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -12,6 +15,7 @@ import pytest
 import torch
 from tests.reference import (
     assert_close,
+    assert_differ,
     assert_masks_match_keys,
     chunked_logits,
     decode_logits,
@@ -25,6 +29,7 @@ from tests.reference import (
 
 from kestrel.cache import SequenceCache
 from kestrel.models.batch import ForwardBatch
+from kestrel.models.registry import model_class
 
 MAX_KV = 12  # --max-kv-size of the dense-reference checks: well under the 30-token prompts
 # every (chunk, keep) allowed: chunks are at most max_kv_size - keep
@@ -36,7 +41,7 @@ class Family:
     """What the shared checks need to know about one family (one variant of it)."""
 
     model_cls: type | None  # transformers' class: the oracle
-    config: object  # its tiny config
+    config: object  # its tiny config (a transformers config, or a config.json dict)
     prompt: list[int]
     tweak: Callable | None = None  # tweak(model) before saving: randomize constant inits
     kestrel_class: str | None = None  # kestrel's class name, checked on the full forward
@@ -44,15 +49,26 @@ class Family:
     batched: tuple[slice, ...] = (slice(0, 23), slice(3, 14), slice(7, 30))
     batched_vs_transformers: bool = False  # batched vs transformers (else vs kestrel alone)
     windows: dict | None = None  # layer type -> window (None: full); None: one mask for all
+    window: int | None = None  # with one mask for all (`windows` None): every layer's window
     unmasked: tuple[str, ...] = ()  # layer types that take no mask (recurrent layers)
     kv_tokens: int | None = None  # prompt tokens prefilled under --max-kv-size (None: all)
     attend_layers: int | None = None  # layers calling `attend` per chunk, when counted exactly
-    trim_matters: bool = False  # also check the trimmed logits differ from the untrimmed ones
-    restore_after: int = 10  # tokens prefilled before the step that restore undoes
+    restore_after: int = 10  # tokens prefilled before the step that fails and is restored
 
     @property
     def kv_prompt(self) -> list[int]:
         return self.prompt[: self.kv_tokens]
+
+    @property
+    def model_type(self) -> str:
+        config = self.config
+        return config["model_type"] if isinstance(config, dict) else config.model_type
+
+    @property
+    def sliding_windows(self) -> set[int]:
+        """The sliding windows of the family's layers (empty: every layer attends to all)."""
+        windows = (self.windows or {}).values() if self.window is None else [self.window]
+        return {w for w in windows if w is not None}
 
 
 @dataclass
@@ -105,6 +121,31 @@ def one_thread():
     torch.set_num_threads(previous)
 
 
+def dense_masks(family: Family, visibility: Callable[[int | None], torch.Tensor]):
+    """The masks the oracle runs with: `visibility(window)`, an (n, n) bool, for every layer type
+    (one mask when the family has one), None for the layer types that take no mask."""
+    if family.windows is None:
+        return visibility(family.window)
+    masks = {t: visibility(w) for t, w in family.windows.items()}
+    return masks | {t: None for t in family.unmasked}
+
+
+def hides_keys(masks, untrimmed) -> bool:
+    """Whether `masks` hide from some layer a key that `untrimmed` (the same structure) shows."""
+    if not isinstance(masks, dict):
+        return not torch.equal(masks, untrimmed)
+    return any(m is not None and not torch.equal(m, untrimmed[t]) for t, m in masks.items())
+
+
+# --- the checkpoint -------------------------------------------------------------------------------
+
+
+def test_serves_the_checkpoint_by_its_model_type(tiny, request):
+    model_type = tiny.family.model_type
+    assert model_type in request.module.COVERS  # the module declares what it covers
+    assert isinstance(tiny.model, model_class(model_type))
+
+
 # --- one sequence: full, chunked and decoded ------------------------------------------------------
 
 
@@ -123,6 +164,24 @@ def test_chunked_prefill_matches_transformers(tiny, chunk):
 def test_prefill_then_decode_matches_transformers(tiny):
     prefill = tiny.family.decode_prefill
     assert_close(decode_logits(tiny.model, tiny.family.prompt, prefill=prefill), tiny.expected)
+
+
+def test_sliding_window_chunks_match_transformers(tiny):
+    """A prompt longer than the window, prefilled in chunks smaller than, as long as and longer
+    than the window, gives the oracle's logits (DESIGN.md section 1: keys stay until no query of
+    the chunk can see them, the mask enforces the window); and the window changes the logits."""
+    family, model = tiny.family, tiny.model
+    windows, n = family.sliding_windows, len(family.prompt)
+    assert windows, "no sliding window in the family's layers: list in OPT_OUTS"
+    assert windows <= {spec.window for spec in model.cache_specs()}  # kestrel slides them
+    window = min(windows)
+    assert n > 2 * window + 1
+    for chunk in (window - 1, window, window + 1, 2 * window + 1):
+        assert_close(chunked_logits(model, family.prompt, chunk), tiny.expected)
+    causal = torch.ones(n, n, dtype=torch.bool).tril()
+    assert_differ(
+        tiny.expected, tiny.reference(family.prompt, dense_masks(family, lambda w: causal))
+    )
 
 
 # --- several sequences in one batch ---------------------------------------------------------------
@@ -161,28 +220,23 @@ def test_prefilling_and_decoding_sequences_share_a_batch(tiny):
 # --- --max-kv-size: the dense reference of DESIGN.md section 1 ------------------------------------
 
 
-def dense_masks(family: Family, n: int, chunk: int, keep: int):
-    """The masks the oracle runs with under MAX_KV: one (n, n) bool, or one per layer type."""
-    if family.windows is None:
-        return trimmed_visibility(n, chunk, MAX_KV, keep)
-    masks = {t: trimmed_visibility(n, chunk, MAX_KV, keep, w) for t, w in family.windows.items()}
-    return masks | {t: None for t in family.unmasked}
-
-
 def test_max_kv_size_chunks_match_dense_reference(tiny, kv_chunk):
     """No shape error, every mask as wide as the keys returned, logits equal the oracle's under
-    the dense visibility rule."""
+    the dense visibility rule, and differ from the untrimmed ones where the trim hides keys."""
     (chunk, keep), family = kv_chunk, tiny.family
     ids = family.kv_prompt
+    n = len(ids)
     with assert_masks_match_keys() as seen:
         actual = chunked_logits(tiny.model, ids, chunk, max_kv_size=MAX_KV, keep=keep)
     if family.attend_layers is None:
         assert seen and max(keys for _, keys in seen) <= MAX_KV
     else:  # every counted layer, every chunk
-        assert len(seen) == family.attend_layers * -(-len(ids) // chunk)
-    assert_close(actual, tiny.reference(ids, dense_masks(family, len(ids), chunk, keep)))
-    if family.trim_matters:
-        assert not torch.allclose(actual, tiny.expected, atol=1e-3)  # the trim changed attention
+        assert len(seen) == family.attend_layers * -(-n // chunk)
+    masks = dense_masks(family, lambda window: trimmed_visibility(n, chunk, MAX_KV, keep, window))
+    assert_close(actual, tiny.reference(ids, masks))
+    untrimmed = dense_masks(family, lambda window: trimmed_visibility(n, n, None, 0, window))
+    if hides_keys(masks, untrimmed):  # not when every layer's window is inside the bound
+        assert_differ(actual, tiny.expected[:n])
 
 
 def assert_trim_keeps_true_positions(tiny) -> None:
@@ -193,16 +247,17 @@ def assert_trim_keeps_true_positions(tiny) -> None:
     expected = tiny.reference(ids, trimmed_visibility(len(ids), 3, max_kv))
     actual = chunked_logits(tiny.model, ids, 3, max_kv_size=max_kv)
     assert_close(actual, expected)
-    untrimmed = tiny.reference(ids)
-    assert not torch.allclose(actual[max_kv:], untrimmed[max_kv:], atol=1e-3)  # trims took effect
+    assert_differ(actual[max_kv:], tiny.reference(ids)[max_kv:])  # the trims took effect
 
 
 def test_trim_leaves_recurrent_state_untouched(tiny):
     model = tiny.model
+    specs = model.cache_specs()
+    assert any(spec.kind == "recurrent" for spec in specs), "no recurrent layer: list in OPT_OUTS"
     cache = prefilled(model, tiny.family.prompt[:20])
     states = [layer.checkpoint() for layer in cache.layers]
     assert cache.make_room(5, max_kv_size=12, keep=2) > 0
-    for spec, layer, before in zip(model.cache_specs(), cache.layers, states, strict=True):
+    for spec, layer, before in zip(specs, cache.layers, states, strict=True):
         if spec.kind == "full":
             assert len(layer) == 12 - 5
         if spec.kind == "recurrent":
@@ -212,12 +267,59 @@ def test_trim_leaves_recurrent_state_untouched(tiny):
 # --- the engine's undo of a failed step -----------------------------------------------------------
 
 
-def test_restore_undoes_a_step(tiny):
+class StepFailed(Exception):
+    """Raised inside a forward, after every layer wrote to the cache."""
+
+
+@contextmanager
+def failing_head(model):
+    """Within the block, the model's forward raises StepFailed at its head (`lm_head`)."""
+
+    def fail(module, args):
+        raise StepFailed
+
+    handle = model.lm_head.register_forward_pre_hook(fail)
+    try:
+        yield
+    finally:
+        handle.remove()
+
+
+def test_restore_after_a_failed_step(tiny):
+    """A step that fails after every layer wrote its keys and state, undone by `restore` as the
+    runner does: the retried step equals the same step on a cache that never failed (exactly),
+    and without the restore the failed step's leftovers change it."""
     model, prompt, n = tiny.model, tiny.family.prompt, tiny.family.restore_after
-    cache = prefilled(model, prompt[:n])
-    with torch.no_grad():
+    step = torch.tensor(prompt[n : n + 3])
+
+    def retried(restore: bool) -> torch.Tensor:
+        cache = prefilled(model, prompt[:n])
         saved = cache.checkpoint()
-        first = model(ForwardBatch.single(cache, torch.tensor(prompt[n : n + 3])))
-        cache.restore(saved)
-        again = model(ForwardBatch.single(cache, torch.tensor(prompt[n : n + 3])))
-    torch.testing.assert_close(again, first, rtol=0, atol=0)
+        with failing_head(model), pytest.raises(StepFailed):
+            model(ForwardBatch.single(cache, step))
+        if restore:
+            cache.restore(saved)
+        return model(ForwardBatch.single(cache, step))
+
+    with torch.no_grad():
+        clean = model(ForwardBatch.single(prefilled(model, prompt[:n]), step))
+        restored, unrestored = retried(True), retried(False)
+    torch.testing.assert_close(restored, clean, rtol=0, atol=0)
+    assert_close(clean, tiny.expected[n : n + 3])
+    assert_differ(unrestored, clean)
+
+
+# every shared check; tests/test_model_suites.py holds each family file to running them all
+CHECKS = (
+    test_serves_the_checkpoint_by_its_model_type,
+    test_full_prompt_forward_matches_transformers,
+    test_chunked_prefill_matches_transformers,
+    test_prefill_then_decode_matches_transformers,
+    test_sliding_window_chunks_match_transformers,
+    test_batched_sequences_match_each_run_alone,
+    test_four_sequences_decode_batched_equal_each_alone,
+    test_prefilling_and_decoding_sequences_share_a_batch,
+    test_max_kv_size_chunks_match_dense_reference,
+    test_trim_leaves_recurrent_state_untouched,
+    test_restore_after_a_failed_step,
+)

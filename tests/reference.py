@@ -100,6 +100,16 @@ def assert_close(actual: torch.Tensor, expected: torch.Tensor, rtol=1e-4, atol=1
     torch.testing.assert_close(actual, expected, rtol=rtol, atol=atol)
 
 
+# outputs "differ" by more than this: 100 times assert_close's tolerance, far beyond float noise
+DIFFER_BY = 1e-2
+
+
+def assert_differ(actual: torch.Tensor, other: torch.Tensor, at_least: float = DIFFER_BY) -> None:
+    """Some element of `actual` differs from `other`'s by more than `at_least`."""
+    gap = (actual - other).abs().max().item()
+    assert gap > at_least, f"outputs differ by at most {gap:.2e}, not more than {at_least:.0e}"
+
+
 # --- `--max-kv-size` checks: the dense reference of DESIGN.md section 1 -------------------------
 
 

@@ -1,5 +1,6 @@
 """gemma4 equals transformers' Gemma4ForCausalLM on tiny checkpoints (dense; KV sharing with
-per-layer inputs; MoE), for full, chunked and decoded prompts and under --max-kv-size."""
+per-layer inputs; MoE), and Gemma4ForConditionalGeneration (the released layout, model_type
+gemma4) on the KV-sharing one, through the whole shared suite."""
 
 import pytest
 import torch
@@ -8,15 +9,26 @@ from tests.family_suite import (  # noqa: F401  (the shared tests run here)
     Family,
     build_tiny,
     kv_chunks,
+    one_thread,
     test_batched_sequences_match_each_run_alone,
     test_chunked_prefill_matches_transformers,
+    test_four_sequences_decode_batched_equal_each_alone,
     test_full_prompt_forward_matches_transformers,
     test_max_kv_size_chunks_match_dense_reference,
     test_prefill_then_decode_matches_transformers,
+    test_prefilling_and_decoding_sequences_share_a_batch,
+    test_restore_after_a_failed_step,
+    test_serves_the_checkpoint_by_its_model_type,
+    test_sliding_window_chunks_match_transformers,
 )
-from tests.reference import assert_close, chunked_logits, load_kestrel, reference_logits, save_tiny
 
 from kestrel.models.registry import supported_architectures
+
+COVERS = ("gemma4_text", "gemma4")
+# shared checks that do not apply here, and why
+OPT_OUTS = {
+    "test_trim_leaves_recurrent_state_untouched": "no recurrent layers: every layer is attention",
+}
 
 WINDOW = 6
 S, F = "sliding_attention", "full_attention"
@@ -79,17 +91,30 @@ def _randomize_scalars(model) -> None:
             buf.copy_(1 + torch.randn_like(buf) * 0.3)
 
 
-@pytest.fixture(scope="module", params=sorted(VARIANTS))
+def checkpoint(variant: str):
+    """transformers' class and config of a variant. Released Gemma 4 checkpoints are
+    Gemma4ForConditionalGeneration (model_type gemma4), whose text model kestrel serves."""
+    if variant == "multimodal":
+        text = transformers.Gemma4TextConfig(**COMMON, **VARIANTS["kv_shared_ple"])
+        config = transformers.Gemma4Config(
+            text_config=text.to_dict(), vision_config=None, audio_config=None
+        )
+        return transformers.Gemma4ForConditionalGeneration, config, text
+    text = transformers.Gemma4TextConfig(**COMMON, **VARIANTS[variant])
+    return MODEL_CLS, text, text
+
+
+@pytest.fixture(scope="module", params=[*sorted(VARIANTS), "multimodal"])
 def tiny(request, tmp_path_factory):
-    variant = VARIANTS[request.param]
+    model_cls, config, text = checkpoint(request.param)
     family = Family(
-        MODEL_CLS,
-        transformers.Gemma4TextConfig(**COMMON, **variant),
+        model_cls,
+        config,
         PROMPT,
         tweak=_randomize_scalars,
         kestrel_class="Gemma4ForCausalLM",
         windows={F: None, S: WINDOW},
-        attend_layers=variant["num_hidden_layers"],  # shared-KV layers attend too
+        attend_layers=text.num_hidden_layers,  # shared-KV layers attend too
     )
     return build_tiny(family, tmp_path_factory.mktemp(request.param))
 
@@ -109,17 +134,3 @@ def test_kv_bytes_per_token_counts_only_cache_owners(tiny):
         kv_heads = 1 if (t == F and c.attention_k_eq_v) else 2
         expected += 2 * kv_heads * (16 if t == F else 8)
     assert model.kv_bytes_per_token(torch.float32) == expected * 4
-
-
-def test_multimodal_checkpoint_serves_its_text_model(tmp_path):
-    # released Gemma 4 checkpoints are Gemma4ForConditionalGeneration (model_type "gemma4")
-    text = transformers.Gemma4TextConfig(**COMMON, **VARIANTS["kv_shared_ple"])
-    config = transformers.Gemma4Config(
-        text_config=text.to_dict(), vision_config=None, audio_config=None
-    )
-    model_cls = transformers.Gemma4ForConditionalGeneration
-    save_tiny(model_cls, config, tmp_path, tweak=_randomize_scalars)
-    assert_close(
-        chunked_logits(load_kestrel(tmp_path), PROMPT, 5),
-        reference_logits(tmp_path, model_cls, PROMPT),
-    )

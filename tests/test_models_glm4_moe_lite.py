@@ -19,14 +19,24 @@ from tests.family_suite import (  # noqa: F401  (the shared tests run here)
     prefilled,
     test_batched_sequences_match_each_run_alone,
     test_chunked_prefill_matches_transformers,
+    test_four_sequences_decode_batched_equal_each_alone,
     test_full_prompt_forward_matches_transformers,
     test_max_kv_size_chunks_match_dense_reference,
     test_prefill_then_decode_matches_transformers,
-    test_restore_undoes_a_step,
+    test_prefilling_and_decoding_sequences_share_a_batch,
+    test_restore_after_a_failed_step,
+    test_serves_the_checkpoint_by_its_model_type,
 )
 from tests.reference import assert_close, chunked_logits, load_kestrel, reference_logits, save_tiny
 
 from kestrel.models.mla import LatentKVCache
+
+COVERS = ("glm4_moe_lite",)
+# shared checks that do not apply here, and why
+OPT_OUTS = {
+    "test_sliding_window_chunks_match_transformers": "GLM-4.7-Flash's MLA layers attend to every key",
+    "test_trim_leaves_recurrent_state_untouched": "no recurrent layers: every layer is attention",
+}
 
 MODEL = transformers.Glm4MoeLiteForCausalLM
 CONFIG = dict(

@@ -8,17 +8,26 @@ from tests.family_suite import (  # noqa: F401  (the shared tests run here)
     Family,
     build_tiny,
     kv_chunks,
+    one_thread,
+    test_batched_sequences_match_each_run_alone,
     test_chunked_prefill_matches_transformers,
     test_four_sequences_decode_batched_equal_each_alone,
     test_full_prompt_forward_matches_transformers,
     test_max_kv_size_chunks_match_dense_reference,
     test_prefill_then_decode_matches_transformers,
     test_prefilling_and_decoding_sequences_share_a_batch,
-    test_restore_undoes_a_step,
+    test_restore_after_a_failed_step,
+    test_serves_the_checkpoint_by_its_model_type,
     test_trim_leaves_recurrent_state_untouched,
 )
 
 from kestrel.models.jamba import JambaForCausalLM
+
+COVERS = ("jamba",)
+# shared checks that do not apply here, and why
+OPT_OUTS = {
+    "test_sliding_window_chunks_match_transformers": "Jamba's attention layers attend to every key",
+}
 
 MODEL_CLS = transformers.JambaForCausalLM
 # layers: mamba, attention+MoE, mamba, mamba+MoE, attention, mamba+MoE, mamba
@@ -60,7 +69,6 @@ def tiny(tmp_path_factory):
         decode_prefill=11,
         windows={"full_attention": None},
         unmasked=("linear_attention",),
-        trim_matters=True,
     )
     return build_tiny(family, tmp_path_factory.mktemp("jamba"))
 

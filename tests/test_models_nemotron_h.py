@@ -8,17 +8,26 @@ from tests.family_suite import (  # noqa: F401  (the shared tests run here)
     Family,
     build_tiny,
     kv_chunks,
+    one_thread,
+    test_batched_sequences_match_each_run_alone,
     test_chunked_prefill_matches_transformers,
     test_four_sequences_decode_batched_equal_each_alone,
     test_full_prompt_forward_matches_transformers,
     test_max_kv_size_chunks_match_dense_reference,
     test_prefill_then_decode_matches_transformers,
     test_prefilling_and_decoding_sequences_share_a_batch,
-    test_restore_undoes_a_step,
+    test_restore_after_a_failed_step,
+    test_serves_the_checkpoint_by_its_model_type,
     test_trim_leaves_recurrent_state_untouched,
 )
 
 from kestrel.models.nemotron_h import NemotronHForCausalLM
+
+COVERS = ("nemotron_h",)
+# shared checks that do not apply here, and why
+OPT_OUTS = {
+    "test_sliding_window_chunks_match_transformers": "its attention layers attend to every key",
+}
 
 MODEL_CLS = transformers.NemotronHForCausalLM
 CONFIG = dict(
@@ -66,7 +75,6 @@ def tiny(tmp_path_factory):
         tweak=perturb,
         decode_prefill=11,
         windows={"full_attention": None},
-        trim_matters=True,
     )
     return build_tiny(family, tmp_path_factory.mktemp("nemotron_h"))
 

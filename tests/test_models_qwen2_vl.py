@@ -9,6 +9,7 @@ from tests.vl_suite import (  # noqa: F401  (the shared tests run here)
     MERGE,
     PATCH,
     build_tiny,
+    one_thread,
     test_cli_arch_and_inspect_describe_the_family,
     test_decode_after_image_prompt_matches_transformers,
     test_image_and_text_sequences_batched_match_alone,
@@ -16,12 +17,17 @@ from tests.vl_suite import (  # noqa: F401  (the shared tests run here)
     test_image_prompt_full_forward_matches_transformers,
     test_loads_by_model_type,
     test_max_kv_size_image_prefill_matches_dense_reference,
+    test_restore_after_a_failed_image_step,
+    test_sliding_window_image_chunks_match_transformers,
     test_text_chunked_prefill_matches_transformers,
     test_text_full_forward_matches_transformers,
     test_text_prefill_then_decode_matches_transformers,
 )
 
 from kestrel.models.mrope import prompt_rope_ids
+
+COVERS = ("qwen2_vl",)
+OPT_OUTS = {}  # every shared check applies: layers 1 and 2 slide
 
 
 def tiny_config() -> transformers.Qwen2VLConfig:

@@ -9,6 +9,7 @@ from tests.vl_suite import (  # noqa: F401  (the shared tests run here)
     MERGE,
     PATCH,
     build_tiny,
+    one_thread,
     test_cli_arch_and_inspect_describe_the_family,
     test_decode_after_image_prompt_matches_transformers,
     test_image_and_text_sequences_batched_match_alone,
@@ -16,10 +17,17 @@ from tests.vl_suite import (  # noqa: F401  (the shared tests run here)
     test_image_prompt_full_forward_matches_transformers,
     test_loads_by_model_type,
     test_max_kv_size_image_prefill_matches_dense_reference,
+    test_restore_after_a_failed_image_step,
     test_text_chunked_prefill_matches_transformers,
     test_text_full_forward_matches_transformers,
     test_text_prefill_then_decode_matches_transformers,
 )
+
+COVERS = ("qwen3_vl",)
+# shared checks that do not apply here, and why
+OPT_OUTS = {
+    "test_sliding_window_image_chunks_match_transformers": "its text layers attend to every key",
+}
 
 
 def text_config(tokenizer) -> dict:

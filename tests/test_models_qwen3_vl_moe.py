@@ -8,6 +8,7 @@ from tests.test_models_qwen3_vl import text_config, vision_config
 from tests.vl_reference import special_ids, tiny_tokenizer
 from tests.vl_suite import (  # noqa: F401  (the shared tests run here)
     build_tiny,
+    one_thread,
     test_cli_arch_and_inspect_describe_the_family,
     test_decode_after_image_prompt_matches_transformers,
     test_image_and_text_sequences_batched_match_alone,
@@ -15,6 +16,7 @@ from tests.vl_suite import (  # noqa: F401  (the shared tests run here)
     test_image_prompt_full_forward_matches_transformers,
     test_loads_by_model_type,
     test_max_kv_size_image_prefill_matches_dense_reference,
+    test_restore_after_a_failed_image_step,
     test_text_chunked_prefill_matches_transformers,
     test_text_full_forward_matches_transformers,
     test_text_prefill_then_decode_matches_transformers,
@@ -22,6 +24,12 @@ from tests.vl_suite import (  # noqa: F401  (the shared tests run here)
 
 from kestrel.models.moe import SparseMoE
 from kestrel.models.qwen3_vl_moe import Qwen3VLMoeForConditionalGeneration
+
+COVERS = ("qwen3_vl_moe",)
+# shared checks that do not apply here, and why
+OPT_OUTS = {
+    "test_sliding_window_image_chunks_match_transformers": "its text layers attend to every key",
+}
 
 MOE = dict(moe_intermediate_size=16, num_experts=4, num_experts_per_tok=2, mlp_only_layers=[1])
 

@@ -86,13 +86,17 @@ def test_sparse_moe_matches_transformers(pair, tokens):
 
 
 def test_gathered_and_grouped_expert_paths_agree():
+    # one token (TOP_K pairs <= EXPERTS) takes the gathered path, five at once the grouped one
     ours, _ = exaone_pair()
     x = torch.randn(5, HIDDEN)
     weights, ids = ours.route(x)
+    assert TOP_K <= EXPERTS < 5 * TOP_K
     with torch.no_grad():
-        gathered = ours.experts._gathered(x.repeat_interleave(TOP_K, 0), ids.reshape(-1))
-        grouped = ours.experts._grouped(x, ids.reshape(-1), TOP_K)
-    assert_close(gathered, grouped)
+        grouped = ours.experts(x, weights, ids)
+        gathered = [
+            ours.experts(x[i : i + 1], weights[i : i + 1], ids[i : i + 1]) for i in range(5)
+        ]
+    assert_close(torch.cat(gathered), grouped)
 
 
 def test_group_limited_routing_picks_only_kept_groups():

@@ -33,7 +33,9 @@ from kestrel.engine.gpu_runner import make_runner
 from kestrel.engine.runner import ModelRunner
 from kestrel.llm import LLM
 from kestrel.models.batch import ForwardBatch
+from kestrel.multimodal import chat_prompt
 from kestrel.sampling import SamplingParams
+from kestrel.tokenizer import apply_chat_template
 from server_fixtures import start_server, wait_healthy
 
 ALIAS = "tiny-vl"
@@ -307,7 +309,7 @@ def test_kv_bound_smaller_than_the_image_prompt_succeeds(setup):
     assert len(prompt.token_ids) > 2 * kv
     trimmed = engine.runner.tokens_trimmed
     engine.add_request("bounded", prompt, GREEDY, max_kv_size=kv)
-    engine.add_request("text", llm._chat_prompt(text_messages()), GREEDY)
+    engine.add_request("text", apply_chat_template(llm.tokenizer, text_messages()), GREEDY)
     tokens = {"bounded": [], "text": []}
     while engine.has_unfinished():
         for out in engine.step():
@@ -340,7 +342,7 @@ def test_preempted_image_requests_recompute_to_the_same_output(setup):
     params = SamplingParams(temperature=0, max_tokens=3 * NEW_TOKENS, ignore_eos=True)
     tokens = {}
     for i, conversation in enumerate(conversations):
-        engine.add_request(str(i), llm._chat_prompt(conversation), params)
+        engine.add_request(str(i), chat_prompt(engine.processor, conversation), params)
         tokens[str(i)] = []
     while engine.has_unfinished():
         for out in engine.step():

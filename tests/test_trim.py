@@ -1,56 +1,11 @@
-"""`--max-kv-size` trims (DESIGN.md section 1): masks sized from the keys the cache returned, and
-outputs equal to a dense reference that applies the visibility rule, for every chunk size."""
+"""`--max-kv-size` trims (DESIGN.md section 1) in the cache: sinks and offset kept, masks sized from
+the keys the cache returned, sliding eviction, checkpoint/restore. Every family checks its outputs
+under trims against a dense reference in tests/family_suite.py (tests/vl_suite.py)."""
 
 import pytest
 import torch
-from tests.reference import (
-    assert_close,
-    assert_masks_match_keys,
-    chunked_logits,
-    load_kestrel,
-    masked_reference_logits,
-    save_tiny,
-    trimmed_visibility,
-)
-from tests.test_models_dense import COMMON, FAMILIES, PROMPT
 
 from kestrel.cache import LayerKVCache, SequenceCache, visible_mask
-
-MAX_KV = 12
-
-
-@pytest.fixture(scope="module", params=["llama", "gemma3"])
-def tiny(request, tmp_path_factory):
-    config_cls, model_cls, extra = FAMILIES[request.param]
-    folder = save_tiny(
-        model_cls, config_cls(**COMMON, **extra), tmp_path_factory.mktemp(request.param)
-    )
-    return request.param, folder, model_cls, load_kestrel(folder)
-
-
-def reference_masks(family: str, chunk: int, keep: int):
-    n = len(PROMPT)
-    full = trimmed_visibility(n, chunk, MAX_KV, keep)
-    if family != "gemma3":
-        return full
-    window = FAMILIES["gemma3"][2]["sliding_window"]
-    return {
-        "full_attention": full,
-        "sliding_attention": trimmed_visibility(n, chunk, MAX_KV, keep, window),
-    }
-
-
-@pytest.mark.parametrize("keep", [0, 4])
-@pytest.mark.parametrize("chunk", [1, 3, 5, 8])
-def test_trimmed_prefill_matches_dense_reference(tiny, chunk, keep):
-    family, folder, model_cls, model = tiny
-    with assert_masks_match_keys() as seen:
-        actual = chunked_logits(model, PROMPT, chunk, max_kv_size=MAX_KV, keep=keep)
-    assert seen and max(cols for _, cols in seen) <= MAX_KV
-    expected = masked_reference_logits(
-        folder, model_cls, PROMPT, reference_masks(family, chunk, keep)
-    )
-    assert_close(actual, expected)
 
 
 def test_chunk_larger_than_bound_is_refused():
@@ -96,10 +51,3 @@ def test_checkpoint_restore_undoes_a_step():
     cache.advance(3)
     cache.restore(saved)
     assert cache.offset == 5 and layer.positions.tolist() == [0, 1, 2, 3, 4]
-
-
-def test_trimming_changes_the_output(tiny):
-    # guards the reference: were masks ignored, the trimmed and untrimmed logits would agree
-    family, folder, model_cls, model = tiny
-    trimmed = chunked_logits(model, PROMPT, 4, max_kv_size=MAX_KV, keep=4)
-    assert not torch.allclose(trimmed[-1], chunked_logits(model, PROMPT, 4)[-1], atol=1e-3)

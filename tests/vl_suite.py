@@ -1,5 +1,8 @@
 """The checks every vision-language family passes against transformers. A family's test file
-builds a `Tiny` in a module fixture named `tiny` and imports these tests."""
+declares the registry keys it covers (`COVERS`), builds a `Tiny` in a module fixture named `tiny`
+and imports every test of `CHECKS` (and `one_thread`, to run its module on one thread) except those
+it lists in `OPT_OUTS`, a {test name: why it does not apply} dict; tests/test_model_suites.py holds
+every family file to that."""
 
 import json
 from dataclasses import dataclass
@@ -7,8 +10,10 @@ from pathlib import Path
 
 import pytest
 import torch
+from tests.family_suite import StepFailed, failing_head, one_thread  # noqa: F401  (re-exported)
 from tests.reference import (
     assert_close,
+    assert_differ,
     assert_masks_match_keys,
     chunked_logits,
     decode_logits,
@@ -78,8 +83,9 @@ def build_tiny(model_cls, config, folder: Path) -> Tiny:
     )
 
 
-def test_loads_by_model_type(tiny):
+def test_loads_by_model_type(tiny, request):
     model_type = tiny.hf.config.model_type
+    assert model_type in request.module.COVERS  # the module declares what it covers
     assert isinstance(tiny.model, model_class(model_type))
     assert len(tiny.model.cache_specs()) == tiny.hf.config.text_config.num_hidden_layers
 
@@ -133,6 +139,22 @@ def test_decode_after_image_prompt_matches_transformers(tiny, chunk):
     assert_close(logits, tiny.image_ref)
 
 
+def test_sliding_window_image_chunks_match_transformers(tiny):
+    """The image prompt, longer than the window, prefilled in chunks shorter than, as long as and
+    longer than the window (boundaries inside the images) gives transformers' logits; and the
+    window changes them."""
+    windows = {w for w in tiny.windows.values() if w is not None}
+    assert windows, "no sliding window in the family's layers: list in OPT_OUTS"
+    window, n = min(windows), len(tiny.prompt.token_ids)
+    assert n > 2 * window + 1
+    for chunk in (window - 1, window, window + 1, 2 * window + 1):
+        assert_close(kestrel_image_logits(tiny.model, tiny.prompt, chunk), tiny.image_ref[:n])
+    causal = torch.ones(n, n, dtype=torch.bool).tril()
+    inputs = hf_inputs(tiny.prompt, tiny.image_token_id)
+    unwindowed = hf_masked_logits(tiny.hf, inputs, dict.fromkeys(tiny.windows, causal))
+    assert_differ(tiny.image_ref[:n], unwindowed)
+
+
 @pytest.mark.parametrize("chunk,keep", [(1, 0), (5, 2), (14, 2)])
 def test_max_kv_size_image_prefill_matches_dense_reference(tiny, chunk, keep):
     """Under --max-kv-size 16 (prompt of ~50 tokens): no shape error, every mask as wide as the
@@ -141,11 +163,48 @@ def test_max_kv_size_image_prefill_matches_dense_reference(tiny, chunk, keep):
     masks = {t: trimmed_visibility(n, chunk, max_kv, keep, w) for t, w in tiny.windows.items()}
     inputs = hf_inputs(tiny.prompt, tiny.image_token_id)
     expected = hf_masked_logits(tiny.hf, inputs, masks)
-    assert not torch.allclose(expected, tiny.image_ref[:n], atol=1e-3)  # the trim matters
+    assert_differ(expected, tiny.image_ref[:n])  # the trim matters
     with assert_masks_match_keys() as seen:
         logits = kestrel_image_logits(tiny.model, tiny.prompt, chunk, max_kv_size=max_kv, keep=keep)
     assert seen and max(keys for _, keys in seen) <= max_kv
     assert_close(logits, expected)
+
+
+def test_restore_after_a_failed_image_step(tiny):
+    """A step over image tokens that fails after every layer wrote its keys, undone by `restore`
+    as the runner does: the retried step equals the same step on a cache that never failed
+    (exactly), and without the restore the failed step's leftovers change it."""
+    model, prompt = tiny.model, tiny.prompt
+    features = model.encode_images(prompt.pixel_values, prompt.image_grid_thw)
+    start = prompt.image_spans[0][0] + 2  # the failed step starts inside the first image
+
+    def chunk(cache: SequenceCache, first: int, m: int) -> ForwardBatch:
+        rope, images = prompt.chunk_inputs(features, first, m)
+        ids = torch.tensor(prompt.token_ids[first : first + m])
+        return ForwardBatch.single(cache, ids, True, rope, images)
+
+    def prefilled() -> SequenceCache:
+        cache = SequenceCache(model.cache_specs())
+        cache.rope_delta = prompt.rope_delta
+        model(chunk(cache, 0, start))
+        cache.advance(start)
+        return cache
+
+    def retried(restore: bool) -> torch.Tensor:
+        cache = prefilled()
+        saved = cache.checkpoint()
+        with failing_head(model), pytest.raises(StepFailed):
+            model(chunk(cache, start, 6))
+        if restore:
+            cache.restore(saved)
+        return model(chunk(cache, start, 6))
+
+    with torch.no_grad():
+        clean = model(chunk(prefilled(), start, 6))
+        restored, unrestored = retried(True), retried(False)
+    torch.testing.assert_close(restored, clean, rtol=0, atol=0)
+    assert_close(clean, tiny.image_ref[start : start + 6])
+    assert_differ(unrestored, clean)
 
 
 @pytest.mark.parametrize("inputs_on", ["chunks", "batch"])
@@ -171,6 +230,23 @@ def test_image_and_text_sequences_batched_match_alone(tiny, inputs_on):
                 done[seq] += c.length
     assert_close(torch.cat(outs[0]), tiny.image_ref)
     assert_close(torch.cat(outs[1]), tiny.text_ref)
+
+
+# every shared check; tests/test_model_suites.py holds each family file to running them all
+CHECKS = (
+    test_loads_by_model_type,
+    test_cli_arch_and_inspect_describe_the_family,
+    test_text_full_forward_matches_transformers,
+    test_text_chunked_prefill_matches_transformers,
+    test_text_prefill_then_decode_matches_transformers,
+    test_image_prompt_full_forward_matches_transformers,
+    test_image_chunks_split_inside_images_match_transformers,
+    test_decode_after_image_prompt_matches_transformers,
+    test_sliding_window_image_chunks_match_transformers,
+    test_max_kv_size_image_prefill_matches_dense_reference,
+    test_restore_after_a_failed_image_step,
+    test_image_and_text_sequences_batched_match_alone,
+)
 
 
 def _next_size(prompt: MultimodalPrompt, done: int, chunk: int) -> int:

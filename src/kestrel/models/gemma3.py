@@ -99,8 +99,14 @@ class Gemma3ForCausalLM(CausalLM):
         return logits
 
     def checkpoint_name(self, name: str) -> str | None:
-        # multimodal Gemma 3 checkpoints nest the text model; we serve the text part
-        name = name.replace("model.language_model.", "model.")
+        # multimodal Gemma 3 checkpoints nest the text model; we serve the text part. The released
+        # files (and transformers' saves) use `language_model.model.*`, transformers' modules
+        # `model.language_model.*`
+        name = name.replace("language_model.model.", "model.", 1)
+        name = name.replace("language_model.lm_head.", "lm_head.", 1)
+        name = name.replace("model.language_model.", "model.", 1)
+        if name.startswith(("vision_tower", "multi_modal_projector")):
+            return None
         if name.startswith(("model.vision_tower", "model.multi_modal_projector")):
             return None
         return name

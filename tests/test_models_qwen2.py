@@ -1,0 +1,59 @@
+"""qwen2 equals transformers' Qwen2ForCausalLM on a tiny checkpoint (biases on q/k/v);
+the first layer attends to every key, the next two slide over a window shorter than the prompts
+(`use_sliding_window`, `max_window_layers`): the whole shared suite."""
+
+import pytest
+import transformers
+from tests.family_suite import (  # noqa: F401  (the shared tests run here)
+    Family,
+    build_tiny,
+    kv_chunks,
+    one_thread,
+    test_batched_sequences_match_each_run_alone,
+    test_chunked_prefill_matches_transformers,
+    test_four_sequences_decode_batched_equal_each_alone,
+    test_full_prompt_forward_matches_transformers,
+    test_max_kv_size_chunks_match_dense_reference,
+    test_prefill_then_decode_matches_transformers,
+    test_prefilling_and_decoding_sequences_share_a_batch,
+    test_restore_after_a_failed_step,
+    test_serves_the_checkpoint_by_its_model_type,
+    test_sliding_window_chunks_match_transformers,
+)
+
+COVERS = ("qwen2",)
+# shared checks that do not apply here, and why
+OPT_OUTS = {
+    "test_trim_leaves_recurrent_state_untouched": "no recurrent layers: every layer is attention",
+}
+
+WINDOW = 8
+CONFIG = dict(
+    vocab_size=256,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=3,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=256,
+    use_sliding_window=True,
+    sliding_window=WINDOW,
+    max_window_layers=1,
+    initializer_range=0.1,
+)
+PROMPT = [(i * 37 + 11) % 256 for i in range(30)]
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    family = Family(
+        transformers.Qwen2ForCausalLM,
+        transformers.Qwen2Config(**CONFIG),
+        PROMPT,
+        kestrel_class="LlamaForCausalLM",
+        windows={"full_attention": None, "sliding_attention": WINDOW},
+    )
+    return build_tiny(family, tmp_path_factory.mktemp("qwen2"))
+
+
+kv_chunk = kv_chunks([(1, 0), (3, 4), (5, 2), (8, 4)])
