@@ -34,8 +34,8 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 from tests.reference import save_tiny  # noqa: E402
 
-from kestrel.bench_serve import percentile  # noqa: E402
-from kestrel.shapes import shape_tokenizer  # noqa: E402
+from kestrel.bench.serve import percentile  # noqa: E402
+from kestrel.weights.shapes import shape_tokenizer  # noqa: E402
 from server_fixtures import start_server  # noqa: E402
 
 KEY = "bench-key"
@@ -230,7 +230,7 @@ def test_roofline_reads_kv_bytes_from_the_family_not_the_config():
 
     import transformers
 
-    from kestrel.bench import Workload, ceilings, kv_bytes_per_token, weight_bytes
+    from kestrel.bench.offline import Workload, ceilings, kv_bytes_per_token, weight_bytes
     from kestrel.weights.loader import build_model
 
     S, F = "sliding_attention", "full_attention"

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from kestrel import LLM, SamplingParams
-from kestrel.shapes import SHAPES
+from kestrel.weights.shapes import SHAPES
 from server_fixtures import start_server
 
 pytestmark = pytest.mark.gpu

@@ -10,7 +10,8 @@ import transformers
 from tests.vl_reference import image_part, png_data_url, special_ids, tiny_tokenizer
 
 from kestrel.errors import InvalidRequestError
-from kestrel.multimodal import MediaLimits, MultimodalProcessor, collect_images
+from kestrel.media import MediaLimits, collect_images
+from kestrel.models.qwen_vl_processor import MultimodalProcessor
 
 PATCH, MERGE = 4, 2
 

@@ -33,7 +33,7 @@ from kestrel.engine.gpu_runner import make_runner
 from kestrel.engine.runner import ModelRunner
 from kestrel.llm import LLM
 from kestrel.models.batch import ForwardBatch
-from kestrel.multimodal import chat_prompt
+from kestrel.models.qwen_vl_processor import chat_prompt
 from kestrel.sampling import SamplingParams
 from kestrel.tokenizer import apply_chat_template
 from server_fixtures import start_server, wait_healthy

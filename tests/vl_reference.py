@@ -12,7 +12,7 @@ from tests.reference import save_tiny
 
 from kestrel.cache import SequenceCache
 from kestrel.models.batch import ForwardBatch
-from kestrel.multimodal import MultimodalProcessor
+from kestrel.models.qwen_vl_processor import MultimodalProcessor
 
 SPECIAL = [
     "<|im_start|>",

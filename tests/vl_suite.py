@@ -34,8 +34,8 @@ from tests.vl_reference import (
 from kestrel import cli
 from kestrel.cache import SequenceCache
 from kestrel.models.batch import ForwardBatch, ImageRows, SeqChunk
+from kestrel.models.qwen_vl_processor import MultimodalPrompt
 from kestrel.models.registry import model_class
-from kestrel.multimodal import MultimodalPrompt
 
 PATCH, MERGE = 4, 2
 TEXT = "hello there, a text-only prompt of some length!"

@@ -34,7 +34,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         default=None,
         help="tokens per step (default: one prefill chunk plus one per running sequence; bench: 8192 on CUDA)",
     )
-    from kestrel.shapes import SHAPES
+    from kestrel.weights.shapes import SHAPES
 
     p.add_argument(
         "--shape",

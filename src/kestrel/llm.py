@@ -7,18 +7,13 @@ import torch
 
 from kestrel.config import build_config
 from kestrel.engine.engine import Engine, RequestOutput
-from kestrel.multimodal import (
-    MediaLimits,
-    MultimodalPrompt,
-    chat_prompt,
-    image_part_params,
-    load_processor,
-)
+from kestrel.media import MediaLimits, image_part_params
+from kestrel.models.qwen_vl_processor import MultimodalPrompt, chat_prompt, load_processor
 from kestrel.sampling import SamplingParams
-from kestrel.shapes import load_shape
 from kestrel.tokenizer import apply_chat_template, encode
 from kestrel.weights.embedded import DEFAULT_MODEL
 from kestrel.weights.loader import load
+from kestrel.weights.shapes import load_shape
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 

@@ -70,7 +70,7 @@ class GenerateRequest:
     """One engine request: n choices of one prompt are n of these."""
 
     request_id: str
-    prompt: list[int] | object  # token ids, or a kestrel.multimodal.MultimodalPrompt
+    prompt: list[int] | object  # token ids, or a kestrel.models.qwen_vl_processor.MultimodalPrompt
     params: SamplingParams
     max_kv_size: int | None = None
 

@@ -11,7 +11,7 @@ from kestrel.engine.request import Request
 from kestrel.engine.runner import ModelRunner, StepResult, run_step  # noqa: F401
 from kestrel.engine.scheduler import Scheduler
 from kestrel.errors import InvalidRequestError
-from kestrel.multimodal import MultimodalPrompt
+from kestrel.models.qwen_vl_processor import MultimodalPrompt
 from kestrel.sampling import SamplingParams, check_token_ids
 from kestrel.tokenizer import IncrementalDetokenizer, StopStringMatcher, encode, stop_token_ids
 
@@ -76,7 +76,7 @@ class Engine:
         self.requests: dict[str, Request] = {}
         self.text: dict[str, _TextState] = {}
         # chat messages with images -> MultimodalPrompt, for models that take images (set by
-        # whoever loads the checkpoint: kestrel.multimodal.load_processor); None: text only
+        # whoever loads the checkpoint: kestrel.models.qwen_vl_processor.load_processor); None: text only
         self.processor = None
         # test-only: called as hook("loop", request) for each running request before a step
         # (outside the runner's isolation, so it kills whatever loop drives the engine) and as

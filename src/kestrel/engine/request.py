@@ -25,7 +25,7 @@ class Request:
     max_tokens: int
     max_kv_size: int | None = None  # per-sequence KV bound (tokens); None = unbounded
     keep: int = 0  # sink tokens kept at the front when trimming
-    # a prompt with images (kestrel.multimodal.MultimodalPrompt, whose token_ids are prompt_ids);
+    # a prompt with images (kestrel.models.qwen_vl_processor.MultimodalPrompt, whose token_ids are prompt_ids);
     # opaque here: only the runner reads it. None for text.
     multimodal: object | None = None
     output_ids: list[int] = field(default_factory=list)

@@ -3,7 +3,7 @@
 A step that raises is undone (every cache restored from its checkpoint) and retried one request at
 a time, so a fault fails only the request that caused it and the batch goes on.
 
-A request with images (`Request.multimodal`, a kestrel.multimodal.MultimodalPrompt) has them
+A request with images (`Request.multimodal`, a kestrel.models.qwen_vl_processor.MultimodalPrompt) has them
 encoded once, at its first prefill chunk; each prefill chunk then carries its M-RoPE ids and the
 features of its image tokens, and decode needs nothing more (text follows `cache.rope_delta`).
 """

@@ -27,7 +27,7 @@ class ImageRows:
 class SeqChunk:
     """Rows [start, start + length) of the packed batch are the next tokens of `cache`.
 
-    Chunks of multimodal prompts (kestrel/multimodal.py) add `rope_positions`, (3, length) M-RoPE
+    Chunks of multimodal prompts (models/qwen_vl_processor.py) add `rope_positions`, (3, length) M-RoPE
     ids (temporal, height, width) of these tokens, and `images`, the vision features of the image
     tokens among them. Without them a chunk is text: its RoPE id is its position plus the
     sequence's `cache.rope_delta`. `positions` (caches, masks) never change meaning.

@@ -3,7 +3,7 @@ optional sliding-window layers) with multimodal RoPE, whose image tokens take th
 ViT with patch merging (models/qwen_vision.py).
 
 How images reach the decoder: the engine turns a chat request into a `MultimodalPrompt`
-(kestrel/multimodal.py), encodes its images once with `encode_images`, and gives each prefill
+(models/qwen_vl_processor.py), encodes its images once with `encode_images`, and gives each prefill
 chunk the M-RoPE ids and image features of its rows (`SeqChunk.rope_positions`, `.images`, from
 `MultimodalPrompt.chunk_inputs`); a chunk may end inside an image. Text-only batches take the
 plain RoPE path; text rows of a sequence with images (decode) are shifted by its

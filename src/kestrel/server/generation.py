@@ -12,7 +12,7 @@ from fastapi.responses import StreamingResponse
 
 from kestrel.engine.client import EngineClient, GenerateRequest, OutputStream
 from kestrel.engine.engine import RequestOutput
-from kestrel.multimodal import MultimodalPrompt
+from kestrel.models.qwen_vl_processor import MultimodalPrompt
 from kestrel.sampling import SamplingParams
 from kestrel.server.errors import ClientDisconnected, sse_error
 from kestrel.server.protocol import TokenLogprob, TopLogprob, Usage

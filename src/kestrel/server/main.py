@@ -107,9 +107,10 @@ def load_engine(
 
 def load_frontend(config: Config):
     """(tokenizer, image processor or None) of the model, without its weights."""
-    from kestrel.multimodal import MediaLimits, load_processor
-    from kestrel.shapes import shape_config, shape_tokenizer
+    from kestrel.media import MediaLimits
+    from kestrel.models.qwen_vl_processor import load_processor
     from kestrel.weights.loader import load_config, load_tokenizer, resolve, takes_images
+    from kestrel.weights.shapes import shape_config, shape_tokenizer
 
     if config.model.shape:
         return shape_tokenizer(shape_config(config.model.shape).vocab_size), None
@@ -126,8 +127,8 @@ def build_engine(config: Config, log_level: str) -> Engine:
     import torch
 
     from kestrel.llm import resolve_device, resolve_dtype
-    from kestrel.shapes import load_shape
     from kestrel.weights.loader import load
+    from kestrel.weights.shapes import load_shape
 
     logging.basicConfig(
         level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"

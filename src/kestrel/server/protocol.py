@@ -116,7 +116,7 @@ class ChatMessage(_Request):
 
     def as_template_dict(self) -> dict:
         """The message as chat templates expect it: text content, `developer` as `system`;
-        content with images stays a list of OpenAI parts (kestrel.multimodal reads them)."""
+        content with images stays a list of OpenAI parts (kestrel.media reads them)."""
         content = self.content
         if isinstance(content, list) and any(isinstance(p, ImagePart) for p in content):
             content = [part.model_dump(exclude_none=True) for part in content]

@@ -6,7 +6,8 @@ from collections.abc import AsyncIterator
 from fastapi import APIRouter, Request
 
 from kestrel.errors import InvalidRequestError
-from kestrel.multimodal import MultimodalPrompt, chat_prompt, image_part_params
+from kestrel.media import image_part_params
+from kestrel.models.qwen_vl_processor import MultimodalPrompt, chat_prompt
 from kestrel.server.generation import Generation, new_id, sse_event, sse_response
 from kestrel.server.protocol import (
     AssistantMessage,

@@ -18,8 +18,8 @@ from dataclasses import dataclass
 
 import torch
 
-from kestrel.bench_serve import add_serve_bench_args
-from kestrel.shapes import random_model, randomize, shape_config, shape_tokenizer
+from kestrel.bench.serve import add_serve_bench_args
+from kestrel.weights.shapes import random_model, randomize, shape_config, shape_tokenizer
 
 # the reference machine's measured ceilings (DESIGN.md section 5)
 H200 = dict(bandwidth=4.25e12, flops=786e12)
@@ -479,7 +479,7 @@ def _run_serve(args, device) -> int:
     """`kestrel bench serve`: the client side only; the server is whatever answers at --url."""
     import asyncio
 
-    from kestrel.bench_serve import bench_serve
+    from kestrel.bench.serve import bench_serve
 
     if not args.url:
         raise SystemExit("kestrel bench serve needs --url (the server's base URL)")

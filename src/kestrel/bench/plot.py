@@ -1,6 +1,6 @@
 """Bar chart (SVG, no dependencies) of `kestrel bench` JSON lines: kestrel vs peers vs ceiling.
 
-Usage: python benchmarks/plot.py benchmarks/results/h200-*.jsonl -o benchmarks/results/h200.svg
+Usage: python -m kestrel.bench.plot benchmarks/results/h200-*.jsonl -o benchmarks/results/h200.svg
 """
 
 import argparse
