@@ -4,12 +4,16 @@
     .venv/bin/python benchmarks/soak.py --duration 240 --out benchmarks/results/soak.json
 
 `--concurrency` clients loop over requests: streamed and non-streamed chat/completions, 10% of
-streams cancelled mid-stream by the client, 1% malformed (they must get 400). Every request is
-classified: completed (finish_reason seen), errored explicitly (an OpenAI error body or event, or
-503 + Retry-After), cancelled (by us), rejected (malformed: 400), or unexpected (anything else:
-a 5xx other than 503, a reset, a hang). Each window reports counts, p50/p99 latency of completed
-requests, the server's RSS and mean KV tokens in use; at the end the server must go idle (no
-running or waiting request, KV in use back to its starting value) and stay healthy.
+streams cancelled mid-stream by the client, 1% malformed (they must get 400). The k-th request
+sent is of the same kind on every machine (one seeded sequence for all clients), and
+`--min-requests` keeps the load on past `--duration` until that many were sent: a short soak on a
+slow machine still sends the same mix. Every request is classified, once: completed
+(finish_reason seen), errored explicitly (an OpenAI error body or event, or 503 + Retry-After),
+cancelled (by us), rejected (malformed: 400), or unexpected (anything else: a 5xx other than 503,
+a reset, a hang); one still in flight when the time is up counts in the last window. Each window
+reports counts, p50/p99 latency of completed requests, the server's RSS and mean KV tokens in
+use; at the end the server must go idle (no running or waiting request, KV in use back to its
+starting value) and stay healthy.
 
 Pass: no unexpected outcome, every accepted request completed or errored explicitly, RSS drift and
 idle-KV drift under 5%, p99 drift under 20%. Drift compares the last window with the first one
@@ -19,6 +23,7 @@ after a warm-up window (allocator pools and caches fill during the first).
 import argparse
 import asyncio
 import json
+import math
 import random
 import statistics
 import sys
@@ -70,9 +75,16 @@ class Soak:
         self.url, self.model, self.headers, self.args = url, model, headers, args
         self.windows: list[Window] = []
         self.started = 0.0
+        self.sent = 0
+        self.kinds = random.Random(args.seed)  # one sequence of request kinds for all clients
+
+    def running(self) -> bool:
+        elapsed = time.monotonic() - self.started
+        return elapsed < self.args.duration or self.sent < self.args.min_requests
 
     def window(self) -> Window:
-        index = int((time.monotonic() - self.started) // self.args.window)
+        last = max(0, math.ceil(self.args.duration / self.args.window) - 1)
+        index = min(last, int((time.monotonic() - self.started) // self.args.window))
         while len(self.windows) <= index:
             self.windows.append(Window(len(self.windows)))
         return self.windows[index]
@@ -85,9 +97,10 @@ class Soak:
         if outcome == "unexpected":
             window.unexpected.append(detail[:200])
 
-    async def client_loop(self, client: httpx.AsyncClient, rng: random.Random, end: float):
-        while time.monotonic() < end:
-            roll = rng.random()
+    async def client_loop(self, client: httpx.AsyncClient, rng: random.Random):
+        while self.running():
+            roll = self.kinds.random()
+            self.sent += 1
             started = time.monotonic()
             try:
                 if roll < 0.01:
@@ -194,8 +207,8 @@ def _rss_mib(pid: int) -> float:
     return 0.0
 
 
-async def _monitor(soak: Soak, pid: int, end: float) -> None:
-    while time.monotonic() < end:
+async def _monitor(soak: Soak, pid: int) -> None:
+    while soak.running():
         window = soak.window()
         metrics = await asyncio.to_thread(_metrics, soak.url, soak.headers)
         window.kv_samples.append(metrics["kestrel_kv_tokens_in_use"])
@@ -205,22 +218,21 @@ async def _monitor(soak: Soak, pid: int, end: float) -> None:
 
 async def _run(soak: Soak, pid: int) -> None:
     soak.started = time.monotonic()
-    end = soak.started + soak.args.duration
     limits = httpx.Limits(max_connections=soak.args.concurrency + 4)
     async with httpx.AsyncClient(headers=soak.headers, timeout=120, limits=limits) as client:
         rngs = [random.Random(soak.args.seed + i) for i in range(soak.args.concurrency)]
-        await asyncio.gather(
-            _monitor(soak, pid, end), *(soak.client_loop(client, rng, end) for rng in rngs)
-        )
+        await asyncio.gather(_monitor(soak, pid), *(soak.client_loop(client, rng) for rng in rngs))
 
 
-def _wait_idle(url: str, headers: dict, timeout: float = 10.0) -> dict:
+def _wait_idle(url: str, headers: dict, timeout: float = 60.0) -> dict:
+    """The metrics once idle (or at the deadline: a hang guard, returned as soon as it is idle)."""
     deadline = time.monotonic() + timeout
     while True:
         m = _metrics(url, headers)
         idle = m["kestrel_running_sequences"] == m["kestrel_queue_depth"] == 0
         if (idle and m["kestrel_kv_tokens_in_use"] == 0) or time.monotonic() > deadline:
             return m
+        time.sleep(0.05)
 
 
 def _drift(first, last) -> float | None:
@@ -230,7 +242,7 @@ def _drift(first, last) -> float | None:
 
 
 def report(soak: Soak, kv_idle_start: float, end_metrics: dict, healthy: bool, args) -> dict:
-    windows = [w.summary() for w in soak.windows if w.index * args.window < args.duration]
+    windows = [w.summary() for w in soak.windows]
     totals = {k: sum(w[k] for w in windows) for k in OUTCOMES}
     first = windows[1] if len(windows) > 2 else windows[0]  # after the warm-up window
     last = windows[-1]
@@ -251,6 +263,7 @@ def report(soak: Soak, kv_idle_start: float, end_metrics: dict, healthy: bool, a
     return {
         "config": vars(args),
         "duration_s": args.duration,
+        "requests": soak.sent,
         "totals": totals,
         "accepted": totals["completed"] + totals["errored"] + totals["cancelled"],
         "windows": windows,
@@ -265,6 +278,12 @@ def main(argv=None) -> int:
     p.add_argument("--duration", type=float, default=600, help="seconds of load (default 10 min)")
     p.add_argument("--window", type=float, default=60, help="report window in seconds")
     p.add_argument("--concurrency", type=int, default=8)
+    p.add_argument(
+        "--min-requests",
+        type=int,
+        default=0,
+        help="keep the load on past --duration until this many requests were sent",
+    )
     p.add_argument("--max-tokens", type=int, default=32)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("-m", "--model", default="smollm2", help="served model (kestrel serve -m)")
@@ -289,7 +308,11 @@ def main(argv=None) -> int:
         Path(args.out).write_text(text + "\n")
     for w in result["windows"]:
         print(json.dumps({k: v for k, v in w.items() if k != "unexpected_examples"}))
-    print(json.dumps({k: result[k] for k in ("totals", "accepted", "drift", "checks", "passed")}))
+    print(
+        json.dumps(
+            {k: result[k] for k in ("requests", "totals", "accepted", "drift", "checks", "passed")}
+        )
+    )
     return 0 if result["passed"] else 1
 
 

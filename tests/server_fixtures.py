@@ -3,7 +3,8 @@
 A model load takes seconds, so servers are started once per distinct (args, env) and reused:
 `shared_server(args, env)` returns the running one or starts it; all are killed at exit (and by
 the kernel if pytest dies: PR_SET_PDEATHSIG). `start_server` gives a private one to tests that
-kill or break it (issue 9's engine-death and shutdown tests).
+kill or break it (issue 9's engine-death and shutdown tests). `step_seconds` measures how fast the
+machine is now, the unit of the tests' wall-clock budgets.
 """
 
 import atexit
@@ -18,6 +19,7 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 API_KEY = "test-key"
@@ -38,6 +40,9 @@ SMOLLM2_ARGS = (
     "8",
 )
 SMOLLM2_ENV = (("KESTREL_TEST_FAULTS", f"forward:{FAULT_MARKER}"),)
+# how long a wait for an event (a reply, health, an exit) may last before it counts as a hang: far
+# longer than any of them takes on a busy machine, and only a hang ever waits it out
+HANG_S = 600.0
 
 
 @dataclass
@@ -58,7 +63,7 @@ class ServerProcess:
             base_url=f"{self.url}/v1",
             api_key=self.api_key or "none",
             max_retries=0,
-            timeout=kwargs.pop("timeout", 120),
+            timeout=kwargs.pop("timeout", HANG_S),
             **kwargs,
         )
 
@@ -69,7 +74,7 @@ class ServerProcess:
             base_url=f"{self.url}/v1",
             api_key=self.api_key or "none",
             max_retries=0,
-            timeout=kwargs.pop("timeout", 120),
+            timeout=kwargs.pop("timeout", HANG_S),
             **kwargs,
         )
 
@@ -81,7 +86,7 @@ class ServerProcess:
             self.url + path, headers=self.headers() if headers is None else headers
         )
         try:
-            with urllib.request.urlopen(request, timeout=30) as response:
+            with urllib.request.urlopen(request, timeout=HANG_S) as response:
                 return response.status, response.read().decode()
         except urllib.error.HTTPError as error:
             return error.code, error.read().decode()
@@ -94,7 +99,7 @@ class ServerProcess:
         }
         request = urllib.request.Request(self.url + path, data=data, headers=all_headers)
         try:
-            with urllib.request.urlopen(request, timeout=120) as response:
+            with urllib.request.urlopen(request, timeout=HANG_S) as response:
                 return response.status, json.loads(response.read())
         except urllib.error.HTTPError as error:
             return error.code, json.loads(error.read() or b"null")
@@ -118,7 +123,7 @@ class ServerProcess:
         if self.process.poll() is None:
             self.process.send_signal(signal.SIGTERM)
             try:
-                self.process.wait(15)
+                self.process.wait(60)
             except subprocess.TimeoutExpired:
                 self.process.kill()
                 self.process.wait()
@@ -138,7 +143,7 @@ def _die_with_parent() -> None:
         pass
 
 
-def start_server(args, env=(), wait: bool = True, timeout: float = 240) -> ServerProcess:
+def start_server(args, env=(), wait: bool = True, timeout: float = HANG_S) -> ServerProcess:
     """`python -m kestrel serve ARGS --port <free>`; waits until /health is 200."""
     port = free_port()
     log = tempfile.NamedTemporaryFile("w", prefix="kestrel-serve-", suffix=".log", delete=False)
@@ -159,7 +164,7 @@ def start_server(args, env=(), wait: bool = True, timeout: float = 240) -> Serve
     return server
 
 
-def wait_healthy(server: ServerProcess, timeout: float = 240) -> None:
+def wait_healthy(server: ServerProcess, timeout: float = HANG_S) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if server.process.poll() is not None:
@@ -174,6 +179,21 @@ def wait_healthy(server: ServerProcess, timeout: float = 240) -> None:
         time.sleep(0.25)
     server.stop()
     raise TimeoutError(f"server not healthy in {timeout} s:\n{server.log()[-3000:]}")
+
+
+def step_seconds(server: ServerProcess, model: str, batch: int = 1, tokens: int = 16) -> float:
+    """Seconds per engine step on this machine now: `batch` concurrent greedy requests of `tokens`
+    tokens each, their wall time over `tokens` (prefill and HTTP included: it errs long). Tests
+    size wall-clock budgets in steps, `max(idle-machine seconds, k * step)`, so that they hold on
+    a busy machine as on a quiet one."""
+    body = {"model": model, "prompt": "Count to ten:", "max_tokens": tokens, "temperature": 0}
+    body["ignore_eos"] = True
+    started = time.monotonic()
+    with ThreadPoolExecutor(batch) as pool:
+        replies = list(pool.map(lambda _: server.post("/v1/completions", body), range(batch)))
+    elapsed = time.monotonic() - started
+    assert all(status == 200 for status, _ in replies), replies
+    return elapsed / tokens
 
 
 _SHARED: dict[tuple, ServerProcess] = {}

@@ -88,7 +88,7 @@ def test_fuzzed_requests_never_5xx_and_match_the_schema(
 
 
 def test_the_server_is_healthy_and_idle_after_fuzzing(server):
-    deadline = time.monotonic() + 5
+    deadline = time.monotonic() + 60  # a hang guard: idle is polled for
     while time.monotonic() < deadline:
         m = server.metrics()
         if (

@@ -6,7 +6,7 @@ import time
 
 import pytest
 
-from server_fixtures import start_server, wait_healthy
+from server_fixtures import start_server, step_seconds, wait_healthy
 
 pytestmark = pytest.mark.slow
 
@@ -41,7 +41,8 @@ def _chat(server, text: str, **extra):
     return server.post("/v1/chat/completions", body)
 
 
-def _poll(predicate, timeout: float = 5.0) -> bool:
+def _poll(predicate, timeout: float = 60.0) -> bool:
+    """Whether `predicate` came true (polled; the timeout only guards against a hang)."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if predicate():
@@ -53,12 +54,13 @@ def _poll(predicate, timeout: float = 5.0) -> bool:
 def test_dead_engine_turns_unhealthy_and_refuses_requests(servers):
     server, _ = servers
     assert _chat(server, "Hello")[0] == 200
+    step = step_seconds(server, "smollm2")  # seconds per engine step on this machine now
     status, body = _chat(server, f"{LOOP_MARKER} hello")
     assert status == 503 and "engine stopped" in body["error"]["message"]
     assert _poll(lambda: server.get("/health")[0] == 503)
     started = time.monotonic()
     status, body = _chat(server, "Hello")
-    assert status == 503 and time.monotonic() - started < 1.0
+    assert status == 503 and time.monotonic() - started < max(1.0, 10 * step)  # at once
     assert server.metrics()["kestrel_engine_alive"] == 0
     assert server.process.poll() is None  # --no-exit-on-engine-failure
     # SIGTERM still shuts it down cleanly, with exit code 0
