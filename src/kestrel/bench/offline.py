@@ -103,16 +103,7 @@ def ceilings(args, model, kv_per_token: int, dtype, work: Workload, concurrency:
 
 
 def environment(device) -> dict:
-    try:
-        commit = (
-            subprocess.run(
-                ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=5
-            ).stdout.strip()
-            or None
-        )
-    except (OSError, subprocess.SubprocessError):
-        commit = None
-    commit = commit or os.environ.get("KESTREL_COMMIT")  # a copy of the tree without .git
+    commit = os.environ.get("KESTREL_COMMIT") or _git_commit()  # a copy's git may be stale
     gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else None
     return {
         "command": "kestrel " + " ".join(sys.argv[1:]),
@@ -121,6 +112,16 @@ def environment(device) -> dict:
         "commit": commit,
         "torch": torch.__version__,
     }
+
+
+def _git_commit() -> str | None:
+    try:
+        done = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=5
+        )
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return done.stdout.strip() or None
 
 
 def emit(record: dict, out) -> None:
