@@ -460,13 +460,13 @@ SRC = Path(__file__).resolve().parent.parent / "src" / "kestrel"
 REQUEST_PATH = [
     *sorted((SRC / "server").rglob("*.py")),
     *sorted((SRC / "engine").glob("*.py")),
-    *(SRC / name for name in ("sampling.py", "tokenizer.py", "errors.py", "multimodal.py")),
+    *(SRC / name for name in ("sampling.py", "tokenizer.py", "errors.py", "media.py")),
 ]
 UNSAFE_MODULES = {"pickle", "cPickle", "dill", "marshal", "shelve", "joblib", "cloudpickle"}
 UNSAFE_CALLS = {"eval", "exec", "compile", "__import__"}  # the builtins, not re.compile
 # the one allowed pickle: the server and its engine process exchange their own objects over a
-# pipe the server created (engine/process.py), and only these two functions touch pickle
-PIPE_CODEC = ("engine/process.py", {"_send", "_receive"})
+# socket the server created (engine/process.py), and only these functions touch pickle
+PIPE_CODEC = ("engine/process.py", {"_frame", "_receive", "_read_message"})
 
 
 def _pipe_codec_lines(path: Path, tree: ast.AST) -> set[int]:
@@ -476,7 +476,7 @@ def _pipe_codec_lines(path: Path, tree: ast.AST) -> set[int]:
         return set()
     lines = set()
     for node in ast.walk(tree):
-        if isinstance(node, ast.FunctionDef) and node.name in functions:
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef) and node.name in functions:
             lines |= set(range(node.lineno, node.end_lineno + 1))
         elif isinstance(node, ast.Import) and [a.name for a in node.names] == ["pickle"]:
             lines.add(node.lineno)

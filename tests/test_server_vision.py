@@ -29,6 +29,7 @@ from tests.vl_reference import (
 from tests.vl_suite import MERGE, PATCH
 
 from kestrel.cache import SequenceCache
+from kestrel.config import build_config
 from kestrel.engine.gpu_runner import make_runner
 from kestrel.engine.runner import ModelRunner
 from kestrel.llm import LLM
@@ -304,7 +305,7 @@ def test_kv_bound_smaller_than_the_image_prompt_succeeds(setup):
     bound; a text request batched with it is unaffected."""
     llm, kv = setup["llm"], 16
     engine = llm.engine
-    keep = engine.config.keep
+    keep = engine.config.cache.keep
     prompt = engine.processor(two_image_messages(PATCH, MERGE))
     assert len(prompt.token_ids) > 2 * kv
     trimmed = engine.runner.tokens_trimmed
@@ -323,7 +324,8 @@ def test_kv_bound_smaller_than_the_image_prompt_succeeds(setup):
 def test_vision_models_stay_on_the_reference_runner(setup):
     """The paged CUDA runner feeds no images: a VL model gets the reference runner on any device
     (built, not run: no GPU needed)."""
-    runner = make_runner(setup["llm"].model, torch.device("cuda"), 4, 64, 256)
+    config = build_config(max_num_seqs=4, max_batched_tokens=64)
+    runner = make_runner(setup["llm"].model, torch.device("cuda"), config, 256)
     assert type(runner) is ModelRunner
 
 
@@ -331,7 +333,6 @@ def test_preempted_image_requests_recompute_to_the_same_output(setup):
     """Under a KV capacity the decodes outgrow, the newest image request is preempted and
     recomputed from its prompt and output (chunks crossing the prompt's end): every request
     still ends with the tokens it has alone."""
-    from kestrel.config import build_config
     from kestrel.engine.engine import Engine
 
     llm = setup["llm"]
