@@ -237,3 +237,12 @@ def tiny_model() -> str:
         tokenizer.save_pretrained(folder)
         _TINY.append(folder)
     return _TINY[0]
+
+
+def child_pids(pid: int) -> set[int]:
+    """The processes `pid` started (a server's engine process, for the tests that kill it)."""
+    found = set()
+    for task in os.listdir(f"/proc/{pid}/task"):
+        with open(f"/proc/{pid}/task/{task}/children") as f:
+            found |= {int(c) for c in f.read().split()}
+    return found

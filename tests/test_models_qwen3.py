@@ -21,6 +21,8 @@ from tests.family_suite import (  # noqa: F401  (the shared tests run here)
     test_serves_the_checkpoint_by_its_model_type,
     test_sliding_window_chunks_match_transformers,
 )
+from tests.test_models_qwen2 import CONFIG as QWEN2_CONFIG
+from tests.test_models_qwen2 import PROMPT, WINDOW
 
 COVERS = ("qwen3",)
 # shared checks that do not apply here, and why
@@ -28,22 +30,8 @@ OPT_OUTS = {
     "test_trim_leaves_recurrent_state_untouched": "no recurrent layers: every layer is attention",
 }
 
-WINDOW = 8
-CONFIG = dict(
-    vocab_size=256,
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=3,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=16,
-    max_position_embeddings=256,
-    use_sliding_window=True,
-    sliding_window=WINDOW,
-    max_window_layers=1,
-    initializer_range=0.1,
-)
-PROMPT = [(i * 37 + 11) % 256 for i in range(30)]
+# qwen2's tiny checkpoint (sliding layers included) with an explicit head size
+CONFIG = {**QWEN2_CONFIG, "head_dim": 16}
 
 
 @pytest.fixture(scope="module")

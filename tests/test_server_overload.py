@@ -12,7 +12,7 @@ import time
 import httpx
 import pytest
 
-from server_fixtures import HANG_S, start_server, step_seconds, tiny_model, wait_healthy
+from server_fixtures import HANG_S, child_pids, start_server, step_seconds, tiny_model, wait_healthy
 
 pytestmark = pytest.mark.slow
 
@@ -163,20 +163,12 @@ def test_engine_death_fails_in_flight_requests_turns_503_and_exits_nonzero(serve
 # -- 12. graceful shutdown ------------------------------------------------------------------------
 
 
-def _children(pid: int) -> set[int]:
-    found = set()
-    for task in os.listdir(f"/proc/{pid}/task"):
-        with open(f"/proc/{pid}/task/{task}/children") as f:
-            found |= {int(c) for c in f.read().split()}
-    return found
-
-
 def test_sigterm_under_load_drains_then_exits_zero(servers):
     # the drain gets ten times what the in-flight work (6 x 500 tokens) takes on this machine now
     step = step_seconds(servers[0], "tiny", batch=6)
     drain = max(60.0, 10 * 500 * step)
     server = start_server(_args("-np", "6", "--shutdown-timeout", f"{drain:.0f}"))
-    children = _children(server.process.pid)
+    children = child_pids(server.process.pid)
     body = {"model": "tiny", "prompt": "Tell a story", "max_tokens": 500, "ignore_eos": True}
 
     async def run():

@@ -11,7 +11,7 @@ import time
 import httpx
 import pytest
 
-from server_fixtures import start_server, tiny_model, wait_healthy
+from server_fixtures import child_pids, start_server, tiny_model, wait_healthy
 
 pytestmark = pytest.mark.slow
 
@@ -20,11 +20,7 @@ STREAMS = 8
 
 def engine_pid(server) -> int:
     """The server's one child process: its engine."""
-    pid = server.process.pid
-    children = set()
-    for task in os.listdir(f"/proc/{pid}/task"):
-        with open(f"/proc/{pid}/task/{task}/children") as f:
-            children |= {int(c) for c in f.read().split()}
+    children = child_pids(server.process.pid)
     assert len(children) == 1, children
     return children.pop()
 

@@ -82,6 +82,9 @@ class Config:
     server: ServerConfig = field(default_factory=ServerConfig)
 
 
+SECTIONS: dict[str, type] = {f.name: f.default_factory for f in fields(Config)}
+
+
 # 0 means "off" on the command line (llama-server's habit) for these
 ZERO_IS_NONE = {"ctx_size", "max_kv_size", "kv_capacity"}
 
@@ -89,22 +92,18 @@ ZERO_IS_NONE = {"ctx_size", "max_kv_size", "kv_capacity"}
 def build_config(**values) -> Config:
     """The Config these named values describe (field names of any section); the rest default.
     Raises TypeError naming an unknown name."""
-    owner = {f.name: name for name, cls in _section_classes().items() for f in fields(cls)}
+    owner = {f.name: name for name, cls in SECTIONS.items() for f in fields(cls)}
     unknown = sorted(set(values) - set(owner))
     if unknown:
         raise TypeError(f"unknown setting(s): {', '.join(unknown)}")
-    parts: dict[str, dict] = {name: {} for name in _section_classes()}
+    parts: dict[str, dict] = {name: {} for name in SECTIONS}
     for key, value in values.items():
         parts[owner[key]][key] = None if key in ZERO_IS_NONE and value == 0 else value
-    return Config(**{name: cls(**parts[name]) for name, cls in _section_classes().items()})
+    return Config(**{name: cls(**parts[name]) for name, cls in SECTIONS.items()})
 
 
 def config_from_args(args, **overrides) -> Config:
     """The Config of parsed flags: every flag whose dest names a setting, then `overrides`."""
-    names = {f.name for cls in _section_classes().values() for f in fields(cls)}
+    names = {f.name for cls in SECTIONS.values() for f in fields(cls)}
     values = {k: v for k, v in vars(args).items() if k in names and v is not None}
     return build_config(**{**values, **overrides})
-
-
-def _section_classes() -> dict[str, type]:
-    return {f.name: f.default_factory for f in fields(Config)}

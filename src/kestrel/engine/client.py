@@ -279,16 +279,7 @@ class InProcessEngineClient(EngineClient):
         self._submit(lambda: [self.engine.abort(i) for i in request_ids])
 
     def _add(self, requests: list[Request]) -> None:
-        failed = []
-        for request in requests:
-            try:
-                self.engine.add(request)
-            except Exception as error:  # fails only its own request
-                failed.append(
-                    RequestOutput(
-                        request.request_id, finished=True, finish_reason="error", error=error
-                    )
-                )
+        failed = self.engine.add_all(requests)
         if failed:
             self._loop.call_soon_threadsafe(self._receive, failed, self.engine.snapshot(), False)
 

@@ -103,6 +103,20 @@ class Engine:
         self.requests[request.request_id] = request
         self.text[request.request_id] = _TextState(self.tokenizer, request)
 
+    def add_all(self, requests: list[Request]) -> list[RequestOutput]:
+        """Queue each request; one that raises fails only itself, as a finished error output."""
+        failed = []
+        for request in requests:
+            try:
+                self.add(request)
+            except Exception as error:
+                failed.append(
+                    RequestOutput(
+                        request.request_id, finished=True, finish_reason="error", error=error
+                    )
+                )
+        return failed
+
     def step(self) -> list[RequestOutput]:
         if self.fault_hook:
             for request in self.scheduler.running:

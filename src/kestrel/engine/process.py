@@ -234,17 +234,7 @@ def _apply(engine: Engine, command: str, payload) -> list[RequestOutput]:
         for request_id in payload:
             engine.abort(request_id)
         return []
-    failed = []
-    for request in payload:
-        try:
-            engine.add(request)
-        except Exception as error:
-            failed.append(
-                RequestOutput(
-                    request.request_id, finished=True, finish_reason="error", error=_portable(error)
-                )
-            )
-    return failed
+    return [_portable_output(output) for output in engine.add_all(payload)]
 
 
 def _portable_output(output: RequestOutput) -> RequestOutput:
