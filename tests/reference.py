@@ -159,9 +159,8 @@ def assert_masks_match_keys():
     with L the number of keys (and values) it was given; yields the list of (m, L) seen."""
     import sys
 
-    from kestrel.models import layers
+    from kestrel.kernels.attention import attend as original
 
-    original = layers.attend
     seen: list[tuple[int, int]] = []
 
     def checked(q, keys, values, mask, *args, **kwargs):

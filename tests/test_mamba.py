@@ -4,7 +4,7 @@ initial state and for any chunk size (the model tests cover them against transfo
 import pytest
 import torch
 
-from kestrel.models.mamba import selective_scan, ssd_chunked, ssd_step
+from kestrel.models.layers.mamba import selective_scan, ssd_chunked, ssd_step
 
 B, M, D, N, H, P = 2, 19, 6, 4, 3, 5
 

@@ -29,7 +29,7 @@ from tests.family_suite import (  # noqa: F401  (the shared tests run here)
 )
 from tests.reference import assert_close, chunked_logits, load_kestrel, reference_logits, save_tiny
 
-from kestrel.models.mla import LatentKVCache
+from kestrel.models.layers.mla import LatentKVCache
 
 COVERS = ("glm4_moe_lite",)
 # shared checks that do not apply here, and why

@@ -28,7 +28,7 @@ from tests.family_suite import (  # noqa: F401  (the shared tests run here)
 )
 from tests.reference import assert_close, chunked_logits
 
-from kestrel.models.mla import LatentKVCache
+from kestrel.models.layers.mla import LatentKVCache
 
 COVERS = ("minicpm3",)
 # shared checks that do not apply here, and why

@@ -28,7 +28,7 @@ from tests.family_suite import (  # noqa: F401  (the shared tests run here)
     test_serves_the_checkpoint_by_its_model_type,
 )
 
-from kestrel.models.mla import LatentKVCache
+from kestrel.models.layers.mla import LatentKVCache
 
 COVERS = ("mistral4",)
 # shared checks that do not apply here, and why

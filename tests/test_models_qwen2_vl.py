@@ -24,7 +24,7 @@ from tests.vl_suite import (  # noqa: F401  (the shared tests run here)
     test_text_prefill_then_decode_matches_transformers,
 )
 
-from kestrel.models.mrope import prompt_rope_ids
+from kestrel.models.layers.mrope import prompt_rope_ids
 
 COVERS = ("qwen2_vl",)
 OPT_OUTS = {}  # every shared check applies: layers 1 and 2 slide

@@ -1,5 +1,5 @@
 """qwen3_vl_moe (Qwen3VLMoeForConditionalGeneration) equals transformers on a tiny checkpoint:
-qwen3_vl's checks with MoE layers (the shared models/moe.py) and one dense layer."""
+qwen3_vl's checks with MoE layers (the shared models/layers/moe.py) and one dense layer."""
 
 import pytest
 import torch
@@ -22,7 +22,7 @@ from tests.vl_suite import (  # noqa: F401  (the shared tests run here)
     test_text_prefill_then_decode_matches_transformers,
 )
 
-from kestrel.models.moe import SparseMoE
+from kestrel.models.layers.moe import SparseMoE
 from kestrel.models.qwen3_vl_moe import Qwen3VLMoeForConditionalGeneration
 
 COVERS = ("qwen3_vl_moe",)

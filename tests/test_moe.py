@@ -7,7 +7,7 @@ from tests.reference import assert_close
 from transformers.models.exaone_moe import modeling_exaone_moe
 from transformers.models.qwen2_moe import modeling_qwen2_moe
 
-from kestrel.models.moe import SparseMoE, expert_slot, route_topk
+from kestrel.models.layers.moe import SparseMoE, expert_slot, route_topk
 
 HIDDEN, INTER, EXPERTS, TOP_K = 32, 16, 8, 2
 

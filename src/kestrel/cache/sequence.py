@@ -26,7 +26,7 @@ class SequenceCache:
 
     `offset` counts every token ever written (RoPE positions use it; it only grows). The live
     window is positions [live_start, offset) plus the sinks [0, min(keep, live_start)).
-    `rope_delta`: multimodal RoPE (models/mrope.py) puts text tokens at RoPE id `position +
+    `rope_delta`: multimodal RoPE (models/layers/mrope.py) puts text tokens at RoPE id `position +
     rope_delta`: 0 for text-only sequences, set from `MultimodalPrompt.rope_delta` for a prompt
     with images (whose own tokens bring explicit ids).
     """

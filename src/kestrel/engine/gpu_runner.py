@@ -89,7 +89,7 @@ class GPURunner(ModelRunner):
         self.dtype = next(model.parameters()).dtype
         self.use_triton = device.type == "cuda"
         if self.use_triton:  # fused Triton norms/RoPE/MLP
-            from kestrel.models.fused import fuse_model
+            from kestrel.models.layers.fused import fuse_model
 
             fuse_model(model)
         self.pool = self._make_pool(self.cache_config.num_blocks or self._profile_num_blocks())

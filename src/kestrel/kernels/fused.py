@@ -2,7 +2,7 @@
 RMSNorm (one kernel instead of seven), the gated MLP's activation-times-up, and RoPE on q and k
 of a fused qkv projection.
 
-models/fused.py rewires a loaded model to use them (`fuse_model`). This module imports nothing
+models/layers/fused.py rewires a loaded model to use them (`fuse_model`). This module imports nothing
 from kestrel: kernels are the bottom of the import graph.
 """
 

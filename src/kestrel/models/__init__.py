@@ -1,1 +1,1 @@
-"""Model families, one file per Hugging Face `model_type`, built from `layers.py`."""
+"""Model families, one file per Hugging Face `model_type`, built from the shared `layers/`."""

@@ -16,8 +16,11 @@ from transformers import ExaoneMoeConfig
 from kestrel.cache import CacheSpec
 from kestrel.models.base import CausalLM, Slot, head_dim, rope_parameters
 from kestrel.models.batch import ForwardBatch
-from kestrel.models.layers import Attention, GatedMLP, RMSNorm, RotaryEmbedding
-from kestrel.models.moe import SparseMoE, expert_slot
+from kestrel.models.layers.attention import Attention
+from kestrel.models.layers.mlp import GatedMLP
+from kestrel.models.layers.moe import SparseMoE, expert_slot
+from kestrel.models.layers.norm import RMSNorm
+from kestrel.models.layers.rope import RotaryEmbedding
 
 
 def moe_layer(config) -> SparseMoE:

@@ -11,7 +11,10 @@ from torch import nn
 from kestrel.cache import CacheSpec
 from kestrel.models.base import CausalLM, rope_parameters
 from kestrel.models.batch import ForwardBatch
-from kestrel.models.layers import Attention, GatedMLP, RMSNorm, RotaryEmbedding
+from kestrel.models.layers.attention import Attention
+from kestrel.models.layers.mlp import GatedMLP
+from kestrel.models.layers.norm import RMSNorm
+from kestrel.models.layers.rope import RotaryEmbedding
 
 
 def gemma_norm(dim: int, eps: float) -> RMSNorm:

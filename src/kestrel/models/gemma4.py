@@ -17,17 +17,14 @@ from transformers import Gemma4TextConfig
 
 import kestrel.cache.recurrent  # noqa: F401  registers the "none" cache kind
 from kestrel.cache import CacheSpec
+from kestrel.kernels.fused import ACTIVATIONS
 from kestrel.models.base import CausalLM, rope_parameters
 from kestrel.models.batch import ForwardBatch
-from kestrel.models.layers import (
-    ACTIVATIONS,
-    GatedMLP,
-    RMSNorm,
-    RotaryEmbedding,
-    apply_rope,
-    cached_attention,
-)
-from kestrel.models.moe import Experts, route_topk
+from kestrel.models.layers.attention import cached_attention
+from kestrel.models.layers.mlp import GatedMLP
+from kestrel.models.layers.moe import Experts, route_topk
+from kestrel.models.layers.norm import RMSNorm
+from kestrel.models.layers.rope import RotaryEmbedding, apply_rope
 
 
 def rms_norm(x: torch.Tensor, eps: float) -> torch.Tensor:

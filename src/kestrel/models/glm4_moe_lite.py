@@ -1,19 +1,19 @@
 """GLM-4.7-Flash style "MoE lite" (transformers' Glm4MoeLiteForCausalLM).
 
-Multi-head latent attention (models/mla.py) with interleaved RoPE pairs (`rope_interleave`);
+Multi-head latent attention (models/layers/mla.py) with interleaved RoPE pairs (`rope_interleave`);
 the cache keeps only each token's normed KV latent and shared RoPE key, so KV memory per token
 is `kv_lora_rank + qk_rope_head_dim`. Feed-forward per `mlp_layer_types`: a dense MLP or a
 sigmoid-routed MoE with score-correction bias, group-limited top-k, routed scaling and shared
-experts (models/moe.py). Checkpoints store one tensor per expert and may carry multi-token
+experts (models/layers/moe.py). Checkpoints store one tensor per expert and may carry multi-token
 prediction layers past `num_hidden_layers`, which match no parameter and are skipped.
 """
 
 from torch import nn
 
 from kestrel.models.base import Slot
-from kestrel.models.layers import GatedMLP
-from kestrel.models.mla import LatentCausalLM, MLADecoder
-from kestrel.models.moe import SparseMoE, expert_slot
+from kestrel.models.layers.mla import LatentCausalLM, MLADecoder
+from kestrel.models.layers.mlp import GatedMLP
+from kestrel.models.layers.moe import SparseMoE, expert_slot
 
 
 def feed_forward(config, layer_idx: int) -> nn.Module:

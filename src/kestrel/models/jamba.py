@@ -12,9 +12,11 @@ from torch import nn
 from kestrel.cache import CacheSpec
 from kestrel.models.base import CausalLM, Slot, head_dim
 from kestrel.models.batch import ForwardBatch
-from kestrel.models.layers import Attention, GatedMLP, RMSNorm
-from kestrel.models.mamba import MambaMixer, sequence_groups
-from kestrel.models.moe import SparseMoE, expert_slot
+from kestrel.models.layers.attention import Attention
+from kestrel.models.layers.mamba import MambaMixer, sequence_groups
+from kestrel.models.layers.mlp import GatedMLP
+from kestrel.models.layers.moe import SparseMoE, expert_slot
+from kestrel.models.layers.norm import RMSNorm
 
 
 def is_attention(c, i: int) -> bool:

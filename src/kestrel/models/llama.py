@@ -9,7 +9,10 @@ from torch import nn
 from kestrel.cache import CacheSpec
 from kestrel.models.base import CausalLM, head_dim, rope_parameters
 from kestrel.models.batch import ForwardBatch
-from kestrel.models.layers import Attention, GatedMLP, RMSNorm, RotaryEmbedding
+from kestrel.models.layers.attention import Attention
+from kestrel.models.layers.mlp import GatedMLP
+from kestrel.models.layers.norm import RMSNorm
+from kestrel.models.layers.rope import RotaryEmbedding
 
 # model_type -> (bias on q/k/v, per-head q/k RMSNorm)
 FLAVORS = {

@@ -1,5 +1,5 @@
 """MiniCPM3 (transformers' MiniCPM3ForCausalLM): Llama-shaped blocks with multi-head latent
-attention (models/mla.py, rotate-half RoPE), LongRoPE-scaled rotary embeddings, embeddings scaled
+attention (models/layers/mla.py, rotate-half RoPE), LongRoPE-scaled rotary embeddings, embeddings scaled
 by `scale_emb`, residual branches scaled by `scale_depth / sqrt(num_hidden_layers)`, and hidden
 states divided by `hidden_size / dim_model_base` before the (tied) LM head.
 
@@ -14,19 +14,15 @@ from torch import nn
 
 from kestrel.models.base import rope_parameters
 from kestrel.models.batch import ForwardBatch
-from kestrel.models.layers import (
-    GatedMLP,
-    LongRotaryEmbedding,
-    RMSNorm,
-    RotaryEmbedding,
-    rope_attention_factor,
-)
-from kestrel.models.mla import (
+from kestrel.models.layers.mla import (
     LatentCausalLM,
     MLABlock,
     MultiHeadLatentAttention,
     mla_scale,
 )
+from kestrel.models.layers.mlp import GatedMLP
+from kestrel.models.layers.norm import RMSNorm
+from kestrel.models.layers.rope import LongRotaryEmbedding, RotaryEmbedding, rope_attention_factor
 
 
 def rotary_embedding(config) -> nn.Module:

@@ -1,10 +1,10 @@
 """Mistral 4 (transformers' Mistral4ForCausalLM): DeepSeek-V3-shaped decoder.
 
-Multi-head latent attention (models/mla.py) with optional low-rank queries, a low-rank KV latent,
+Multi-head latent attention (models/layers/mla.py) with optional low-rank queries, a low-rank KV latent,
 its own value head dim, YaRN RoPE on the rope part (interleaved pairs when `rope_interleave`),
 and Llama-4 query scaling `1 + beta * log(1 + floor(pos / original_max_position_embeddings))`.
 The first `first_k_dense_replace` layers have a dense MLP; the others a softmax-routed,
-group-limited MoE with shared experts (models/moe.py).
+group-limited MoE with shared experts (models/layers/moe.py).
 
 RoPE and the query scaling use the batch's absolute positions (each cache's monotonic `offset`
 onward), never the live window, so both stay right after a `--max-kv-size` trim.
@@ -13,9 +13,9 @@ onward), never the live window, so both stay right after a `--max-kv-size` trim.
 from torch import nn
 
 from kestrel.models.base import Slot
-from kestrel.models.layers import GatedMLP
-from kestrel.models.mla import LatentCausalLM, MLADecoder
-from kestrel.models.moe import SparseMoE, expert_slot
+from kestrel.models.layers.mla import LatentCausalLM, MLADecoder
+from kestrel.models.layers.mlp import GatedMLP
+from kestrel.models.layers.moe import SparseMoE, expert_slot
 
 
 def feed_forward(config, layer_idx: int) -> nn.Module:

@@ -12,11 +12,13 @@ import torch
 from torch import nn
 
 from kestrel.cache import CacheSpec
+from kestrel.kernels.fused import ACTIVATIONS
 from kestrel.models.base import CausalLM, Slot, head_dim
 from kestrel.models.batch import ForwardBatch
-from kestrel.models.layers import ACTIVATIONS, Attention, RMSNorm
-from kestrel.models.mamba import Mamba2Mixer, sequence_groups
-from kestrel.models.moe import Experts, SparseMoE, expert_slot
+from kestrel.models.layers.attention import Attention
+from kestrel.models.layers.mamba import Mamba2Mixer, sequence_groups
+from kestrel.models.layers.moe import Experts, SparseMoE, expert_slot
+from kestrel.models.layers.norm import RMSNorm
 
 CACHE_SPECS = {"linear_attention": CacheSpec("recurrent"), "full_attention": CacheSpec("full")}
 

@@ -20,7 +20,10 @@ from kestrel.cache import CacheSpec
 from kestrel.errors import UnsupportedModelError
 from kestrel.models.base import CausalLM, head_dim, rope_parameters
 from kestrel.models.batch import ForwardBatch
-from kestrel.models.layers import Attention, GatedMLP, RMSNorm, RotaryEmbedding
+from kestrel.models.layers.attention import Attention
+from kestrel.models.layers.mlp import GatedMLP
+from kestrel.models.layers.norm import RMSNorm
+from kestrel.models.layers.rope import RotaryEmbedding
 from kestrel.models.llama import unpermute_rows
 
 

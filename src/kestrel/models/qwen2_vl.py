@@ -1,13 +1,13 @@
 """Qwen2-VL (transformers' Qwen2VLForConditionalGeneration): a Qwen2 decoder (q/k/v bias,
 optional sliding-window layers) with multimodal RoPE, whose image tokens take the features of a
-ViT with patch merging (models/qwen_vision.py).
+ViT with patch merging (models/layers/qwen_vision.py).
 
 How images reach the decoder: the engine turns a chat request into a `MultimodalPrompt`
 (models/qwen_vl_processor.py), encodes its images once with `encode_images`, and gives each prefill
 chunk the M-RoPE ids and image features of its rows (`SeqChunk.rope_positions`, `.images`, from
 `MultimodalPrompt.chunk_inputs`); a chunk may end inside an image. Text-only batches take the
 plain RoPE path; text rows of a sequence with images (decode) are shifted by its
-`cache.rope_delta` (models/mrope.py). Qwen3-VL and Qwen3-VL-MoE subclass this file's model.
+`cache.rope_delta` (models/layers/mrope.py). Qwen3-VL and Qwen3-VL-MoE subclass this file's model.
 """
 
 import torch
@@ -17,10 +17,12 @@ from kestrel.cache import CacheSpec
 from kestrel.models.base import CausalLM, rope_parameters
 from kestrel.models.base import head_dim as base_head_dim
 from kestrel.models.batch import ForwardBatch, ImageRows
-from kestrel.models.layers import Attention, GatedMLP, RMSNorm
+from kestrel.models.layers.attention import Attention
+from kestrel.models.layers.mlp import GatedMLP
+from kestrel.models.layers.mrope import MRotaryEmbedding, batch_rope_ids
+from kestrel.models.layers.norm import RMSNorm
+from kestrel.models.layers.qwen_vision import Qwen2VisionTransformer, VisionFeatures
 from kestrel.models.llama import layer_windows
-from kestrel.models.mrope import MRotaryEmbedding, batch_rope_ids
-from kestrel.models.qwen_vision import Qwen2VisionTransformer, VisionFeatures
 
 
 class DecoderLayer(nn.Module):

@@ -2,16 +2,18 @@
 with a Qwen3 decoder (per-head q/k RMSNorm, no q/k/v bias, explicit head_dim), interleaved
 multimodal RoPE (t h w t h w ... frequencies), and DeepStack: features merged from intermediate
 ViT blocks are added to the image tokens' hidden states after the first decoder layers. The ViT
-adds a learned position table resampled to each image's grid (models/qwen_vision.py).
+adds a learned position table resampled to each image's grid (models/layers/qwen_vision.py).
 """
 
 from torch import nn
 
 from kestrel.models.base import rope_parameters
-from kestrel.models.layers import Attention, GatedMLP, RMSNorm
-from kestrel.models.mrope import MRotaryEmbedding
+from kestrel.models.layers.attention import Attention
+from kestrel.models.layers.mlp import GatedMLP
+from kestrel.models.layers.mrope import MRotaryEmbedding
+from kestrel.models.layers.norm import RMSNorm
+from kestrel.models.layers.qwen_vision import Qwen3VisionModel
 from kestrel.models.qwen2_vl import DecoderLayer, Qwen2VLForConditionalGeneration
-from kestrel.models.qwen_vision import Qwen3VisionModel
 
 
 class Qwen3VLForConditionalGeneration(Qwen2VLForConditionalGeneration):

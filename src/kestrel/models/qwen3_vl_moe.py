@@ -1,13 +1,13 @@
 """Qwen3-VL-MoE (transformers' Qwen3VLMoeForConditionalGeneration): Qwen3-VL (models/qwen3_vl.py)
 whose feed-forward is a softmax-routed mixture of experts with renormalised top-k weights
-(models/moe.py), except in `mlp_only_layers` and off the `decoder_sparse_step` stride.
+(models/layers/moe.py), except in `mlp_only_layers` and off the `decoder_sparse_step` stride.
 """
 
 import torch
 from torch import nn
 
-from kestrel.models.layers import GatedMLP
-from kestrel.models.moe import SparseMoE
+from kestrel.models.layers.mlp import GatedMLP
+from kestrel.models.layers.moe import SparseMoE
 from kestrel.models.qwen3_vl import Qwen3VLForConditionalGeneration
 
 

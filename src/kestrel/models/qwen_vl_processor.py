@@ -22,8 +22,8 @@ import torch
 from kestrel.errors import InvalidRequestError
 from kestrel.media import DEFAULT_LIMITS, MediaLimits, collect_images, image_part_params
 from kestrel.models.batch import ImageRows
-from kestrel.models.mrope import prompt_rope_ids
-from kestrel.models.qwen_vision import VisionFeatures
+from kestrel.models.layers.mrope import prompt_rope_ids
+from kestrel.models.layers.qwen_vision import VisionFeatures
 
 log = logging.getLogger("kestrel.qwen_vl_processor")
 

@@ -10,15 +10,11 @@ import torch
 import torch.nn.functional as F
 
 from kestrel.cache.paged import paged_attention
-from kestrel.kernels.fused import act_mul, rms_norm, rope_qk, rope_store
-from kestrel.models.layers import (
-    ACTIVATIONS,
-    Attention,
-    GatedMLP,
-    RMSNorm,
-    RotaryEmbedding,
-    cached_attention,
-)
+from kestrel.kernels.fused import ACTIVATIONS, act_mul, rms_norm, rope_qk, rope_store
+from kestrel.models.layers.attention import Attention, cached_attention
+from kestrel.models.layers.mlp import GatedMLP
+from kestrel.models.layers.norm import RMSNorm
+from kestrel.models.layers.rope import RotaryEmbedding
 
 
 def fuse_model(model: torch.nn.Module) -> None:

@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from kestrel.models.batch import ForwardBatch
-from kestrel.models.layers import rope_inv_freq
+from kestrel.models.layers.rope import rope_inv_freq
 
 
 def mrope_axes(half_dim: int, sections: list[int], interleaved: bool) -> torch.Tensor:

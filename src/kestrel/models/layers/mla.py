@@ -18,14 +18,14 @@ from torch import nn
 
 from kestrel.cache import LayerKVCache, visible_mask
 from kestrel.cache.sequence import CACHE_KINDS, CacheSpec
+from kestrel.kernels.attention import attend
 from kestrel.models.base import CausalLM, rope_parameters
 from kestrel.models.batch import ForwardBatch
-from kestrel.models.layers import (
-    RMSNorm,
+from kestrel.models.layers.norm import RMSNorm
+from kestrel.models.layers.rope import (
     RotaryEmbedding,
     apply_rope,
     apply_rope_interleaved,
-    attend,
     rope_attention_factor,
     yarn_mscale,
 )

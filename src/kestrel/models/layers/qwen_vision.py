@@ -14,7 +14,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kestrel.models.layers import ACTIVATIONS, apply_rope
+from kestrel.kernels.fused import ACTIVATIONS
+from kestrel.models.layers.rope import apply_rope
 
 VISION_ACTIVATIONS = {**ACTIVATIONS, "quick_gelu": lambda x: x * torch.sigmoid(1.702 * x)}
 

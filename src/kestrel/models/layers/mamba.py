@@ -12,8 +12,9 @@ import torch.nn.functional as F
 from torch import nn
 
 import kestrel.cache.recurrent  # noqa: F401  (registers the "recurrent" and "none" cache kinds)
+from kestrel.kernels.fused import ACTIVATIONS
 from kestrel.models.batch import ForwardBatch
-from kestrel.models.layers import ACTIVATIONS, RMSNorm
+from kestrel.models.layers.norm import RMSNorm
 
 # rows (b, m) of the packed batch and the caches of those b sequences
 Group = tuple[torch.Tensor, list]

@@ -18,8 +18,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kestrel.kernels.fused import ACTIVATIONS
 from kestrel.models.base import Slot
-from kestrel.models.layers import ACTIVATIONS, GatedMLP
+from kestrel.models.layers.mlp import GatedMLP
 
 
 def route_topk(

@@ -1,0 +1,22 @@
+"""RMSNorm, the norm every family uses (Gemma's (1 + w) form by a flag)."""
+
+import torch
+from torch import nn
+
+
+class RMSNorm(nn.Module):
+    """RMSNorm; `unit_offset` scales by (1 + w) as Gemma does. Computed in fp32."""
+
+    def __init__(self, dim: int, eps: float = 1e-6, unit_offset: bool = False):
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(dim) if unit_offset else torch.ones(dim))
+        self.eps = eps
+        self.unit_offset = unit_offset
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        if self.unit_offset:
+            return (x * (1.0 + self.weight.float())).to(dtype)
+        return self.weight * x.to(dtype)
