@@ -27,7 +27,7 @@ from tests.reference import (
     trimmed_visibility,
 )
 
-from kestrel.cache import SequenceCache
+from kestrel.cache.sequence import SequenceCache
 from kestrel.models.batch import ForwardBatch
 from kestrel.models.registry import model_class
 

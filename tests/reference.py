@@ -5,7 +5,7 @@ from pathlib import Path
 
 import torch
 
-from kestrel.cache import SequenceCache
+from kestrel.cache.sequence import SequenceCache
 from kestrel.models.batch import ForwardBatch, SeqChunk
 from kestrel.weights.loader import load_model, resolve
 

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from kestrel.cache import paged
+from kestrel.cache.blocks import BlockManager
 from kestrel.cache.paged import BlockPool, PagedSequenceCache
 from kestrel.cache.sequence import CacheSpec
 from kestrel.engine.gpu_runner import Packed, build_batch
@@ -20,9 +21,12 @@ DTYPES = [torch.float32, torch.bfloat16]
 def random_sequences(pool: BlockPool, chunk: int):
     """Three sequences: plain, trimmed with 3 sinks, and all-sliding (window 20), each about to
     take `chunk` new tokens; returns the packed host lists of that chunk."""
-    plain = PagedSequenceCache([CacheSpec("full")], pool)
-    trimmed = PagedSequenceCache([CacheSpec("full")], pool)
-    sliding = PagedSequenceCache([CacheSpec("sliding", 20)], pool)
+    half = pool.num_blocks // 2  # blocks [1, half) for the full layers, the rest for the window
+    full = BlockManager(half - 1, pool.block_size, first_id=1)
+    window = BlockManager(pool.num_blocks - half, pool.block_size, 20, first_id=half)
+    plain = PagedSequenceCache([CacheSpec("full")], full.table("plain"))
+    trimmed = PagedSequenceCache([CacheSpec("full")], full.table("trimmed"))
+    sliding = PagedSequenceCache([CacheSpec("sliding", 20)], window.table("sliding"))
     for cache, length in ((plain, 37), (trimmed, 90), (sliding, 70)):
         cache.reserve(length)
         cache.advance(length)
@@ -34,7 +38,7 @@ def random_sequences(pool: BlockPool, chunk: int):
         start = len(p.ids)
         p.ids += [0] * chunk
         p.positions += list(range(cache.offset, cache.offset + chunk))
-        held = dict(cache.held)
+        held = dict(cache.blocks.held)
         p.slots += [held[q // bs] * bs + q % bs for q in range(cache.offset, cache.offset + chunk)]
         blocks, n_sink, main_start = cache.table()
         p.seqs.append((blocks, n_sink, main_start, cache.live_start, cache.keep))

@@ -60,7 +60,7 @@ def test_kv_bound_generation_runs_past_the_bound():
     prompt = "Count: " + ", ".join(str(i) for i in range(40))
     out = small.generate(prompt, greedy(max_tokens=20))[0].outputs[0]
     assert len(out.token_ids) == 20
-    assert small.engine.runner.tokens_trimmed > 0
+    assert small.engine.scheduler.blocks.tokens_trimmed > 0
 
 
 def test_prompt_longer_than_context_is_refused():

@@ -9,7 +9,8 @@ import pytest
 import torch
 from transformers import Gemma3TextConfig, LlamaConfig
 
-from kestrel.cache.paged import BlockPool, PagedSequenceCache
+from kestrel.cache.blocks import BlockManager
+from kestrel.cache.paged import PagedSequenceCache
 from kestrel.config import CacheConfig, SchedulerConfig
 from kestrel.engine.gpu_runner import GPURunner
 from kestrel.engine.request import Request
@@ -87,7 +88,7 @@ def run_both(model, prompts, schedule, max_kv_size=None, keep=0, block_size=4, n
         next_ids = expected.argmax(-1).tolist()
         for c, token in zip(sampling, next_ids, strict=True):
             c.request.output_ids.append(token)
-        paged.pool.commit()
+        paged.blocks.commit()
     return paged
 
 
@@ -117,7 +118,7 @@ def test_sliding_window_sequences_match_dense_and_free_blocks():
     model = tiny_model("llama", window=5)
     schedule = [(8,), (7,), *[(1,)] * 10]
     paged = run_both(model, prompts(15), schedule)
-    held = [logical for logical, _ in paged.caches["r0"].held]
+    held = [logical for logical, _ in paged.caches["r0"].blocks.held]
     assert held[0] > 0  # blocks wholly behind the window went back to the pool
 
 
@@ -134,18 +135,18 @@ def test_block_sizes_agree(block_size):
 
 
 def test_restore_returns_allocated_and_trimmed_blocks():
-    pool = BlockPool(1, 16, 4, 1, 2, torch.float32, "cpu")
-    cache = PagedSequenceCache([], pool)
+    blocks = BlockManager(15, 4, first_id=1)
+    cache = PagedSequenceCache([], blocks.table("r"))
     cache.reserve(10)
     cache.advance(10)
-    pool.commit()
-    saved, free_before = cache.checkpoint(), pool.num_free
+    blocks.commit()
+    saved, free_before = cache.checkpoint(), blocks.num_free
     cache.trim_front(8, keep=1)  # live: [0, 1) and [9, 10); frees positions 4..7
     cache.reserve(4)
-    assert pool.pending
+    assert blocks.pending
     cache.restore(saved)
-    assert pool.num_free == free_before and not pool.pending
-    assert [lg for lg, _ in cache.held] == [0, 1, 2]
+    assert blocks.num_free == free_before and not blocks.pending
+    assert [lg for lg, _ in cache.blocks.held] == [0, 1, 2]
 
 
 def test_runner_generates_same_greedy_tokens_as_reference():
@@ -182,7 +183,8 @@ def test_runner_generates_same_greedy_tokens_as_reference():
 
 def run_to_end(runner, requests, **config) -> int:
     """Drive scheduler and runner until every request has its max_tokens; the preemptions."""
-    scheduler = Scheduler(SchedulerConfig(**config))
+    config = SchedulerConfig(**config)
+    scheduler = Scheduler(config, runner.block_manager(config.kv_capacity))
     for request in requests:
         scheduler.add(request)
     while scheduler.has_work():
@@ -213,13 +215,14 @@ def _seeded_run(runner, capacity) -> tuple[list[list[int]], int]:
 def test_seeded_sampling_continues_exactly_across_preemption(paged):
     model, cpu = tiny_model("llama"), torch.device("cpu")
 
-    def make():
+    def make(capacity):  # the paged pool: 64 blocks, or as many as `capacity` tokens need
         if paged:
-            return GPURunner(model, cpu, 3, 16, 256, CacheConfig(block_size=4, num_blocks=64))
+            cache = CacheConfig(block_size=4, num_blocks=64)
+            return GPURunner(model, cpu, 3, 16, 256, cache, False, capacity)
         return ModelRunner(model, cpu)
 
-    alone, none_preempted = _seeded_run(make(), None)
-    squeezed, preempted = _seeded_run(make(), 40)
+    alone, none_preempted = _seeded_run(make(None), None)
+    squeezed, preempted = _seeded_run(make(40), 40)
     assert none_preempted == 0 and preempted > 0  # the case this test is about happened
     assert squeezed == alone
 
@@ -237,6 +240,36 @@ def test_pool_sized_by_a_probe_step_then_generates_as_reference():
         return [r.output_ids for r in reqs]
 
     paged = GPURunner(model, cpu, 4, 16, 256, CacheConfig(block_size=4), cuda_graphs=False)
-    assert paged.pool.num_blocks == 1024 and paged.pool.num_free == 1023  # block 0: padding
+    assert paged.pool.num_blocks == 1024 and paged.blocks.num_free == 1023  # block 0: padding
     assert not paged.caches  # the probe left nothing behind
     assert greedy(paged) == greedy(ModelRunner(model, cpu))
+
+
+@pytest.mark.parametrize(
+    "kind,window,max_kv_size", [("llama", None, None), ("llama", 7, None), ("gemma3", 6, 12)]
+)
+def test_a_pool_too_small_for_the_load_preempts_and_every_request_gets_its_solo_output(
+    kind, window, max_kv_size
+):
+    """Eight requests of 22 tokens (6 blocks of 4 each) on a pool of 11 blocks: the scheduler
+    admits what fits and preempts when decodes outgrow the pool, so none fails and each finishes
+    with the greedy tokens it gets alone on the reference runner (trims and windows included)."""
+    model, cpu = tiny_model(kind, window), torch.device("cpu")
+    seqs = prompts(*range(7, 15))
+
+    def requests():
+        return [
+            Request(f"x{i}", p, SamplingParams(temperature=0), 22 - len(p), max_kv_size, 2)
+            for i, p in enumerate(seqs)
+        ]
+
+    solo = []
+    for request in requests():
+        run_to_end(ModelRunner(model, cpu), [request], max_num_seqs=1, prefill_chunk_size=4)
+        solo.append(request.output_ids)
+    paged = GPURunner(model, cpu, 8, 40, 256, CacheConfig(block_size=4, num_blocks=12), False)
+    crowd = requests()
+    preempted = run_to_end(paged, crowd, max_num_seqs=8, prefill_chunk_size=4)
+    assert [r.output_ids for r in crowd] == solo
+    assert preempted > 0  # the pool ran out, and that was survived
+    assert paged.blocks.num_free == 11 and not paged.blocks.tables  # every block came back

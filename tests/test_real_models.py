@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from kestrel import LLM, SamplingParams
-from kestrel.cache import SequenceCache
+from kestrel.cache.sequence import SequenceCache
 from kestrel.models.batch import ForwardBatch
 from kestrel.weights.loader import resolve
 

@@ -11,7 +11,7 @@ import pytest
 
 from kestrel.config import SchedulerConfig
 from kestrel.engine.request import Request
-from kestrel.engine.scheduler import Scheduler, kv_tokens
+from kestrel.engine.scheduler import Scheduler
 
 
 def make_request(i: int, prompt_len: int, max_tokens: int, max_kv_size=None) -> Request:
@@ -43,7 +43,7 @@ class FakeModel:
                     r.finish("length")
         for r in scheduler.remove_finished():
             self.caches.pop(r.request_id, None)
-        return sum(kv_tokens(r, r.num_computed) for r in scheduler.running)
+        return scheduler.blocks.num_used  # KV tokens held: one-token blocks
 
 
 def run(requests, **config) -> tuple[dict[str, list[int]], int, int]:
@@ -104,8 +104,8 @@ def test_kv_bounded_requests_recompute_with_the_same_chunks():
 
 def test_a_request_waits_until_its_first_chunk_fits():
     s = Scheduler(SchedulerConfig(max_num_seqs=4, prefill_chunk_size=8, kv_capacity=12))
-    s.add(make_request(0, 10, 5))
-    s.add(make_request(1, 10, 5))
+    s.add(make_request(0, 10, 2))  # 12 tokens at most: each fits alone
+    s.add(make_request(1, 10, 2))
     plan = s.schedule()
     assert [(c.request.request_id, c.num_tokens) for c in plan.chunks] == [("r0", 8)]
     assert [r.request_id for r in s.running] == ["r0"] and len(s.waiting) == 1
@@ -114,8 +114,8 @@ def test_a_request_waits_until_its_first_chunk_fits():
 def test_the_newest_running_request_is_preempted_and_queued_first():
     s = Scheduler(SchedulerConfig(max_num_seqs=2, prefill_chunk_size=8, kv_capacity=9))
     model = FakeModel()
-    s.add(make_request(0, 4, 10))
-    s.add(make_request(1, 4, 10))
+    s.add(make_request(0, 4, 5))  # 9 tokens at most: each fits alone
+    s.add(make_request(1, 4, 5))
     model.step(s)  # both prefilled: 8 tokens held
     model.step(s)  # both decode one: 9 would be 10, so r1 goes
     assert [r.request_id for r in s.running] == ["r0"]

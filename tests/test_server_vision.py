@@ -28,7 +28,7 @@ from tests.vl_reference import (
 )
 from tests.vl_suite import MERGE, PATCH
 
-from kestrel.cache import SequenceCache
+from kestrel.cache.sequence import SequenceCache
 from kestrel.config import build_config
 from kestrel.engine.gpu_runner import make_runner
 from kestrel.engine.runner import ModelRunner
@@ -308,7 +308,7 @@ def test_kv_bound_smaller_than_the_image_prompt_succeeds(setup):
     keep = engine.config.cache.keep
     prompt = engine.processor(two_image_messages(PATCH, MERGE))
     assert len(prompt.token_ids) > 2 * kv
-    trimmed = engine.runner.tokens_trimmed
+    trimmed = engine.scheduler.blocks.tokens_trimmed
     engine.add_request("bounded", prompt, GREEDY, max_kv_size=kv)
     engine.add_request("text", apply_chat_template(llm.tokenizer, text_messages()), GREEDY)
     tokens = {"bounded": [], "text": []}
@@ -316,7 +316,7 @@ def test_kv_bound_smaller_than_the_image_prompt_succeeds(setup):
         for out in engine.step():
             assert out.error is None, out.error
             tokens[out.request_id] += out.new_token_ids
-    assert engine.runner.tokens_trimmed > trimmed
+    assert engine.scheduler.blocks.tokens_trimmed > trimmed
     assert tokens["bounded"] == _greedy_reference(llm.model, prompt, NEW_TOKENS, kv, keep)
     assert tokens["text"] == llm.chat(text_messages(), GREEDY)[0].outputs[0].token_ids
 

@@ -5,7 +5,9 @@ under trims against a dense reference in tests/family_suite.py (tests/vl_suite.p
 import pytest
 import torch
 
-from kestrel.cache import LayerKVCache, SequenceCache, visible_mask
+from kestrel.cache.kv import LayerKVCache
+from kestrel.cache.mask import visible_mask
+from kestrel.cache.sequence import SequenceCache
 
 
 def test_chunk_larger_than_bound_is_refused():

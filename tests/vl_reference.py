@@ -10,7 +10,7 @@ import numpy as np
 import torch
 from tests.reference import save_tiny
 
-from kestrel.cache import SequenceCache
+from kestrel.cache.sequence import SequenceCache
 from kestrel.models.batch import ForwardBatch
 from kestrel.models.qwen_vl_processor import MultimodalProcessor
 

@@ -32,7 +32,7 @@ from tests.vl_reference import (
 )
 
 from kestrel import cli
-from kestrel.cache import SequenceCache
+from kestrel.cache.sequence import SequenceCache
 from kestrel.models.batch import ForwardBatch, ImageRows, SeqChunk
 from kestrel.models.qwen_vl_processor import MultimodalPrompt
 from kestrel.models.registry import model_class

@@ -164,7 +164,7 @@ def drive(runner, prompts, outputs, args, max_num_seqs: int, progress: bool) -> 
     from kestrel.sampling import SamplingParams
 
     config = bench_config(args, max_num_seqs)
-    scheduler = Scheduler(config.scheduler)
+    scheduler = Scheduler(config.scheduler, runner.block_manager(config.scheduler.kv_capacity))
     params = SamplingParams(temperature=args.temperature, ignore_eos=True, max_tokens=None)
     requests = [
         Request(f"b{i}", p, params, o, config.cache.max_kv_size, config.cache.keep)

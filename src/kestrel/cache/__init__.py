@@ -1,11 +1,6 @@
 """Per-sequence caches. Positions (`offset`, for RoPE) are not storage (the live window of keys).
 
 See DESIGN.md section 1: every layer cache returns, with its live keys and values, the absolute
-position of each key, and every attention mask is computed from those positions.
+position of each key, and every attention mask is computed from those positions. The package
+imports nothing here, so the scheduler reads `blocks.py` (plain Python) without torch.
 """
-
-from kestrel.cache.kv import LayerKVCache
-from kestrel.cache.mask import visible_mask
-from kestrel.cache.sequence import CacheSpec, SequenceCache
-
-__all__ = ["CacheSpec", "LayerKVCache", "SequenceCache", "visible_mask"]

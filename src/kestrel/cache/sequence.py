@@ -3,6 +3,7 @@
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from kestrel.cache.blocks import live_tokens, tokens_to_trim, trimmed_live_start
 from kestrel.cache.kv import LayerKVCache
 
 
@@ -42,27 +43,21 @@ class SequenceCache:
     @property
     def live_tokens(self) -> int:
         """Tokens the full-attention layers hold (what `--max-kv-size` bounds)."""
-        return min(self.keep, self.live_start) + self.offset - self.live_start
+        return live_tokens(self.offset, self.live_start, self.keep)
 
     def trim_front(self, n: int, keep: int = 0) -> None:
         """Drop the `n` oldest tokens after the first `keep` (sinks), in every layer."""
         if n <= 0:
             return
         self.keep = keep
-        self.live_start = min(max(self.live_start, keep) + n, self.offset)
+        self.live_start = trimmed_live_start(self.offset, self.live_start, keep, n)
         for layer in self.layers:
             if hasattr(layer, "trim"):
                 layer.trim(self.live_start, self.keep)
 
     def make_room(self, m: int, max_kv_size: int | None, keep: int = 0) -> int:
         """Before appending `m` tokens, trim so that live + m <= max_kv_size; returns tokens trimmed."""
-        if not max_kv_size:
-            return 0
-        if m > max_kv_size - keep:
-            raise ValueError(f"chunk of {m} tokens exceeds max_kv_size {max_kv_size} - keep {keep}")
-        excess = self.live_tokens + m - max_kv_size
-        if excess <= 0:
-            return 0
+        excess = tokens_to_trim(self.live_tokens, m, max_kv_size, keep)
         self.trim_front(excess, keep)
         return excess
 

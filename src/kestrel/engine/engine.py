@@ -1,7 +1,7 @@
 """Engine: add_request / step / abort. Turns runner results into text, stops and finish reasons."""
 
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -68,7 +68,13 @@ class Engine:
         self.ctx_size = self.config.model.ctx_size or getattr(text, "max_position_embeddings", 4096)
         # CUDA: the paged runner (pool, kernels, graphs); the reference runner otherwise
         self.runner = make_runner(model, self.device, self.config, self.ctx_size)
-        self.scheduler = Scheduler(self.config.scheduler)
+        blocks = self.runner.block_manager(self.config.scheduler.kv_capacity)
+        # the KV capacity in effect (the GPU pool's, when it has one) bounds what requests ask
+        self.config = replace(
+            self.config,
+            scheduler=replace(self.config.scheduler, kv_capacity=blocks.token_capacity),
+        )
+        self.scheduler = Scheduler(self.config.scheduler, blocks)
         multimodal = getattr(model, "multimodal", False)
         self.intake = RequestFactory(
             tokenizer, self.config, self.vocab_size, self.ctx_size, multimodal
@@ -195,7 +201,7 @@ class Engine:
             len(scheduler.waiting),
             len(scheduler.running),
             self.runner.kv_tokens_in_use(),
-            self.runner.tokens_trimmed,
+            scheduler.blocks.tokens_trimmed,
             scheduler.num_preempted,
         )
 

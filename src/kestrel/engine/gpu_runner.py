@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from kestrel.cache.blocks import BlockManager, evict_window
 from kestrel.cache.paged import BlockPool, PagedAttention, PagedSequenceCache
 from kestrel.config import CacheConfig, Config
 from kestrel.engine.request import Request
@@ -60,6 +61,7 @@ def make_runner(model, device: torch.device, config: Config, max_model_len: int)
             max_model_len,
             config.cache,
             config.model.cuda_graphs,
+            config.scheduler.kv_capacity,
         )
     return ModelRunner(model, device)
 
@@ -74,7 +76,9 @@ class GPURunner(ModelRunner):
         max_model_len: int,
         cache: CacheConfig | None = None,
         cuda_graphs: bool = True,
+        kv_capacity: int | None = None,
     ):
+        """`kv_capacity` (tokens) bounds the pool below what memory allows."""
         super().__init__(model, device)
         self.cache_config = cache or CacheConfig()
         self.cuda_graphs = cuda_graphs
@@ -92,24 +96,33 @@ class GPURunner(ModelRunner):
             from kestrel.models.layers.fused import fuse_model
 
             fuse_model(model)
-        self.pool = self._make_pool(self.cache_config.num_blocks or self._profile_num_blocks())
+        num_blocks = self.cache_config.num_blocks or self._profile_num_blocks()
+        if kv_capacity:
+            num_blocks = min(num_blocks, -(-kv_capacity // bs) + 1)
+        self._use_pool(num_blocks)
         self.graphs: dict[int, tuple] = {}
         if device.type == "cuda" and cuda_graphs:
             self._capture_graphs()
 
     # -- memory -------------------------------------------------------------------------------
 
-    def _make_pool(self, num_blocks: int) -> BlockPool:
-        n_layers = len(self.specs)
-        return BlockPool(
-            n_layers,
+    def _use_pool(self, num_blocks: int) -> None:
+        """A pool of `num_blocks` (block 0: scratch) and the manager of its blocks."""
+        bs = self.cache_config.block_size
+        self.pool = BlockPool(
+            len(self.specs),
             num_blocks,
-            self.cache_config.block_size,
+            bs,
             self.num_kv_heads,
             self.head_dim,
             self.dtype,
             self.device,
         )
+        self.blocks = BlockManager(num_blocks - 1, bs, evict_window(self.specs), first_id=1)
+
+    def block_manager(self, kv_capacity: int | None) -> BlockManager:
+        """The pool's blocks (already bounded by `kv_capacity`): the scheduler plans with them."""
+        return self.blocks
 
     def _profile_num_blocks(self) -> int:
         """Blocks that fit in --gpu-memory-utilization of the card after the weights and the
@@ -155,32 +168,34 @@ class GPURunner(ModelRunner):
         """One forward of the largest step (token_budget prompt tokens) over a pool just big
         enough for it; the pool is dropped afterwards."""
         n = self.token_budget
-        self.pool = self._make_pool(
-            (n + self.cache_config.block_size - 1) // self.cache_config.block_size + 2
-        )
+        self._use_pool(-(-n // self.cache_config.block_size) + 2)
         probe = Request("profile", [0] * n, SamplingParams(max_tokens=1), 1)
         with torch.inference_mode():
             self.model(self._pack_batch([ScheduledChunk(probe, n)]))
         self.release("profile")
-        self.pool = None
+        self.pool = self.blocks = None
 
     # -- the step -----------------------------------------------------------------------------
 
     def _cache(self, request: Request) -> PagedSequenceCache:
+        """The request's cache over the pool, placed by its block table (the scheduler's)."""
         if request.request_id not in self.caches:
-            self.caches[request.request_id] = PagedSequenceCache(self.specs, self.pool)
+            table = self.blocks.table(request.request_id)
+            self.caches[request.request_id] = PagedSequenceCache(self.specs, table)
         return self.caches[request.request_id]
 
     def execute(self, chunks: list[ScheduledChunk]) -> list[StepResult]:
         results = super().execute(chunks)
-        self.pool.commit()  # blocks trimmed in this step may now be reused
+        self.blocks.commit()  # blocks trimmed in this step may now be reused
         return results
 
     def release(self, request_id: str) -> None:
-        cache = self.caches.get(request_id)
-        if cache is not None:
-            cache.free()
+        self.blocks.release(request_id)
         super().release(request_id)
+
+    def evict(self, request_id: str) -> None:
+        self.blocks.release(request_id)
+        super().evict(request_id)
 
     @torch.inference_mode()
     def _run(self, chunks: list[ScheduledChunk]) -> list[StepResult]:
@@ -208,7 +223,7 @@ class GPURunner(ModelRunner):
             if self.fault_hook:
                 self.fault_hook("forward", request)
             cache = self._cache(request)
-            self.tokens_trimmed += cache.make_room(n, request.max_kv_size, request.keep)
+            cache.make_room(n, request.max_kv_size, request.keep)  # planned: no-ops then
             cache.reserve(n)
             start = len(p.ids)
             p.ids.extend(_pending_ids(request, n))

@@ -14,7 +14,8 @@ from dataclasses import dataclass
 
 import torch
 
-from kestrel.cache import SequenceCache
+from kestrel.cache.blocks import BlockManager, evict_window
+from kestrel.cache.sequence import SequenceCache
 from kestrel.engine.request import Request
 from kestrel.engine.scheduler import ScheduledChunk, Scheduler
 from kestrel.models.base import CausalLM
@@ -40,7 +41,6 @@ class ModelRunner:
         self.device = device
         self.caches: dict[str, SequenceCache] = {}
         self.generators: dict[str, torch.Generator] = {}
-        self.tokens_trimmed = 0
         self.image_features: dict[str, object] = {}  # request id -> VisionFeatures (prefill)
         # test-only fault injection: called as hook(stage, request) at "forward" and "sample"
         self.fault_hook: Callable[[str, Request], None] | None = None
@@ -77,7 +77,7 @@ class ModelRunner:
             if self.fault_hook:
                 self.fault_hook("forward", request)
             cache = self.caches[request.request_id]
-            self.tokens_trimmed += cache.make_room(n, request.max_kv_size, request.keep)
+            cache.make_room(n, request.max_kv_size, request.keep)
             ids.extend(request.all_ids[request.num_computed : request.num_computed + n])
             positions.extend(range(cache.offset, cache.offset + n))
             rope = images = None
@@ -136,6 +136,11 @@ class ModelRunner:
             self.generators[request.request_id] = make_generator(request.params.seed, self.device)
         return self.generators[request.request_id]
 
+    def block_manager(self, kv_capacity: int | None) -> BlockManager:
+        """The KV memory the scheduler plans with: this runner's caches grow token by token, so
+        one-token blocks, `kv_capacity` of them (None: unlimited)."""
+        return BlockManager(kv_capacity, 1, evict_window(self.model.cache_specs()))
+
     def release(self, request_id: str) -> None:
         self.caches.pop(request_id, None)
         self.generators.pop(request_id, None)
@@ -143,9 +148,7 @@ class ModelRunner:
 
     def evict(self, request_id: str) -> None:
         """Drop a preempted request's cache (it is recomputed); its sampler state stays."""
-        cache = self.caches.pop(request_id, None)
-        if hasattr(cache, "free"):  # a paged cache returns its blocks to the pool
-            cache.free()
+        self.caches.pop(request_id, None)
 
     def kv_tokens_in_use(self) -> int:
         return sum(cache.live_tokens for cache in self.caches.values())

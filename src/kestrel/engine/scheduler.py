@@ -4,18 +4,24 @@ Each step has a token budget. Running decodes (one token each) go first, so a lo
 stalls them; prefill chunks of at most `prefill_chunk_size` fill the rest, so prefills never starve
 either (the budget is at least one chunk plus one token per running sequence).
 
-With a KV capacity (`kv_capacity`, tokens summed over running sequences) a waiting request starts
-only when its first chunk fits, and when the running decodes outgrow it the newest running
-requests are preempted: their caches are dropped (`SchedulerOutput.preempted`, the engine frees
-them) and they wait at the front of the queue to be recomputed from their tokens, prompt and
+The scheduler owns KV memory: a `BlockManager` (cache/blocks.py) whose blocks every chunk takes
+before it is planned, trims and sliding windows included. A waiting request starts only when its
+first chunk's blocks are free, and when the running decodes outgrow the pool the newest running
+requests are preempted: their blocks go back (`SchedulerOutput.preempted`, the runner drops their
+caches) and they wait at the front of the queue to be recomputed from their tokens, prompt and
 output alike, so they finish with the output they would have had (vLLM's recompute preemption).
+A step therefore never runs out of blocks in the middle of a forward. The paged runner's pool is
+the manager's blocks; the reference runner's memory is counted in one-token blocks
+(`kv_capacity`, or unlimited).
 """
 
 from collections import deque
 from dataclasses import dataclass, field
 
+from kestrel.cache.blocks import BlockManager
 from kestrel.config import SchedulerConfig
 from kestrel.engine.request import Request, Status
+from kestrel.errors import InvalidRequestError
 
 
 class QueueFullError(Exception):
@@ -45,20 +51,32 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig):
+    def __init__(self, config: SchedulerConfig, blocks: BlockManager | None = None):
+        """`blocks`: the runner's KV memory (`runner.block_manager`); by default `kv_capacity`
+        one-token blocks."""
         self.config = config
+        self.blocks = blocks or BlockManager(config.kv_capacity)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preempted = 0  # over the scheduler's life (a metric)
 
     def add(self, request: Request) -> None:
+        """Queue a request; InvalidRequestError if it could not fit the KV memory even alone."""
+        total = len(request.prompt_ids) + request.max_tokens
+        peak = self.blocks.peak_blocks(total, request.max_kv_size, request.keep)
+        if not self.blocks.fits_alone(peak):
+            raise InvalidRequestError(
+                f"the request needs up to {peak * self.blocks.block_size} KV tokens; the KV "
+                f"cache holds {self.blocks.token_capacity} (lower max_tokens or the prompt)",
+                param="max_tokens",
+            )
         if len(self.waiting) >= self.config.max_queue_depth:
             raise QueueFullError(f"queue full ({self.config.max_queue_depth} waiting)")
         self.waiting.append(request)
 
     def schedule(self) -> SchedulerOutput:
         budget = self.config.token_budget
-        kv = _KVLedger(self.config.kv_capacity, self.running)
+        kv = _KVPlan(self.blocks)
         chunks, preempted = [], []
         for request in list(self.running):  # decodes first, oldest first
             if request.is_prefilling or budget <= 0:
@@ -84,7 +102,7 @@ class Scheduler:
                 budget -= self._prefill(kv, request, budget, chunks)
         return SchedulerOutput(chunks, preempted)
 
-    def _prefill(self, kv: "_KVLedger", request: Request, budget: int, chunks: list) -> int:
+    def _prefill(self, kv: "_KVPlan", request: Request, budget: int, chunks: list) -> int:
         """Plan the request's next prompt chunk within budget and capacity; tokens planned."""
         n = min(request.num_pending, request.max_chunk(self.config.prefill_chunk_size))
         fit = kv.fit(request, min(n, budget))
@@ -97,7 +115,7 @@ class Scheduler:
             kv.grow(request, fit)
         return fit
 
-    def _make_room(self, kv: "_KVLedger", request: Request, n: int, preempted: list) -> bool:
+    def _make_room(self, kv: "_KVPlan", request: Request, n: int, preempted: list) -> bool:
         """Preempt the newest running requests until `request` can grow by n tokens; False if
         `request` itself had to go."""
         while kv.fit(request, n) < n:
@@ -108,7 +126,7 @@ class Scheduler:
         kv.grow(request, n)
         return True
 
-    def _preempt(self, kv: "_KVLedger", request: Request, preempted: list) -> None:
+    def _preempt(self, kv: "_KVPlan", request: Request, preempted: list) -> None:
         self.running.remove(request)
         kv.free(request)
         request.num_computed = 0  # recomputed from prompt + output when it runs again
@@ -118,12 +136,16 @@ class Scheduler:
         self.num_preempted += 1
 
     def remove_finished(self) -> list[Request]:
+        """The finished requests, their blocks given back (the caller drops their caches)."""
         done = [r for r in self.running if r.finished]
         self.running = [r for r in self.running if not r.finished]
+        for request in done:
+            self.blocks.release(request.request_id)
         return done
 
     def abort(self, request_id: str) -> Request | None:
-        """Remove a request wherever it is; the caller frees its cache."""
+        """Remove a request wherever it is, its blocks given back; the caller drops its cache."""
+        self.blocks.release(request_id)
         for queue in (self.waiting, self.running):
             for request in list(queue):
                 if request.request_id == request_id:
@@ -136,44 +158,35 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
 
-def kv_tokens(request: Request, computed: int) -> int:
-    """KV tokens a request's cache holds once `computed` tokens went in (bounded: trimmed)."""
-    return min(computed, request.max_kv_size) if request.max_kv_size else computed
+class _KVPlan:
+    """This step's blocks: each planned chunk takes its blocks from the manager at once (its
+    request's table trimmed and extended), so later chunks see only what is left."""
 
+    def __init__(self, blocks: BlockManager):
+        self.blocks = blocks
+        blocks.commit()  # the last step ran: what it gave back may be handed out again
 
-class _KVLedger:
-    """This step's KV accounting: tokens held by running requests, plus what planned chunks add."""
-
-    def __init__(self, capacity: int | None, running: list[Request]):
-        self.capacity = capacity  # None: nothing to account (every method returns at once)
-        self.used = (
-            sum(kv_tokens(r, r.num_computed) for r in running) if capacity is not None else 0
-        )
-        self.planned: dict[str, int] = {}  # request id -> tokens scheduled this step
-
-    def _computed(self, request: Request) -> int:
-        return request.num_computed + self.planned.get(request.request_id, 0)
-
-    def _growth(self, request: Request, n: int) -> int:
-        done = self._computed(request)
-        return kv_tokens(request, done + n) - kv_tokens(request, done)
+    def _needed(self, request: Request, n: int) -> int:
+        table = self.blocks.table(request.request_id)
+        return table.blocks_needed(request.num_computed, n, request.max_kv_size, request.keep)
 
     def fit(self, request: Request, n: int) -> int:
-        """The most of n tokens `request` may add without passing the capacity."""
-        if self.capacity is None:
+        """The most of n tokens `request` may add with the blocks free now."""
+        if not self.blocks.limited or self.blocks.fits(self._needed(request, n)):
             return n
-        free = self.capacity - self.used
-        # growth is min(n, room under the bound): if n does not fit, `free` tokens exactly do
-        return n if self._growth(request, n) <= free else max(free, 0)
+        low, high = 0, n  # blocks needed only grow with the tokens: the largest that fits
+        while low < high:
+            mid = (low + high + 1) // 2
+            if self.blocks.fits(self._needed(request, mid)):
+                low = mid
+            else:
+                high = mid - 1
+        return low
 
     def grow(self, request: Request, n: int) -> None:
-        if self.capacity is None:
-            return
-        self.used += self._growth(request, n)
-        self.planned[request.request_id] = self.planned.get(request.request_id, 0) + n
+        table = self.blocks.table(request.request_id)
+        table.make_room(request.num_computed, n, request.max_kv_size, request.keep)
+        table.reserve(request.num_computed, n)
 
     def free(self, request: Request) -> None:
-        if self.capacity is None:
-            return
-        self.used -= kv_tokens(request, self._computed(request))
-        self.planned.pop(request.request_id, None)
+        self.blocks.release(request.request_id)

@@ -5,7 +5,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kestrel.cache import SequenceCache
+from kestrel.cache.sequence import SequenceCache
 
 
 @dataclass

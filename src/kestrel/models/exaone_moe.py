@@ -13,7 +13,7 @@ import torch
 from torch import nn
 from transformers import ExaoneMoeConfig
 
-from kestrel.cache import CacheSpec
+from kestrel.cache.sequence import CacheSpec
 from kestrel.models.base import CausalLM, Slot, head_dim, rope_parameters
 from kestrel.models.batch import ForwardBatch
 from kestrel.models.layers.attention import Attention

@@ -8,7 +8,7 @@ scaled by sqrt(hidden), a GELU-tanh gated MLP, tied embeddings, optional final l
 import torch
 from torch import nn
 
-from kestrel.cache import CacheSpec
+from kestrel.cache.sequence import CacheSpec
 from kestrel.models.base import CausalLM, rope_parameters
 from kestrel.models.batch import ForwardBatch
 from kestrel.models.layers.attention import Attention

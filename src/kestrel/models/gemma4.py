@@ -16,7 +16,7 @@ from torch import nn
 from transformers import Gemma4TextConfig
 
 import kestrel.cache.recurrent  # noqa: F401  registers the "none" cache kind
-from kestrel.cache import CacheSpec
+from kestrel.cache.sequence import CacheSpec
 from kestrel.kernels.fused import ACTIVATIONS
 from kestrel.models.base import CausalLM, rope_parameters
 from kestrel.models.batch import ForwardBatch

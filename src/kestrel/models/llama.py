@@ -6,7 +6,7 @@ Follows transformers' LlamaForCausalLM; the flavours differ only in the flags of
 import torch
 from torch import nn
 
-from kestrel.cache import CacheSpec
+from kestrel.cache.sequence import CacheSpec
 from kestrel.models.base import CausalLM, head_dim, rope_parameters
 from kestrel.models.batch import ForwardBatch
 from kestrel.models.layers.attention import Attention

@@ -11,7 +11,7 @@ nothing. Checkpoints name the model `backbone` and store one tensor per expert.
 import torch
 from torch import nn
 
-from kestrel.cache import CacheSpec
+from kestrel.cache.sequence import CacheSpec
 from kestrel.kernels.fused import ACTIVATIONS
 from kestrel.models.base import CausalLM, Slot, head_dim
 from kestrel.models.batch import ForwardBatch

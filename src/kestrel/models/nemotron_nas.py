@@ -16,7 +16,7 @@ from torch import nn
 from transformers import AutoConfig, LlamaConfig
 
 import kestrel.cache.recurrent  # noqa: F401  registers the "none" cache kind
-from kestrel.cache import CacheSpec
+from kestrel.cache.sequence import CacheSpec
 from kestrel.errors import UnsupportedModelError
 from kestrel.models.base import CausalLM, head_dim, rope_parameters
 from kestrel.models.batch import ForwardBatch

@@ -13,7 +13,7 @@ plain RoPE path; text rows of a sequence with images (decode) are shifted by its
 import torch
 from torch import nn
 
-from kestrel.cache import CacheSpec
+from kestrel.cache.sequence import CacheSpec
 from kestrel.models.base import CausalLM, rope_parameters
 from kestrel.models.base import head_dim as base_head_dim
 from kestrel.models.batch import ForwardBatch, ImageRows

@@ -4,7 +4,7 @@ the total tokens of the batch; the mask comes from the positions of the keys the
 import torch
 from torch import nn
 
-from kestrel.cache import visible_mask
+from kestrel.cache.mask import visible_mask
 from kestrel.kernels.attention import attend
 from kestrel.models.batch import ForwardBatch
 from kestrel.models.layers.rope import RotaryEmbedding, apply_rope

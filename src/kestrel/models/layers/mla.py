@@ -16,7 +16,8 @@ cached latents into per-head keys/values (long chunks), or, for short chunks (de
 import torch
 from torch import nn
 
-from kestrel.cache import LayerKVCache, visible_mask
+from kestrel.cache.kv import LayerKVCache
+from kestrel.cache.mask import visible_mask
 from kestrel.cache.sequence import CACHE_KINDS, CacheSpec
 from kestrel.kernels.attention import attend
 from kestrel.models.base import CausalLM, rope_parameters
