@@ -50,20 +50,20 @@ def test_gpu_greedy_tokens_equal_cpu(kind, window, graphs, max_kv_size):
 
 @pytest.mark.parametrize("kind,window,max_kv_size", [("llama", None, None), ("gemma3", 6, 12)])
 def test_gpu_pool_exhaustion_preempts_and_outputs_equal_cpu(kind, window, max_kv_size):
-    """More concurrent requests than the pool holds (8 x 6 blocks on 11): preempted and
+    """More concurrent requests than the pool holds (8 x 4 blocks of 16 on 9): preempted and
     recomputed on the GPU (CUDA graphs on), each ends with its CPU reference tokens."""
     model = tiny_model(kind, window)
-    seqs = prompts(*range(7, 15))
+    seqs = prompts(*range(20, 28))
     expected = [
-        generate(ModelRunner(model, torch.device("cpu")), [p], 22 - len(p), max_kv_size, 2, 1, 4)[0]
+        generate(ModelRunner(model, torch.device("cpu")), [p], 60 - len(p), max_kv_size, 2, 1, 8)[0]
         for p in seqs
     ]
-    cache = CacheConfig(block_size=4, num_blocks=12)
+    cache = CacheConfig(block_size=16, num_blocks=10)
     runner = GPURunner(copy.deepcopy(model).cuda(), torch.device("cuda"), 8, 40, 256, cache)
     reqs = [
-        Request(f"x{i}", p, SamplingParams(temperature=0), 22 - len(p), max_kv_size, 2)
+        Request(f"x{i}", p, SamplingParams(temperature=0), 60 - len(p), max_kv_size, 2)
         for i, p in enumerate(seqs)
     ]
-    assert run_to_end(runner, reqs, max_num_seqs=8, prefill_chunk_size=4) > 0
+    assert run_to_end(runner, reqs, max_num_seqs=8, prefill_chunk_size=8) > 0
     assert [r.output_ids for r in reqs] == expected
-    assert runner.blocks.num_free == 11
+    assert runner.blocks.num_free == 9

@@ -172,7 +172,8 @@ class _KVPlan:
 
     def fit(self, request: Request, n: int) -> int:
         """The most of n tokens `request` may add with the blocks free now."""
-        if not self.blocks.limited or self.blocks.fits(self._needed(request, n)):
+        most = -(-n // self.blocks.block_size) + 1  # n tokens never take more new blocks
+        if self.blocks.fits(most) or self.blocks.fits(self._needed(request, n)):
             return n
         low, high = 0, n  # blocks needed only grow with the tokens: the largest that fits
         while low < high:
