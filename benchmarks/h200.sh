@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The H200 session: the GPU gate (every GPU test, recorded), then `kestrel bench` on the headline
 # shapes with the transformers peer in the same run.
-# Usage: benchmarks/h200.sh OUTDIR [tests|quick|bench|full]   (full = tests, then bench)
+# Usage: benchmarks/h200.sh OUTDIR [tests|quick|bench|seeds|full]   (full = tests, then bench)
+# seeds: the seed families' released shapes (benchmarks/README.md), each with the peer
 set -uo pipefail
 out=${1:-benchmarks/results}; what=${2:-full}
 export PYTHONUNBUFFERED=1 PYTHONPATH=src${PYTHONPATH:+:$PYTHONPATH}
@@ -20,6 +21,13 @@ if [[ $what == bench || $what == full ]]; then
   for shape in llama3-8b qwen2.5-0.5b; do
     python3 -m kestrel bench --shape "$shape" --peer transformers --no-progress \
       -o "$out/h200.jsonl" || status=1
+  done
+fi
+if [[ $what == seeds ]]; then
+  for shape in qwen3-vl-30b-a3b glm-4.7-flash gemma4-26b-a4b gemma4-31b nemotron-h-8b \
+      minicpm3-4b nemotron-nas-49b jamba-v0.1; do
+    python3 -m kestrel bench --shape "$shape" --peer transformers --no-progress \
+      -o "$out/h200-seeds.jsonl" || status=1
   done
 fi
 exit $status

@@ -230,7 +230,8 @@ def test_roofline_reads_kv_bytes_from_the_family_not_the_config():
 
     import transformers
 
-    from kestrel.bench.offline import Workload, ceilings, kv_bytes_per_token, weight_bytes
+    from kestrel.bench.offline import Workload
+    from kestrel.bench.roofline import active_weight_bytes, ceilings, kv_bytes_per_token
     from kestrel.weights.loader import build_model
 
     S, F = "sliding_attention", "full_attention"
@@ -247,4 +248,4 @@ def test_roofline_reads_kv_bytes_from_the_family_not_the_config():
     args = Namespace(bandwidth=1e12, flops=1e15)
     work = Workload(num_requests=1, prompt_tokens=100, output_tokens=8)
     ceiling = ceilings(args, model, kv, torch.float32, work, 1)["ceiling_decode_tok_s"]
-    assert ceiling == pytest.approx(1e12 / (weight_bytes(model) + kv * 100))
+    assert ceiling == pytest.approx(1e12 / (active_weight_bytes(model) + kv * 100))

@@ -18,11 +18,15 @@ from dataclasses import dataclass
 
 import torch
 
+from kestrel.bench.roofline import H200, ceilings, meta_model
 from kestrel.bench.serve import add_serve_bench_args
-from kestrel.weights.shapes import random_model, randomize, shape_config, shape_tokenizer
-
-# the reference machine's measured ceilings (DESIGN.md section 5)
-H200 = dict(bandwidth=4.25e12, flops=786e12)
+from kestrel.weights.shapes import (
+    decoder_config,
+    random_model,
+    randomize,
+    shape_config,
+    shape_tokenizer,
+)
 
 
 @dataclass
@@ -63,43 +67,6 @@ def load_model(args, device, dtype):
     source = resolve(args.model)
     model = load_checkpoint(source, dtype, device, progress=not args.no_progress)
     return model, model.config, source.name
-
-
-def weight_bytes(model) -> int:
-    seen, total = set(), 0
-    for p in model.parameters():
-        if p.data_ptr() not in seen:
-            seen.add(p.data_ptr())
-            total += p.numel() * p.element_size()
-    return total
-
-
-def kv_bytes_per_token(config, dtype) -> int:
-    """KV bytes a token costs, from kestrel's family on the meta device (no memory): the family
-    knows its caches (sliding, shared, latent, recurrent layers), the raw config does not."""
-    from kestrel.weights.loader import build_model
-
-    return build_model(config, dtype, torch.device("meta")).kv_bytes_per_token(dtype)
-
-
-def ceilings(args, model, kv_per_token: int, dtype, work: Workload, concurrency: int) -> dict:
-    """Roofline bounds: decode is at best weights (+ live KV) / bandwidth per step, prefill and
-    big batches at best 2 * params * tokens / FLOP rate."""
-    bw, flops = args.bandwidth, args.flops
-    if not bw or not flops:
-        return {}
-    w = weight_bytes(model)
-    params = w / torch.finfo(dtype).bits * 8
-    if work.num_requests == 1:
-        return {"ceiling_decode_tok_s": bw / (w + kv_per_token * work.prompt_tokens)}
-    p, o, n = work.prompt_tokens, work.output_tokens, work.num_requests
-    time_min = 2 * params * n * p / flops
-    waves = -(-n // concurrency)
-    batch = min(n, concurrency)
-    for step in range(o):
-        kv = kv_per_token * batch * (p + step)
-        time_min += waves * max((w + kv) / bw, 2 * params * batch / flops)
-    return {"ceiling_output_tok_s": n * o / time_min}
 
 
 def environment(device) -> dict:
@@ -150,7 +117,7 @@ def bench_config(args, max_num_seqs: int):
 def make_kestrel_runner(args, model, config, device, max_num_seqs: int):
     from kestrel.engine.gpu_runner import make_runner
 
-    ctx = args.ctx_size or getattr(config, "max_position_embeddings", 4096)
+    ctx = args.ctx_size or getattr(decoder_config(config), "max_position_embeddings", 4096)
     return make_runner(model, device, bench_config(args, max_num_seqs), ctx)
 
 
@@ -230,7 +197,7 @@ def kestrel_engine(args, model, config, device, max_num_seqs: int):
     from kestrel.engine.engine import Engine
 
     if args.shape:
-        tokenizer = shape_tokenizer(config.vocab_size)
+        tokenizer = shape_tokenizer(decoder_config(config).vocab_size)
     else:
         from kestrel.weights.loader import load_tokenizer, resolve
 
@@ -285,13 +252,27 @@ def _pct(values: list[float], q: float) -> float:
 
 
 def peer_model(config, dtype, device, seed: int):
-    from transformers import AutoModelForCausalLM
-
+    """transformers' model of `config` with random weights: its causal LM, else (vision-language
+    configs) its image-text-to-text model, which generates from text alone."""
+    auto = peer_class(config.model_type)
     torch.manual_seed(seed)
     with torch.device(device):
-        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+        model = auto.from_config(config, dtype=dtype)
     randomize(model)
     return model.eval()
+
+
+def peer_class(model_type: str):
+    """The transformers auto class that builds `model_type`, looked up by name: an unknown type
+    would make transformers import every model's config before it says no."""
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
+    from transformers.models.auto import modeling_auto
+
+    if model_type in modeling_auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+        return AutoModelForCausalLM
+    if model_type in modeling_auto.MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES:
+        return AutoModelForImageTextToText
+    raise ValueError(f"transformers has no generating model for {model_type!r}")
 
 
 @torch.no_grad()
@@ -365,7 +346,7 @@ def run_bench(args) -> int:
     for peer in args.peer:  # first, while the card is free of kestrel's KV pool
         _run_peer(peer, args, dtype, device, modes, latency, batch, env, out)
     model, config, label = load_model(args, device, dtype)
-    args.vocab = config.vocab_size
+    args.vocab = decoder_config(config).vocab_size
     kv_per_token = model.kv_bytes_per_token(dtype)
     base = {"engine": "kestrel", "model": label, "dtype": str(dtype).removeprefix("torch."), **env}
     for mode in modes:
@@ -410,29 +391,40 @@ def _run_peer(peer, args, dtype, device, modes, latency, batch, env, out) -> Non
         from kestrel.weights.loader import load_config, resolve, text_config
 
         config = text_config(load_config(resolve(args.model)))
-    model = peer_model(config, dtype, device, args.seed)
-    kv_per_token = kv_bytes_per_token(config, dtype)
+    family = meta_model(config, dtype)  # the roofline counts kestrel's layout of the weights
+    kv_per_token, vocab = family.kv_bytes_per_token(dtype), decoder_config(config).vocab_size
     base = {
         "engine": f"transformers {transformers.__version__}",
         "model": args.shape or args.model,
         "dtype": str(dtype).removeprefix("torch."),
         **env,
     }
+    try:
+        model = peer_model(config, dtype, device, args.seed)
+    except Exception as error:  # e.g. nemotron-nas: transformers has no class for it
+        model, failed = None, _error(error)
     for mode in modes:
         work = latency if mode == "latency" else batch
-        try:
-            numbers = (
-                peer_latency(model, work, config.vocab_size, device)
-                if mode == "latency"
-                else peer_throughput(model, work, config.vocab_size, device)
-            )
-        except Exception as error:  # report the peer's failure and go on with kestrel
-            numbers = {"error": f"{type(error).__name__}: {error}"[:300]}
-        numbers.update(ceilings(args, model, kv_per_token, dtype, work, work.num_requests))
+        if model is None:
+            numbers = dict(failed)
+        else:
+            try:
+                numbers = (
+                    peer_latency(model, work, vocab, device)
+                    if mode == "latency"
+                    else peer_throughput(model, work, vocab, device)
+                )
+            except Exception as error:  # report the peer's failure and go on with kestrel
+                numbers = _error(error)
+        numbers.update(ceilings(args, family, kv_per_token, dtype, work, work.num_requests))
         emit({**base, "mode": mode, **_workload(work, work.num_requests), **numbers}, out)
     del model
     if device.type == "cuda":
         torch.cuda.empty_cache()
+
+
+def _error(error: Exception) -> dict:
+    return {"error": f"{type(error).__name__}: {error}"[:300]}
 
 
 def _workload(work: Workload, concurrency: int) -> dict:

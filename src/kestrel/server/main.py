@@ -110,10 +110,10 @@ def load_frontend(config: Config):
     from kestrel.media import MediaLimits
     from kestrel.models.qwen_vl_processor import load_processor
     from kestrel.weights.loader import load_config, load_tokenizer, resolve, takes_images
-    from kestrel.weights.shapes import shape_config, shape_tokenizer
+    from kestrel.weights.shapes import decoder_config, shape_config, shape_tokenizer
 
     if config.model.shape:
-        return shape_tokenizer(shape_config(config.model.shape).vocab_size), None
+        return shape_tokenizer(decoder_config(shape_config(config.model.shape)).vocab_size), None
     source = resolve(config.model.model)
     model_config = load_config(source)  # first: it registers a family's own config class, if any
     tokenizer = load_tokenizer(source)
