@@ -75,7 +75,12 @@ def test_kestrel_serve_on_cuda_answers_the_openai_client():
         assert server.stop() == 0, server.log()[-3000:]
 
 
-@pytest.mark.parametrize("shape", sorted(SHAPES))
+# the paged runner's shapes; the seed families' real-size shapes take minutes each with the peer
+# and run in `benchmarks/h200.sh OUT seeds`
+GATE_SHAPES = [name for name, s in SHAPES.items() if s["model_type"] in ("llama", "qwen2")]
+
+
+@pytest.mark.parametrize("shape", GATE_SHAPES)
 def test_kestrel_bench_runs_every_named_shape_with_the_peer(shape, tmp_path):
     out = tmp_path / "bench.jsonl"
     done = kestrel(

@@ -15,7 +15,7 @@ from kestrel.bench.roofline import (
     ceilings,
     meta_model,
 )
-from kestrel.cache import SequenceCache
+from kestrel.cache.sequence import SequenceCache
 from kestrel.models.batch import ForwardBatch
 from kestrel.weights.loader import build_model
 from kestrel.weights.shapes import SHAPES, decoder_config, randomize, shape_config
