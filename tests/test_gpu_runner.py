@@ -26,7 +26,9 @@ def generate(runner, seqs, steps, max_kv_size=None, keep=0, max_num_seqs=4, chun
     return [r.output_ids for r in reqs]
 
 
-@pytest.mark.parametrize("kind,window", [("llama", None), ("llama", 7), ("gemma3", 6)])
+@pytest.mark.parametrize(
+    "kind,window", [("llama", None), ("llama", 7), ("gemma3", 6), ("exaone_moe", 6)]
+)
 @pytest.mark.parametrize("graphs", [True, False])
 @pytest.mark.parametrize("max_kv_size", [None, 12])
 def test_gpu_greedy_tokens_equal_cpu(kind, window, graphs, max_kv_size):

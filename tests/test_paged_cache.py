@@ -7,7 +7,7 @@ is driven through the same chunk schedule as the reference runner: trimmed (--ma
 
 import pytest
 import torch
-from transformers import Gemma3TextConfig, LlamaConfig
+from transformers import ExaoneMoeConfig, Gemma3TextConfig, LlamaConfig
 
 from kestrel.cache.blocks import BlockManager
 from kestrel.cache.paged import PagedSequenceCache
@@ -34,6 +34,26 @@ def tiny_model(kind: str, window=None):
             sliding_window=window or 6,
             layer_types=["sliding_attention", "sliding_attention", "full_attention"],
             max_position_embeddings=256,
+        )
+    elif kind == "exaone_moe":  # GQA over sliding and full layers, sigmoid-routed MoE
+        config = ExaoneMoeConfig(
+            vocab_size=97,
+            hidden_size=32,
+            intermediate_size=48,
+            num_hidden_layers=3,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=8,
+            max_position_embeddings=256,
+            sliding_window=window or 6,
+            layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+            mlp_layer_types=["dense", "sparse", "sparse"],
+            moe_intermediate_size=16,
+            num_experts=8,
+            num_experts_per_tok=2,
+            n_group=4,
+            topk_group=2,
+            num_shared_experts=1,
         )
     else:
         config = LlamaConfig(
@@ -124,6 +144,12 @@ def test_sliding_window_sequences_match_dense_and_free_blocks():
 
 def test_gemma3_mixed_sliding_and_full_layers_match_dense():
     model = tiny_model("gemma3", window=6)
+    schedule = [(9, 4), (5, 1), *[(1, 1)] * 8]
+    run_both(model, prompts(14, 4), schedule, max_kv_size=12, keep=1)
+
+
+def test_exaone_moe_sliding_full_and_moe_layers_match_dense():
+    model = tiny_model("exaone_moe", window=6)
     schedule = [(9, 4), (5, 1), *[(1, 1)] * 8]
     run_both(model, prompts(14, 4), schedule, max_kv_size=12, keep=1)
 
@@ -246,7 +272,8 @@ def test_pool_sized_by_a_probe_step_then_generates_as_reference():
 
 
 @pytest.mark.parametrize(
-    "kind,window,max_kv_size", [("llama", None, None), ("llama", 7, None), ("gemma3", 6, 12)]
+    "kind,window,max_kv_size",
+    [("llama", None, None), ("llama", 7, None), ("gemma3", 6, 12), ("exaone_moe", 6, 12)],
 )
 def test_a_pool_too_small_for_the_load_preempts_and_every_request_gets_its_solo_output(
     kind, window, max_kv_size

@@ -26,7 +26,8 @@ from kestrel.sampling import SamplingParams
 log = logging.getLogger("kestrel.gpu_runner")
 
 # families whose attention goes only through `cached_attention` (so the paged pool serves them)
-PAGED_FAMILIES = {"llama", "mistral", "qwen2", "qwen3", "gemma3", "gemma3_text"}
+# and whose every layer is graph-capturable (MoE experts by grouped GEMM)
+PAGED_FAMILIES = {"llama", "mistral", "qwen2", "qwen3", "gemma3", "gemma3_text", "exaone_moe"}
 GRAPH_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256, 320, 384, 448, 512)
 
 

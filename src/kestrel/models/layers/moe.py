@@ -8,8 +8,9 @@ weights and a routed scaling factor; then shared experts that every token passes
 Expert weights are stacked as transformers >= 5 keeps them, `experts.gate_up_proj` (E, 2I, H) and
 `experts.down_proj` (E, H, I); checkpoints that store one tensor per expert load through
 `expert_slot`. The expert computation is batched: a decode-sized batch gathers the chosen experts'
-weights and runs one bmm; a larger one sorts (token, expert) pairs by expert and runs one matmul
-per expert over a contiguous slice. Neither loops over tokens in Python.
+weights and runs one bmm; a larger one sorts (token, expert) pairs by expert and runs one grouped
+GEMM per projection over every expert's contiguous slice (`grouped_matmul`). Neither loops over
+tokens in Python, and neither reads a count back to the host.
 """
 
 import re
@@ -118,21 +119,48 @@ class Experts(nn.Module):
         return torch.bmm(self.down_proj[flat], self._mlp(h)[:, :, None])[..., 0]
 
     def _grouped(self, x: torch.Tensor, flat: torch.Tensor, k: int) -> torch.Tensor:
-        # many pairs (prefill): sort pairs by expert so each expert multiplies one contiguous slice
+        # many pairs (prefill, large decode batches): sort pairs by expert so each expert
+        # multiplies one contiguous slice, all experts in one grouped GEMM per projection
         order = flat.argsort(stable=True)
-        counts = torch.bincount(flat, minlength=self.num_experts).tolist()
         xs = x[order // k]  # (P, H) in expert order
-        out_sorted = torch.empty_like(xs)
-        start = 0
-        for expert, n in enumerate(counts):
-            if n:
-                rows = slice(start, start + n)
-                h = self._mlp(xs[rows] @ self.in_proj[expert].t())
-                out_sorted[rows] = h @ self.down_proj[expert].t()
-                start += n
+        ends = torch.bincount(flat, minlength=self.num_experts).cumsum(0)
+        h = self._mlp(grouped_matmul(xs, self.in_proj, ends))
+        out_sorted = grouped_matmul(h, self.down_proj, ends)
         out = torch.empty_like(out_sorted)
         out[order] = out_sorted
         return out
+
+
+def grouped_matmul(xs: torch.Tensor, weights: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
+    """Rows [ends[e-1], ends[e]) of xs (P, K) times weights[e] (N, K) transposed -> (P, N).
+
+    PyTorch's grouped GEMM takes every expert in one kernel with no host sync (so CUDA graphs can
+    capture it); where it does not apply (CUDA without bf16 on Hopper-class GPUs, shapes its
+    kernel cannot tile) one matmul per expert over its slice does the same, and while a CUDA
+    graph is captured (no host sync allowed) every row meets every expert and keeps its own."""
+    if _grouped_mm_applies(xs, weights):
+        return torch._grouped_mm(xs, weights.transpose(1, 2), offs=ends.to(torch.int32))
+    if xs.is_cuda and torch.cuda.is_current_stream_capturing():
+        rows = torch.arange(xs.shape[0], device=xs.device)
+        expert = torch.searchsorted(ends, rows, right=True)
+        return torch.einsum("pk,enk->pen", xs, weights)[rows, expert]
+    out = xs.new_empty(xs.shape[0], weights.shape[1])
+    start = 0
+    for expert, end in enumerate(ends.tolist()):
+        if end > start:
+            out[start:end] = xs[start:end] @ weights[expert].t()
+        start = end
+    return out
+
+
+def _grouped_mm_applies(xs: torch.Tensor, weights: torch.Tensor) -> bool:
+    if not hasattr(torch, "_grouped_mm"):
+        return False
+    if not xs.is_cuda:
+        return True
+    hopper = torch.cuda.get_device_capability(xs.device)[0] >= 9
+    aligned = all(d % 8 == 0 for d in weights.shape[1:])  # 16-byte rows of bf16
+    return hopper and xs.dtype == torch.bfloat16 and aligned
 
 
 class Router(nn.Module):
