@@ -50,22 +50,35 @@ def test_gpu_greedy_tokens_equal_cpu(kind, window, graphs, max_kv_size):
     assert runner.blocks.num_free == 199  # every block back after release
 
 
-@pytest.mark.parametrize("kind,window,max_kv_size", [("llama", None, None), ("gemma3", 6, 12)])
-def test_gpu_pool_exhaustion_preempts_and_outputs_equal_cpu(kind, window, max_kv_size):
-    """More concurrent requests than the pool holds (8 x 4 blocks of 16 on 9): preempted and
-    recomputed on the GPU (CUDA graphs on), each ends with its CPU reference tokens."""
-    model = tiny_model(kind, window)
+@pytest.mark.parametrize(
+    "kind,window,max_kv_size", [("llama", None, None), ("gemma3", 6, 12), ("exaone_moe", 6, None)]
+)
+def test_gpu_pool_exhaustion_preempts_and_each_request_gets_its_solo_output(
+    kind, window, max_kv_size
+):
+    """More concurrent requests than the pool holds (8 x 4 blocks of 16 on 9), preempted and
+    recomputed with CUDA graphs on: each ends with the tokens it gets alone on an ample pool."""
+    model = copy.deepcopy(tiny_model(kind, window)).cuda()
     seqs = prompts(*range(20, 28))
-    expected = [
-        generate(ModelRunner(model, torch.device("cpu")), [p], 60 - len(p), max_kv_size, 2, 1, 8)[0]
-        for p in seqs
-    ]
-    cache = CacheConfig(block_size=16, num_blocks=10)
-    runner = GPURunner(copy.deepcopy(model).cuda(), torch.device("cuda"), 8, 40, 256, cache)
-    reqs = [
-        Request(f"x{i}", p, SamplingParams(temperature=0), 60 - len(p), max_kv_size, 2)
-        for i, p in enumerate(seqs)
-    ]
-    assert run_to_end(runner, reqs, max_num_seqs=8, prefill_chunk_size=8) > 0
-    assert [r.output_ids for r in reqs] == expected
+
+    def run(num_blocks, max_num_seqs, requests):
+        cache = CacheConfig(block_size=16, num_blocks=num_blocks)
+        runner = GPURunner(model, torch.device("cuda"), max_num_seqs, 40, 256, cache)
+        preempted = run_to_end(runner, requests, max_num_seqs=max_num_seqs, prefill_chunk_size=8)
+        return runner, preempted
+
+    def requests():
+        return [
+            Request(f"x{i}", p, SamplingParams(temperature=0), 60 - len(p), max_kv_size, 2)
+            for i, p in enumerate(seqs)
+        ]
+
+    solo = []
+    for request in requests():
+        run(64, 1, [request])
+        solo.append(request.output_ids)
+    crowd = requests()
+    runner, preempted = run(10, 8, crowd)
+    assert preempted > 0
+    assert [r.output_ids for r in crowd] == solo
     assert runner.blocks.num_free == 9
