@@ -201,7 +201,9 @@ class GPURunner(ModelRunner):
     @torch.inference_mode()
     def _run(self, chunks: list[ScheduledChunk]) -> list[StepResult]:
         packed = self._pack_host(chunks)
-        decode = all(c.num_tokens == 1 for c in chunks)
+        # a graph returns a row per sequence; only steps whose every chunk samples fit it (a
+        # one-token chunk cut from a prompt or a recompute samples nothing)
+        decode = all(c.num_tokens == 1 and c.samples for c in chunks)
         size = next((b for b in sorted(self.graphs) if b >= len(chunks)), None)
         if decode and size is not None:
             logits = self._replay(packed, size)[: len(chunks)]
