@@ -243,7 +243,8 @@ async def create_response(body: ResponsesRequest, http: Request):
     state = server_state(http)
     state.check_model(body.model)
     body.check_supported()
-    history = _history(response_store(http), body.previous_response_id)
+    store = response_store(http)
+    history = _history(store, body.previous_response_id)
     messages, names = _conversation(body, history)
     with names.naming():
         params = body.sampling_params(state.config.default_max_tokens)
@@ -253,11 +254,9 @@ async def create_response(body: ResponsesRequest, http: Request):
         await generation.start()
     answer = Answer(body, generation, messages[1:] if body.instructions is not None else messages)
     if body.stream:
-        return sse_response(
-            _events(answer, response_store(http)), generation, False, answer.events.error
-        )
+        return sse_response(_events(answer, store), generation, False, answer.events.error)
     await generation.collect(http)
-    return answer.finish(response_store(http))
+    return answer.finish(store)
 
 
 @router.get("/v1/responses/{response_id}", response_model=ResponseObject, responses=ERROR_RESPONSES)
