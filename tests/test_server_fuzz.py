@@ -23,6 +23,8 @@ ROUTES = [
     ("POST", "/v1/chat/completions", 200, 120),
     ("POST", "/v1/completions", 200, 120),
     ("POST", "/completion", 200, 120),
+    ("POST", "/v1/responses", 200, 120),
+    ("POST", "/v1/messages", 200, 120),
     ("POST", "/tokenize", 200, 120),
     ("POST", "/detokenize", 200, 120),
     ("GET", "/v1/models", 5, 0),

@@ -15,6 +15,7 @@ import pytest
 
 from kestrel.config import ServerConfig
 from kestrel.server.app import create_app, route_table
+from kestrel.server.errors import ANTHROPIC_PATHS
 from server_fixtures import API_KEY, shared_server, step_seconds, tiny_model
 
 pytestmark = pytest.mark.slow
@@ -316,7 +317,9 @@ def test_every_route_of_the_real_server_but_health_needs_the_key(server):
             response = httpx.request(method, server.url + path, timeout=30)
             expected = 200 if path == "/health" else 401
             assert response.status_code == expected, (method, path)
-            if expected == 401 and method != "HEAD":
+            if expected == 401 and method != "HEAD" and path in ANTHROPIC_PATHS:
+                assert response.json()["error"]["type"] == "authentication_error"
+            elif expected == 401 and method != "HEAD":
                 assert response.json()["error"]["code"] == "invalid_api_key"
 
 

@@ -171,3 +171,23 @@ def chunk_boundaries_inside_images(prompt, chunk: int) -> int:
     return sum(
         s < b < e for b in range(chunk, len(prompt.token_ids), chunk) for s, e in prompt.image_spans
     )
+
+
+_TINY_VL: list[Path] = []
+
+
+def tiny_vl_checkpoint() -> Path:
+    """tests/test_models_qwen2_vl.py's tiny qwen2_vl checkpoint (PATCH x MERGE windows, as
+    tests/vl_suite.py), saved once per session: servers that take images share it."""
+    if not _TINY_VL:
+        import tempfile
+
+        import transformers
+        from tests.test_models_qwen2_vl import tiny_config
+        from tests.vl_suite import MERGE, PATCH
+
+        folder = Path(tempfile.mkdtemp(prefix="kestrel-tiny-vl-"))
+        model_cls = transformers.Qwen2VLForConditionalGeneration
+        save_tiny_vl(model_cls, tiny_config(), folder, tiny_tokenizer(), PATCH, MERGE)
+        _TINY_VL.append(folder)
+    return _TINY_VL[0]

@@ -24,7 +24,7 @@ class APIKeyMiddleware:
             code="invalid_api_key",
             headers={"WWW-Authenticate": "Bearer"},
         )
-        await error_response(error)(scope, receive, send)
+        await error_response(error, scope["path"])(scope, receive, send)
 
     def _authorized(self, scope: Scope) -> bool:
         headers = dict(scope["headers"])

@@ -1,6 +1,10 @@
-"""Every error the server answers, mapped to OpenAI's error body in this one place.
+"""Every error the server answers, mapped to its body in this one place: OpenAI's
 
-{"error": {"message": str, "type": str, "param": str | null, "code": str | null}}
+    {"error": {"message": str, "type": str, "param": str | null, "code": str | null}}
+
+or, on the Anthropic Messages route (whose clients parse no other), Anthropic's
+
+    {"type": "error", "error": {"type": str, "message": str}}
 """
 
 import json
@@ -61,9 +65,34 @@ def error_body(message: str, type: str, param: str | None = None, code: str | No
     return {"error": {"message": message, "type": type, "param": param, "code": code}}
 
 
-def error_response(error: APIError) -> JSONResponse:
-    body = error_body(str(error), error.type, error.param, error.code)
+def error_response(error: APIError, path: str = "") -> JSONResponse:
+    """The error's response on the route at `path`, in that route's API's shape."""
+    if path in ANTHROPIC_PATHS:
+        body = anthropic_error_body(error)
+    else:
+        body = error_body(str(error), error.type, error.param, error.code)
     return JSONResponse(body, status_code=error.status, headers=error.headers)
+
+
+ANTHROPIC_PATHS = frozenset({"/v1/messages"})
+# Anthropic's error types by HTTP status (its overloaded_error is 529; ours stays 503)
+_ANTHROPIC_TYPES = {
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    413: "request_too_large",
+    429: "rate_limit_error",
+    503: "overloaded_error",
+}
+
+
+def anthropic_error_body(error: APIError) -> dict:
+    default = "invalid_request_error" if error.status < 500 else "api_error"
+    kind = _ANTHROPIC_TYPES.get(error.status, default)
+    message = str(error)
+    if error.param and not message.startswith(error.param):  # the body has no `param` field
+        message = f"{error.param}: {message}"
+    return {"type": "error", "error": {"type": kind, "message": message}}
 
 
 def as_api_error(error: BaseException, request_id: str | None = None) -> APIError:
@@ -96,9 +125,10 @@ def validation_error(error: RequestValidationError) -> APIError:
     if not loc:
         return APIError(400, "the body must be a JSON object", code="invalid_body")
     param = _param_name(loc)
-    return APIError(
-        400, f"{param}: {first.get('msg', 'invalid value')}", param=param, code=first.get("type")
-    )
+    message = first.get("msg", "invalid value")
+    if first.get("type") == "extra_forbidden":  # routes that list every field they implement
+        message = "this server does not support this parameter"
+    return APIError(400, f"{param}: {message}", param=param, code=first.get("type"))
 
 
 def _param_name(loc) -> str:
@@ -123,15 +153,15 @@ def install_error_handlers(app: FastAPI) -> None:
         api_error = as_api_error(error)
         if api_error.status >= 500:
             log.error("%s %s failed: %s", request.method, request.url.path, api_error)
-        return error_response(api_error)
+        return error_response(api_error, request.url.path)
 
     async def on_validation(request: Request, error: RequestValidationError) -> JSONResponse:
-        return error_response(validation_error(error))
+        return error_response(validation_error(error), request.url.path)
 
     async def on_http(request: Request, error: HTTPException) -> JSONResponse:
         kind = "not_found_error" if error.status_code == 404 else "invalid_request_error"
         api_error = APIError(error.status_code, str(error.detail), kind, headers=error.headers)
-        return error_response(api_error)
+        return error_response(api_error, request.url.path)
 
     app.add_exception_handler(RequestValidationError, on_validation)
     app.add_exception_handler(HTTPException, on_http)
@@ -144,3 +174,9 @@ def sse_error(error: BaseException, request_id: str | None = None) -> str:
     api_error = as_api_error(error, request_id)
     body = error_body(str(api_error), api_error.type, api_error.param, api_error.code)
     return f"data: {json.dumps(body)}\n\n"
+
+
+def anthropic_sse_error(error: BaseException, request_id: str | None = None) -> str:
+    """The `error` event that ends a failed Anthropic Messages stream."""
+    body = anthropic_error_body(as_api_error(error, request_id))
+    return f"event: error\ndata: {json.dumps(body)}\n\n"

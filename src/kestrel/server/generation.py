@@ -4,7 +4,7 @@ stream them as SSE), abort on disconnect, and format log-probs."""
 import asyncio
 import logging
 import uuid
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 
 from fastapi import Request
@@ -132,24 +132,33 @@ async def _disconnected(http: Request) -> None:
         pass
 
 
+# (error, request id) -> the SSE event that ends a failed stream, in the route's API's shape
+ErrorEvent = Callable[[BaseException, str], str]
+
+
 def sse_response(
-    events: AsyncIterator[str], generation: Generation, done: bool = True
+    events: AsyncIterator[str],
+    generation: Generation,
+    done: bool = True,
+    error_event: ErrorEvent = sse_error,
 ) -> StreamingResponse:
     return StreamingResponse(
-        _sse(events, generation, done), media_type="text/event-stream", headers=SSE_HEADERS
+        _sse(events, generation, done, error_event),
+        media_type="text/event-stream",
+        headers=SSE_HEADERS,
     )
 
 
 async def _sse(
-    events: AsyncIterator[str], generation: Generation, done: bool
+    events: AsyncIterator[str], generation: Generation, done: bool, error_event: ErrorEvent
 ) -> AsyncIterator[str]:
-    """Events, then `[DONE]` (OpenAI routes); a failure becomes an error event. A client that
-    leaves cancels this generator (Starlette watches for the disconnect); the finally aborts."""
+    """Events, then `[DONE]` (chat and completions); a failure becomes an error event. A client
+    that leaves cancels this generator (Starlette watches for the disconnect); the finally aborts."""
     try:
         async for event in events:
             yield event
     except Exception as error:
-        yield sse_error(error, generation.request_id)
+        yield error_event(error, generation.request_id)
     finally:
         generation.abort()
     if done:

@@ -77,7 +77,7 @@ class RequestLimitsMiddleware:
         )
 
     async def _reject(self, scope: Scope, receive: Receive, send: Send, error: APIError) -> None:
-        response = error_response(error)
+        response = error_response(error, scope["path"])
         response.headers["Connection"] = "close"  # the unread rest of the body is not ours
         await response(scope, receive, send)
 

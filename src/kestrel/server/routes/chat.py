@@ -1,14 +1,11 @@
 """POST /v1/chat/completions."""
 
-import asyncio
 from collections.abc import AsyncIterator
 
 from fastapi import APIRouter, Request
 
-from kestrel.errors import InvalidRequestError
-from kestrel.media import image_part_params
-from kestrel.models.qwen_vl_processor import MultimodalPrompt, chat_prompt
 from kestrel.server.generation import Generation, new_id, sse_event, sse_response
+from kestrel.server.prompts import chat_template_prompt
 from kestrel.server.protocol import (
     AssistantMessage,
     ChatChoice,
@@ -20,8 +17,6 @@ from kestrel.server.protocol import (
     Delta,
 )
 from kestrel.server.routes import ERROR_RESPONSES, server_state
-from kestrel.server.state import ServerState
-from kestrel.tokenizer import apply_chat_template
 
 router = APIRouter()
 
@@ -34,9 +29,8 @@ async def chat_completions(body: ChatCompletionRequest, http: Request):
     state.check_model(body.model)
     params = body.sampling_params(state.config.default_max_tokens)
     engine = state.ready_engine()
-    generation = Generation(
-        engine, new_id("chatcmpl"), [await _prompt(state, body)], params, body.check_kv_size()
-    )
+    prompt = await chat_template_prompt(state, [m.as_template_dict() for m in body.messages])
+    generation = Generation(engine, new_id("chatcmpl"), [prompt], params, body.check_kv_size())
     await generation.start()
     if body.stream:
         return sse_response(_chunks(state, body, generation), generation)
@@ -55,20 +49,6 @@ async def chat_completions(body: ChatCompletionRequest, http: Request):
             for c in generation.choices
         ],
     )
-
-
-async def _prompt(state: ServerState, body: ChatCompletionRequest) -> list[int] | MultimodalPrompt:
-    messages = [m.as_template_dict() for m in body.messages]
-    try:
-        if image_part_params(messages):  # decoding and preprocessing images: off the event loop
-            return await asyncio.to_thread(chat_prompt, state.processor, messages)
-        return apply_chat_template(state.tokenizer, messages)
-    except InvalidRequestError:
-        raise
-    except Exception as error:  # the template's own checks (role order, ...) raise jinja errors
-        raise InvalidRequestError(
-            f"the chat template rejected the messages: {error}", param="messages"
-        ) from None
 
 
 def _logprobs(state, body: ChatCompletionRequest, token_ids, entries) -> ChoiceLogprobs | None:

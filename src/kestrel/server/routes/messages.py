@@ -1,0 +1,270 @@
+"""POST /v1/messages: Anthropic's Messages API on the chat engine.
+
+`system` (a string or text blocks) and `messages` (a string or content blocks: text, and image
+with a base64 source for models that take images) become chat messages, generated as chat
+completions are. The answer is one text block; stop_reason is end_turn, max_tokens or
+stop_sequence (with the sequence, which the text leaves out, as Anthropic's). A stream sends
+Anthropic's events: message_start, content_block_start, ping, content_block_delta (text_delta)...,
+content_block_stop, message_delta (stop_reason, usage), message_stop. Errors on this route have
+Anthropic's shape (server/errors.py); `x-api-key` is the key (server/auth.py).
+
+A 400 answers what is not built: tools and tool_choice (tool calls are not parsed yet), image URL
+sources (nothing is fetched over the network), a final assistant message (prefilling the answer),
+and every field not declared below (thinking, ...). `cache_control` is accepted: it never changes
+the answer, and usage reports that nothing was cached.
+"""
+
+import json
+from collections.abc import AsyncIterator
+from typing import Annotated, Literal
+
+from fastapi import APIRouter, Request
+from pydantic import BaseModel, Field
+
+from kestrel.errors import InvalidRequestError
+from kestrel.sampling import SamplingParams
+from kestrel.server.bodies import StrictBody, by_type
+from kestrel.server.errors import anthropic_sse_error
+from kestrel.server.generation import Choice, Generation, new_id, sse_response
+from kestrel.server.prompts import ParamNames, chat_template_prompt
+from kestrel.server.protocol import MAX_MESSAGES
+from kestrel.server.routes import ERROR_RESPONSES, server_state
+
+router = APIRouter()
+
+
+# -- request ----------------------------------------------------------------------------------
+
+
+class CacheControl(StrictBody):
+    type: Literal["ephemeral"]
+    ttl: Literal["5m", "1h"] | None = None
+
+
+class TextBlock(StrictBody):
+    type: Literal["text"]
+    text: str
+    cache_control: CacheControl | None = None
+
+
+class Base64Source(StrictBody):
+    type: Literal["base64"]  # "url" sources: nothing is fetched over the network
+    media_type: Literal["image/jpeg", "image/png", "image/gif", "image/webp"]
+    data: str
+
+
+class ImageBlock(StrictBody):
+    type: Literal["image"]
+    source: Base64Source
+    cache_control: CacheControl | None = None
+
+
+Block = by_type(TextBlock, ImageBlock)
+
+
+class MessageParam(StrictBody):
+    role: Literal["user", "assistant"]
+    content: list[Block] | str  # lists first: pydantic's first complaint reaches the block
+
+    def as_chat(self) -> dict:
+        """The chat message; image blocks become chat's `image_url` parts, one for one."""
+        content = self.content
+        if isinstance(content, list) and any(isinstance(b, ImageBlock) for b in content):
+            content = [_chat_part(block) for block in content]
+        elif isinstance(content, list):
+            content = "".join(block.text for block in content)
+        return {"role": self.role, "content": content}
+
+
+def _chat_part(block: TextBlock | ImageBlock) -> dict:
+    if isinstance(block, ImageBlock):
+        url = f"data:{block.source.media_type};base64,{block.source.data}"
+        return {"type": "image_url", "image_url": {"url": url}}
+    return {"type": "text", "text": block.text}
+
+
+class Metadata(StrictBody):
+    user_id: str | None = None  # an opaque id for the provider's abuse tracking, as OpenAI's user
+
+
+class MessagesRequest(StrictBody):
+    model: str
+    max_tokens: int
+    messages: Annotated[list[MessageParam], Field(min_length=1, max_length=MAX_MESSAGES)]
+    system: list[TextBlock] | str | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    stop_sequences: list[str] | None = None
+    stream: bool = False
+    metadata: Metadata | None = None
+    cache_control: CacheControl | None = None
+    tools: list[dict] | None = None
+    tool_choice: dict | None = None
+
+    def check_supported(self) -> None:
+        if self.tools:
+            raise InvalidRequestError(
+                "tools are not supported yet (tool calls are not parsed)", param="tools"
+            )
+        if self.tool_choice is not None and self.tool_choice.get("type") not in ("auto", "none"):
+            raise InvalidRequestError(
+                'tool_choice needs tools, which are not supported yet; use {"type": "none"}',
+                param="tool_choice",
+            )
+        last = len(self.messages) - 1
+        if self.messages[last].role == "assistant":
+            raise InvalidRequestError(
+                "the last message must be the user's: prefilling the answer is not supported",
+                param=f"messages[{last}]",
+            )
+
+    def chat_messages(self) -> tuple[list[dict], ParamNames]:
+        """The chat messages and the client's name for each."""
+        messages, sources = [], []
+        if self.system:
+            system = self.system
+            text = system if isinstance(system, str) else "".join(b.text for b in system)
+            messages.append({"role": "system", "content": text})
+            sources.append("system")
+        messages += [message.as_chat() for message in self.messages]
+        sources += [f"messages[{i}]" for i in range(len(self.messages))]
+        return messages, ParamNames({"stop": "stop_sequences"}, sources)
+
+    def sampling_params(self) -> SamplingParams:
+        return SamplingParams(
+            max_tokens=self.max_tokens,
+            temperature=1.0 if self.temperature is None else self.temperature,
+            top_p=1.0 if self.top_p is None else self.top_p,
+            top_k=self.top_k or 0,
+            stop=self.stop_sequences,
+            # kept in the engine's text so that the route can tell which one matched; cut here
+            include_stop_str_in_output=True,
+        )
+
+
+# -- response ---------------------------------------------------------------------------------
+
+
+class TextContent(BaseModel):
+    type: Literal["text"] = "text"
+    text: str
+
+
+class MessagesUsage(BaseModel):
+    input_tokens: int
+    output_tokens: int
+    cache_creation_input_tokens: int = 0  # nothing is cached (cache_control changes nothing)
+    cache_read_input_tokens: int = 0
+
+
+StopReason = Literal["end_turn", "max_tokens", "stop_sequence"]
+
+
+class MessageObject(BaseModel):
+    id: str
+    type: Literal["message"] = "message"
+    role: Literal["assistant"] = "assistant"
+    model: str
+    content: list[TextContent]
+    stop_reason: StopReason | None = None
+    stop_sequence: str | None = None
+    usage: MessagesUsage
+
+
+class AnthropicErrorDetail(BaseModel):
+    type: str
+    message: str
+
+
+class AnthropicError(BaseModel):
+    type: Literal["error"] = "error"
+    error: AnthropicErrorDetail
+
+
+ANTHROPIC_ERRORS = {
+    status: {**doc, "model": AnthropicError} for status, doc in ERROR_RESPONSES.items()
+}
+
+
+# -- route ------------------------------------------------------------------------------------
+
+
+@router.post("/v1/messages", response_model=MessageObject, responses=ANTHROPIC_ERRORS)
+async def create_message(body: MessagesRequest, http: Request):
+    state = server_state(http)
+    state.check_model(body.model)
+    body.check_supported()
+    messages, names = body.chat_messages()
+    with names.naming():
+        params = body.sampling_params()
+        engine = state.ready_engine()
+        prompt = await chat_template_prompt(state, messages)
+        generation = Generation(engine, new_id("msg"), [prompt], params)
+        await generation.start()
+    if body.stream:
+        return sse_response(_events(body, generation), generation, False, anthropic_sse_error)
+    await generation.collect(http)
+    choice = generation.choices[0]
+    stop = _stop_sequence(choice, body.stop_sequences)
+    return MessageObject(
+        id=generation.request_id,
+        model=body.model,
+        content=[TextContent(text=_without(choice.text, stop))],
+        stop_reason=_stop_reason(choice, stop),
+        stop_sequence=stop,
+        usage=MessagesUsage(
+            input_tokens=generation.prompt_tokens, output_tokens=choice.generated_tokens
+        ),
+    )
+
+
+def _stop_sequence(choice: Choice, stops: list[str] | None) -> str | None:
+    """The stop sequence that ended the answer: the text ends with it (the engine kept it in). Of
+    several that end it, the longest is the one that matched first."""
+    if choice.finish_reason != "stop":
+        return None
+    return max((s for s in stops or () if choice.text.endswith(s)), key=len, default=None)
+
+
+def _stop_reason(choice: Choice, stop: str | None) -> StopReason:
+    if stop is not None:
+        return "stop_sequence"
+    return "max_tokens" if choice.finish_reason == "length" else "end_turn"
+
+
+def _without(text: str, stop: str | None) -> str:
+    return text[: len(text) - len(stop)] if stop else text
+
+
+def _event(kind: str, **fields) -> str:
+    return f"event: {kind}\ndata: {json.dumps({'type': kind, **fields})}\n\n"
+
+
+async def _events(body: MessagesRequest, generation: Generation) -> AsyncIterator[str]:
+    start = MessageObject(
+        id=generation.request_id,
+        model=body.model,
+        content=[],
+        usage=MessagesUsage(input_tokens=generation.prompt_tokens, output_tokens=0),
+    )
+    yield _event("message_start", message=start.model_dump(mode="json"))
+    yield _event("content_block_start", index=0, content_block={"type": "text", "text": ""})
+    yield _event("ping")
+    stop = None
+    async for choice, out in generation.outputs():
+        text = out.new_text
+        if out.finished and (stop := _stop_sequence(choice, body.stop_sequences)):
+            # the engine holds back text that may start a stop string: all of it is in this delta
+            assert text.endswith(stop), (text, stop)
+            text = _without(text, stop)
+        if text:
+            yield _event("content_block_delta", index=0, delta={"type": "text_delta", "text": text})
+    choice = generation.choices[0]
+    yield _event("content_block_stop", index=0)
+    yield _event(
+        "message_delta",
+        delta={"stop_reason": _stop_reason(choice, stop), "stop_sequence": stop},
+        usage={"input_tokens": generation.prompt_tokens, "output_tokens": choice.generated_tokens},
+    )
+    yield _event("message_stop")

@@ -1,0 +1,418 @@
+"""POST /v1/responses: OpenAI's Responses API on the chat engine; GET and DELETE of kept responses.
+
+The input (a string, or messages of `input_text` / `input_image` / `output_text` parts) and the
+`instructions` become chat messages, generated as chat completions are; the answer is one assistant
+`message` output item. A stream sends OpenAI's event sequence (response.created, .in_progress,
+.output_item.added, .content_part.added, .output_text.delta..., .output_text.done,
+.content_part.done, .output_item.done, then response.completed, or response.incomplete when
+max_output_tokens cut the answer), each event with its sequence_number.
+
+State: the server keeps its last MAX_KEPT finished responses with `store: true` (the default) in
+memory, least recently used dropped first, for `previous_response_id` and GET /v1/responses/{id}.
+Nothing survives a restart; an unknown or dropped id is a 400 naming previous_response_id.
+Unknown fields (reasoning, include, background, ...) are a 400 naming them; so are `tools`
+(tool calls are not parsed yet) and a `text.format` other than text.
+"""
+
+import json
+import time
+from collections import OrderedDict
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Annotated, Literal
+
+from fastapi import APIRouter, Request
+from pydantic import BaseModel, Field
+
+from kestrel.errors import InvalidRequestError
+from kestrel.sampling import SamplingParams
+from kestrel.server.bodies import StrictBody, by_type
+from kestrel.server.errors import APIError, as_api_error
+from kestrel.server.generation import Choice, Generation, new_id, sse_response
+from kestrel.server.prompts import ParamNames, chat_template_prompt
+from kestrel.server.protocol import MAX_MESSAGES
+from kestrel.server.routes import ERROR_RESPONSES, server_state
+
+router = APIRouter()
+
+MAX_KEPT = 128  # finished responses kept for previous_response_id (their images included)
+
+# chat completions' parameter names -> this API's (errors name what the client sent)
+RENAMES = {"max_tokens": "max_output_tokens", "messages": "input", "prompt": "input"}
+
+
+# -- request ----------------------------------------------------------------------------------
+
+
+class InputTextPart(StrictBody):
+    type: Literal["input_text"]
+    text: str
+
+
+class InputImagePart(StrictBody):
+    type: Literal["input_image"]
+    image_url: str  # data:image/...;base64,... or file:// under --allowed-local-media-path
+    detail: Literal["low", "high", "auto", "original"] = "auto"  # as chat's: one resolution
+
+
+class OutputTextPart(StrictBody):
+    """An earlier answer sent back as an assistant turn (annotations and logprobs are output)."""
+
+    type: Literal["output_text"]
+    text: str
+    annotations: list = Field(default_factory=list)
+    logprobs: list | None = None
+
+
+InputPart = by_type(InputTextPart, InputImagePart, OutputTextPart)
+
+
+class InputMessage(StrictBody):
+    type: Literal["message"] = "message"
+    role: Literal["user", "assistant", "system", "developer"]
+    content: list[InputPart] | str  # list first: see ResponsesRequest.input
+    id: str | None = None  # an earlier response's output item sent back carries these two
+    status: Literal["in_progress", "completed", "incomplete"] | None = None
+
+    def as_chat(self) -> dict:
+        """The chat message; image parts become chat's `image_url` parts, one for one."""
+        role = "system" if self.role == "developer" else self.role
+        content = self.content
+        if isinstance(content, list) and any(isinstance(p, InputImagePart) for p in content):
+            content = [_chat_part(part) for part in content]
+        elif isinstance(content, list):
+            content = "".join(part.text for part in content)
+        return {"role": role, "content": content}
+
+
+def _chat_part(part: InputTextPart | InputImagePart | OutputTextPart) -> dict:
+    if isinstance(part, InputImagePart):
+        return {"type": "image_url", "image_url": {"url": part.image_url}}
+    return {"type": "text", "text": part.text}
+
+
+class TextFormat(StrictBody):
+    type: Literal["text"]  # json_schema / json_object: structured output is not built yet
+
+
+class TextConfig(StrictBody):
+    format: TextFormat | None = None
+
+
+class ResponsesRequest(StrictBody):
+    model: str
+    # lists first: pydantic's first complaint (the one a 400 names) is then the list's, whose
+    # path reaches the bad item (`input[2].content[0]`)
+    input: Annotated[list[InputMessage], Field(min_length=1, max_length=MAX_MESSAGES)] | str
+    instructions: str | None = None
+    max_output_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    stream: bool = False
+    store: bool = True
+    previous_response_id: str | None = None
+    metadata: dict[str, str] | None = None
+    text: TextConfig | None = None
+    truncation: Literal["disabled"] | None = None
+    tools: list[dict] | None = None
+    tool_choice: str | dict | None = None
+
+    def check_supported(self) -> None:
+        """Tool calls are not parsed yet: a request that offers tools is refused, not ignored."""
+        if self.tools:
+            raise InvalidRequestError(
+                "tools are not supported yet (tool calls are not parsed)", param="tools"
+            )
+        if self.tool_choice not in (None, "none", "auto"):
+            raise InvalidRequestError(
+                'tool_choice needs tools, which are not supported yet; use "none" or "auto"',
+                param="tool_choice",
+            )
+
+    def sampling_params(self, default_max_tokens: int | None) -> SamplingParams:
+        return SamplingParams(
+            max_tokens=(
+                default_max_tokens if self.max_output_tokens is None else self.max_output_tokens
+            ),
+            temperature=1.0 if self.temperature is None else self.temperature,
+            top_p=1.0 if self.top_p is None else self.top_p,
+        )
+
+
+# -- response ---------------------------------------------------------------------------------
+
+
+class OutputText(BaseModel):
+    type: Literal["output_text"] = "output_text"
+    text: str
+    annotations: list = Field(default_factory=list)
+    logprobs: list = Field(default_factory=list)
+
+
+class OutputMessage(BaseModel):
+    id: str
+    type: Literal["message"] = "message"
+    role: Literal["assistant"] = "assistant"
+    status: Literal["in_progress", "completed", "incomplete"]
+    content: list[OutputText]
+
+
+class ResponseUsage(BaseModel):
+    input_tokens: int
+    input_tokens_details: dict = Field(default_factory=lambda: {"cached_tokens": 0})
+    output_tokens: int
+    output_tokens_details: dict = Field(default_factory=lambda: {"reasoning_tokens": 0})
+    total_tokens: int
+
+
+class ResponseObject(BaseModel):
+    id: str
+    object: Literal["response"] = "response"
+    created_at: int
+    status: Literal["in_progress", "completed", "incomplete"]
+    error: dict | None = None
+    incomplete_details: dict | None = None
+    instructions: str | None = None
+    max_output_tokens: int | None = None
+    model: str
+    output: list[OutputMessage]
+    parallel_tool_calls: bool = False
+    previous_response_id: str | None = None
+    store: bool
+    temperature: float | None = None
+    top_p: float | None = None
+    text: dict = Field(default_factory=lambda: {"format": {"type": "text"}})
+    tool_choice: str | dict = "auto"
+    tools: list = Field(default_factory=list)
+    truncation: Literal["disabled"] = "disabled"
+    metadata: dict[str, str] = Field(default_factory=dict)
+    usage: ResponseUsage | None = None
+
+
+class DeletedResponse(BaseModel):
+    id: str
+    object: Literal["response"] = "response"
+    deleted: bool = True
+
+
+# -- kept responses ---------------------------------------------------------------------------
+
+
+@dataclass
+class Kept:
+    response: ResponseObject
+    conversation: list[dict]  # its chat messages, answer included, instructions not
+
+
+class ResponseStore:
+    """Finished responses by id; past `capacity`, the least recently used is dropped."""
+
+    def __init__(self, capacity: int = MAX_KEPT):
+        self.capacity = capacity
+        self.entries: OrderedDict[str, Kept] = OrderedDict()
+
+    def get(self, response_id: str) -> Kept | None:
+        kept = self.entries.get(response_id)
+        if kept is not None:
+            self.entries.move_to_end(response_id)
+        return kept
+
+    def put(self, kept: Kept) -> None:
+        self.entries[kept.response.id] = kept
+        self.entries.move_to_end(kept.response.id)
+        while len(self.entries) > self.capacity:
+            self.entries.popitem(last=False)
+
+    def delete(self, response_id: str) -> bool:
+        return self.entries.pop(response_id, None) is not None
+
+
+def response_store(http: Request) -> ResponseStore:
+    """The app's store (made on first use; one event loop, so no lock)."""
+    app_state = http.app.state
+    if not hasattr(app_state, "responses"):
+        app_state.responses = ResponseStore()
+    return app_state.responses
+
+
+# -- routes -----------------------------------------------------------------------------------
+
+
+@router.post("/v1/responses", response_model=ResponseObject, responses=ERROR_RESPONSES)
+async def create_response(body: ResponsesRequest, http: Request):
+    state = server_state(http)
+    state.check_model(body.model)
+    body.check_supported()
+    store = response_store(http)
+    history = _history(store, body.previous_response_id)
+    messages, names = _conversation(body, history)
+    with names.naming():
+        params = body.sampling_params(state.config.default_max_tokens)
+        engine = state.ready_engine()
+        prompt = await chat_template_prompt(state, messages)
+        generation = Generation(engine, new_id("resp"), [prompt], params)
+        await generation.start()
+    answer = Answer(body, generation, messages[1:] if body.instructions is not None else messages)
+    if body.stream:
+        return sse_response(_events(answer, store), generation, False, answer.events.error)
+    await generation.collect(http)
+    return answer.finish(store)
+
+
+@router.get("/v1/responses/{response_id}", response_model=ResponseObject, responses=ERROR_RESPONSES)
+async def retrieve_response(response_id: str, http: Request):
+    kept = response_store(http).get(response_id)
+    if kept is None:
+        raise _not_kept(response_id)
+    return kept.response
+
+
+@router.delete(
+    "/v1/responses/{response_id}", response_model=DeletedResponse, responses=ERROR_RESPONSES
+)
+async def delete_response(response_id: str, http: Request):
+    if not response_store(http).delete(response_id):
+        raise _not_kept(response_id)
+    return DeletedResponse(id=response_id)
+
+
+def _not_kept(response_id: str) -> APIError:
+    return APIError(
+        404, f"no response with id {response_id!r} is kept", param="response_id", code="not_found"
+    )
+
+
+def _history(store: ResponseStore, previous_id: str | None) -> list[dict]:
+    if previous_id is None:
+        return []
+    kept = store.get(previous_id)
+    if kept is None:
+        raise InvalidRequestError(
+            f"no response with id {previous_id!r} is kept (responses live in the server's memory, "
+            f"the last {store.capacity} with store: true)",
+            param="previous_response_id",
+            code="previous_response_not_found",
+        )
+    return kept.conversation
+
+
+def _conversation(body: ResponsesRequest, history: list[dict]) -> tuple[list[dict], ParamNames]:
+    """The chat messages (instructions, the previous conversation, the input) and the client's
+    name for each. As OpenAI's, a previous response's instructions are not carried over."""
+    messages, sources = [], []
+    if body.instructions is not None:
+        messages.append({"role": "system", "content": body.instructions})
+        sources.append("instructions")
+    messages += history
+    sources += ["previous_response_id"] * len(history)
+    if isinstance(body.input, str):
+        messages.append({"role": "user", "content": body.input})
+        sources.append("input")
+    else:
+        messages += [item.as_chat() for item in body.input]
+        sources += [f"input[{i}]" for i in range(len(body.input))]
+    return messages, ParamNames(RENAMES, sources)
+
+
+# -- the answer -------------------------------------------------------------------------------
+
+
+class Events:
+    """The stream's SSE events, numbered in order."""
+
+    def __init__(self):
+        self.sequence = 0
+
+    def __call__(self, kind: str, **fields) -> str:
+        data = {"type": kind, "sequence_number": self.sequence, **fields}
+        self.sequence += 1
+        return f"event: {kind}\ndata: {json.dumps(data)}\n\n"
+
+    def error(self, error: BaseException, request_id: str) -> str:
+        api_error = as_api_error(error, request_id)
+        return self("error", code=api_error.code, message=str(api_error), param=api_error.param)
+
+
+@dataclass
+class Answer:
+    """One response as it is generated: its objects at each stage, and keeping it at the end."""
+
+    body: ResponsesRequest
+    generation: Generation
+    conversation: list[dict]  # the chat messages this response continues, instructions not
+    item_id: str = field(default_factory=lambda: new_id("msg"))
+    created_at: int = field(default_factory=lambda: int(time.time()))
+    events: Events = field(default_factory=Events)
+
+    @property
+    def choice(self) -> Choice:
+        return self.generation.choices[0]
+
+    def message(self, status: str) -> OutputMessage:
+        return OutputMessage(id=self.item_id, status=status, content=[self.part()])
+
+    def part(self) -> OutputText:
+        return OutputText(text=self.choice.text)
+
+    def response(self, status: str = "in_progress", output=(), usage=None) -> ResponseObject:
+        body = self.body
+        return ResponseObject(
+            id=self.generation.request_id,
+            created_at=self.created_at,
+            status=status,
+            incomplete_details={"reason": "max_output_tokens"} if status == "incomplete" else None,
+            instructions=body.instructions,
+            max_output_tokens=body.max_output_tokens,
+            model=body.model,
+            output=list(output),
+            previous_response_id=body.previous_response_id,
+            store=body.store,
+            temperature=body.temperature,
+            top_p=body.top_p,
+            tool_choice=body.tool_choice or "auto",
+            metadata=body.metadata or {},
+            usage=usage,
+        )
+
+    def status(self) -> str:
+        return "incomplete" if self.choice.finish_reason == "length" else "completed"
+
+    def finish(self, store: ResponseStore) -> ResponseObject:
+        """The finished response, kept when the request asked for it."""
+        usage = self.generation.usage()
+        response = self.response(
+            self.status(),
+            [self.message(self.status())],
+            ResponseUsage(
+                input_tokens=usage.prompt_tokens,
+                output_tokens=usage.completion_tokens,
+                total_tokens=usage.total_tokens,
+            ),
+        )
+        if self.body.store:
+            answer = {"role": "assistant", "content": self.choice.text}
+            store.put(Kept(response, [*self.conversation, answer]))
+        return response
+
+
+async def _events(answer: Answer, store: ResponseStore) -> AsyncIterator[str]:
+    event, ids = answer.events, {"item_id": answer.item_id, "output_index": 0}
+    yield event("response.created", response=_dump(answer.response()))
+    yield event("response.in_progress", response=_dump(answer.response()))
+    item = OutputMessage(id=answer.item_id, status="in_progress", content=[])
+    yield event("response.output_item.added", output_index=0, item=_dump(item))
+    part = ids | {"content_index": 0}
+    yield event("response.content_part.added", **part, part=_dump(OutputText(text="")))
+    async for _, out in answer.generation.outputs():
+        if out.new_text:
+            yield event("response.output_text.delta", **part, delta=out.new_text, logprobs=[])
+    response = answer.finish(store)
+    yield event("response.output_text.done", **part, text=answer.choice.text, logprobs=[])
+    yield event("response.content_part.done", **part, part=_dump(answer.part()))
+    item = response.output[0]
+    yield event("response.output_item.done", output_index=0, item=_dump(item))
+    yield event(f"response.{response.status}", response=_dump(response))
+
+
+def _dump(model: BaseModel) -> dict:
+    return model.model_dump(mode="json")
