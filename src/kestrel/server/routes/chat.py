@@ -20,6 +20,7 @@ from kestrel.server.protocol import (
     Delta,
 )
 from kestrel.server.routes import ERROR_RESPONSES, server_state
+from kestrel.server.routes.models import served_model
 from kestrel.server.state import ServerState
 from kestrel.tokenizer import apply_chat_template
 
@@ -31,7 +32,7 @@ router = APIRouter()
 )
 async def chat_completions(body: ChatCompletionRequest, http: Request):
     state = server_state(http)
-    state.check_model(body.model)
+    body.model = served_model(state, body.model)  # omitted: the served name
     params = body.sampling_params(state.config.default_max_tokens)
     engine = state.ready_engine()
     generation = Generation(
