@@ -7,6 +7,7 @@ default gets 400 naming it, never an answer that silently ignored it. Types are 
 ranges are checked once, by SamplingParams, whose InvalidRequestError names the parameter.
 """
 
+import re
 import time
 from typing import Annotated, ClassVar, Literal
 
@@ -212,8 +213,7 @@ class TextPart(_Request):
 
 class ImageURL(_Request):
     url: str  # data:image/...;base64,... or file:// under --allowed-local-media-path
-    # the model's own processor sizes images: "low" and "high" would be ignored, so they are 400
-    detail: Literal["auto"] | None = None
+    detail: str | None = None  # only "auto": see ChatMessage.check_supported
 
 
 class ImagePart(_Request):
@@ -230,6 +230,15 @@ class ChatMessage(_CheckedRequest):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None
     name: str | None = None  # given to the chat template, which may render it
+
+    def check_supported(self, prefix: str = "") -> None:
+        super().check_supported(prefix)
+        for j, part in enumerate(self.content if isinstance(self.content, list) else []):
+            if isinstance(part, ImagePart) and part.image_url.detail not in (None, "auto"):
+                param = f"{prefix}content[{j}].image_url.detail"
+                raise InvalidRequestError(
+                    f"{param}: only 'auto': the model's own processor sizes images", param=param
+                )
 
     def as_template_dict(self) -> dict:
         """The message as chat templates expect it: text content, `developer` as `system`;
@@ -437,9 +446,10 @@ def llama_logit_bias(bias, tokenizer) -> dict[int, float] | None:
     pairs = bias.items() if isinstance(bias, dict) else bias
     result: dict[int, float] = {}
     for pair in pairs:
-        if len(pair) != 2 or isinstance(pair[1], str) or pair[1] is True:
+        if len(pair) != 2 or not _is_bias(pair[1]):
             raise InvalidRequestError(
-                "logit_bias entries are [token id or string, number or false]", param="logit_bias"
+                "logit_bias entries are [token id or string, a number in [-100, 100] or false]",
+                param="logit_bias",
             )
         key, value = pair
         value = LOGIT_BAN if value is False else float(value)
@@ -448,10 +458,16 @@ def llama_logit_bias(bias, tokenizer) -> dict[int, float] | None:
     return result
 
 
+def _is_bias(value) -> bool:
+    if value is False:
+        return True
+    return isinstance(value, int | float) and value is not True and -100 <= value <= 100
+
+
 def _bias_tokens(key, tokenizer) -> list[int]:
     if isinstance(key, int):
         return [key]
-    if isinstance(key, str) and key.lstrip("-").isdigit():  # the OpenAI form: {"15043": 1.0}
+    if isinstance(key, str) and re.fullmatch(r"-?[0-9]+", key):  # OpenAI's form: {"15043": 1}
         return [int(key)]
     if isinstance(key, str):
         return tokenizer.encode(key, add_special_tokens=False)

@@ -46,7 +46,8 @@ NO_SLOT = {"code": 503, "message": "no slot available", "type": "unavailable_err
 
 @router.post("/completion", responses=ERROR_RESPONSES)
 async def completion(body: LlamaCompletionRequest, http: Request):
-    """One result, or a list of them for a list of prompts (each prompt's n_cmpl in order)."""
+    """One result, or a list of them for a list of prompts or n_cmpl > 1 (each prompt's n_cmpl
+    in order)."""
     state = server_state(http)
     engine = state.ready_engine()
     params = body.sampling_params(state.config.default_max_tokens, state.tokenizer)
@@ -61,7 +62,7 @@ async def completion(body: LlamaCompletionRequest, http: Request):
     finally:
         run.generation.abort()
     results = [run.select(run.result(choice, choice.text)) for choice in run.generation.choices]
-    return results if several else results[0]
+    return results if several or len(results) > 1 else results[0]
 
 
 def prompt_tokens(tokenizer, prompt: LlamaPrompt) -> list[int]:
