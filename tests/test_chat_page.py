@@ -17,6 +17,7 @@ pytestmark = pytest.mark.slow
 
 QUESTION = "What is the capital of France?"
 MAX_TOKENS = 64
+PNG = "iVBORw0KGgoAAAANSUhEUgAAAAEAAAABCAYAAAAfFcSJAAAADUlEQVR4nGP4z8DwHwAFAAH/iZk9HQAAAABJRU5ErkJggg=="
 
 
 def _browser_required() -> bool:
@@ -113,6 +114,29 @@ def _set(browser, element_id: str, value: str) -> None:
     field = browser.find_element(By.ID, element_id)
     field.clear()
     field.send_keys(value)
+
+
+def test_an_attached_image_is_sent_as_an_image_url_part(browser, tmp_path):
+    """The page sends the image as a data URL part; this text-only model refuses it (400), and
+    the page shows the server's message."""
+    import base64
+
+    from selenium.webdriver.common.by import By
+
+    server = shared_server()
+    image = tmp_path / "dot.png"
+    image.write_bytes(base64.b64decode(PNG))
+    browser.get(server.url + "/")
+    browser.execute_script("localStorage.setItem('kestrel.apiKey', arguments[0])", server.api_key)
+    browser.refresh()
+    browser.find_element(By.ID, "image").send_keys(str(image))
+    _wait(browser, lambda b: b.execute_script("return window.kestrelChat.image") is not None)
+    browser.find_element(By.ID, "input").send_keys("What is in this picture?")
+    browser.find_element(By.ID, "send").click()
+    error = _wait(browser, lambda b: b.find_elements(By.CSS_SELECTOR, ".message.error"))[0]
+    assert error.text == "this model does not take images (image_url parts)"
+    [sent] = browser.execute_script("return window.kestrelChat.messages")
+    assert sent["content"][1]["image_url"]["url"] == "data:image/png;base64," + PNG
 
 
 def test_page_renders_markdown_safely(browser):

@@ -183,3 +183,20 @@ def test_alias_names_are_listed_and_accepted():
             client.completions.create(model="third", prompt="hi", max_tokens=2)
     finally:
         server.stop()
+
+
+def test_alias_flag_spellings_and_environment():
+    import argparse
+
+    from kestrel.server.args import add_serve_args, apply_llama_env, served_names
+
+    def names(argv, environ):
+        parser = argparse.ArgumentParser()
+        add_serve_args(parser)
+        apply_llama_env(parser, environ)
+        return served_names(parser.parse_args(argv))
+
+    assert names(["-m", "dir/m.gguf"], {}) == ("dir/m.gguf", {"dir/m.gguf", "m.gguf"})
+    assert names(["-m", "m.gguf", "--served-model-name", "a, b"], {}) == ("a", {"m.gguf", "b"})
+    assert names(["-m", "m.gguf"], {"LLAMA_ARG_ALIAS": "x,y"}) == ("x", {"m.gguf", "y"})
+    assert names(["-m", "m.gguf", "-a", "z"], {"LLAMA_ARG_ALIAS": "x"})[0] == "z"

@@ -125,6 +125,7 @@ class _Run:
         self, state: ServerState, body: LlamaCompletionRequest, params, generation: Generation
     ):
         self.state, self.body, self.params, self.generation = state, body, params, generation
+        self.n_ctx = generation.engine.intake.ctx_size
         self.clock = _Clock()
 
     async def drain(self) -> None:
@@ -170,9 +171,7 @@ class _Run:
             "model": state.config.model_name,
             "tokens_predicted": choice.generated_tokens,
             "tokens_evaluated": choice.prompt_tokens,
-            "generation_settings": body.settings(
-                self.params, state.engine.intake.ctx_size, state.config.model_name
-            ),
+            "generation_settings": body.settings(self.params, self.n_ctx, state.config.model_name),
             "prompt": state.tokenizer.decode(self.generation.requests[choice.index].prompt),
             "has_new_line": "\n" in choice.text,
             "truncated": False,
