@@ -91,6 +91,7 @@ def test_unsupported_message_fields_are_400_naming_them(client, message, param):
         ({"best_of": 2, "n": 3}, "best_of"),
         ({"extra_body": {"guided_regex": "[a-z]+"}}, "guided_regex"),
         ({"extra_body": {"min_tokens": 5}}, "min_tokens"),
+        ({"echo": True, "logprobs": 2}, "echo"),
     ],
 )
 def test_unsupported_completion_fields_are_400_naming_them(client, kwargs, param):

@@ -315,6 +315,11 @@ class CompletionRequest(_SamplingRequest):
                 "rather than ranking more candidates than it returns",
                 param="best_of",
             )
+        if self.echo and self.logprobs is not None:
+            raise InvalidRequestError(
+                "echo with logprobs asks for the prompt's log-probs, which are not supported",
+                param="echo",
+            )
         # OpenAI's completions default is 16 tokens, unless the server sets one (-n)
         return super().sampling_params(default_max_tokens or 16)
 
