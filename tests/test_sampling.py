@@ -93,6 +93,37 @@ def test_top_k_top_p_min_p_mask_the_tail():
     assert kept.tolist() == (probs >= 0.3 * probs.max()).tolist()
 
 
+def test_top_p_and_min_p_after_top_k_mask_as_over_the_whole_vocabulary():
+    """truncate applies top-p and min-p to the top-k survivors only; the masks equal the plain
+    ones over all tokens (llama-server's defaults combine all three)."""
+    torch.manual_seed(0)
+    for _ in range(20):
+        logits = torch.randn(1000) * 3
+        for params in (
+            SamplingParams(temperature=0.8, top_k=40, top_p=0.95, min_p=0.05),
+            SamplingParams(top_k=5, top_p=0.5),
+            SamplingParams(top_k=100, min_p=0.2),
+        ):
+            tempered = logits / params.temperature
+            kth = torch.topk(tempered, params.top_k).values[-1]
+            plain = tempered.masked_fill(tempered < kth, float("-inf"))
+            probs = plain.softmax(-1)
+            order = probs.argsort(descending=True)
+            before = probs[order].cumsum(-1) - probs[order]
+            keep = torch.zeros_like(probs, dtype=torch.bool)
+            keep[order] = (before < params.top_p) | (torch.arange(len(order)) == 0)
+            keep &= probs >= params.min_p * probs[keep].max()
+            out = truncate(logits, params)
+            assert (~torch.isinf(out)).tolist() == keep.tolist()
+            assert torch.equal(out[keep], tempered[keep])
+
+
+def test_top_k_keeps_every_token_tied_with_the_kth():
+    logits = torch.tensor([3.0, 1.0, 1.0, 1.0, -2.0])
+    kept = ~torch.isinf(truncate(logits, SamplingParams(top_k=2, top_p=0.99)))
+    assert kept.tolist() == [True, True, True, True, False]
+
+
 def test_top_p_keeps_the_token_that_crosses_p():
     logits = torch.log(torch.tensor([0.5, 0.3, 0.2]))
     kept = ~torch.isinf(truncate(logits, SamplingParams(top_p=0.7)))

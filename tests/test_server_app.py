@@ -70,18 +70,20 @@ def _client(**config) -> TestClient:
     return TestClient(create_app(ServerConfig(model_name="m", **config)))
 
 
-def test_every_route_but_health_needs_the_key():
+def test_every_route_but_health_and_the_page_needs_the_key():
     app = create_app(ServerConfig(model_name="m", api_key="secret"))
     with TestClient(app) as client:
         table = route_table(app)
         assert {"/v1/chat/completions", "/v1/completions", "/completion", "/metrics"} <= {
             p for p, _ in table
         }
+        open_routes = {"/health": 503, "/": 200}  # /health: open, and still loading
         for path, methods in table:
             for method in methods:
                 response = client.request(method, path)
-                expected = 503 if path == "/health" else 401  # /health: open, and still loading
+                expected = open_routes.get(path, 401)
                 assert response.status_code == expected, (method, path)
+        assert client.post("/").status_code == 401  # the page is open to GET only
         assert (
             client.get("/v1/models", headers={"Authorization": "Bearer secret"}).status_code == 200
         )

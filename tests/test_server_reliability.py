@@ -309,13 +309,13 @@ def test_memory_stays_flat_under_big_and_oversized_bodies(server):
 # -- 6. auth and the model field ------------------------------------------------------------------
 
 
-def test_every_route_of_the_real_server_but_health_needs_the_key(server):
+def test_every_route_of_the_real_server_but_health_and_the_page_needs_the_key(server):
     table = route_table(create_app(ServerConfig(model_name="m", api_key="k")))
     assert len(table) >= 10
     for path, methods in table:
         for method in methods:
             response = httpx.request(method, server.url + path, timeout=30)
-            expected = 200 if path == "/health" else 401
+            expected = 200 if path in ("/health", "/") else 401
             assert response.status_code == expected, (method, path)
             if expected == 401 and method != "HEAD" and path in ANTHROPIC_PATHS:
                 assert response.json()["error"]["type"] == "authentication_error"

@@ -62,6 +62,7 @@ class ServerConfig:
     model_name: str = DEFAULT_MODEL  # the id /v1/models lists
     aliases: set[str] = field(default_factory=set)  # other names `model` may use
     api_key: str | None = None
+    slots: bool = False  # GET /slots answers (llama-server's --slots); off: 501
     allowed_origins: list[str] = field(default_factory=list)
     allowed_local_media_path: str | None = None  # file:// images only under this folder
     default_max_tokens: int | None = None

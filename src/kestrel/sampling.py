@@ -174,8 +174,18 @@ def truncate(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     """Temperature, then top-k, top-p and min-p as -inf masks. (V,) -> (V,)."""
     logits = logits / params.temperature
     if params.top_k > 0 and params.top_k < logits.shape[0]:
-        kth = torch.topk(logits, params.top_k).values[-1]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
+        top = torch.topk(logits, params.top_k)
+        if int((logits >= top.values[-1]).sum()) == params.top_k:  # no tie with the k-th
+            # top-p and min-p over the k survivors only: the same masks as over the whole
+            # vocabulary without sorting it (llama-server's defaults use all three)
+            masked = torch.full_like(logits, float("-inf"))
+            return masked.scatter(0, top.indices, _top_p_min_p(top.values, params))
+        logits = logits.masked_fill(logits < top.values[-1], float("-inf"))
+    return _top_p_min_p(logits, params)
+
+
+def _top_p_min_p(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """(N,) tempered logits -> (N,) with the top-p and min-p tails at -inf."""
     if params.top_p < 1.0:
         sorted_logits, order = logits.sort(descending=True)
         cumulative = sorted_logits.softmax(-1).cumsum(-1)

@@ -18,7 +18,16 @@ from kestrel.server.auth import APIKeyMiddleware
 from kestrel.server.errors import install_error_handlers
 from kestrel.server.limits import RequestLimitsMiddleware
 from kestrel.server.metrics import HTTPMetricsMiddleware
-from kestrel.server.routes import chat, completions, health, llama, messages, models, responses
+from kestrel.server.routes import (
+    chat,
+    completions,
+    health,
+    llama,
+    messages,
+    models,
+    page,
+    responses,
+)
 from kestrel.server.state import LoadEngine, ServerState
 
 
@@ -41,7 +50,7 @@ def create_app(
 
     app = FastAPI(title="kestrel", version=kestrel.__version__, lifespan=lifespan)
     app.state.kestrel = state
-    for module in (chat, completions, responses, messages, models, llama, health):
+    for module in (chat, completions, responses, messages, models, llama, health, page):
         app.include_router(module.router)
     install_error_handlers(app)
     _add_middleware(app, state, {path for path, _ in route_table(app)})

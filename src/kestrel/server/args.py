@@ -28,7 +28,13 @@ LLAMA_ENV = {
 def add_serve_args(p: argparse.ArgumentParser) -> None:
     add_engine_args(p)
     p.add_argument(
-        "-a", "--alias", default=None, help="model name clients use (default: -m's value)"
+        "-a",
+        "--alias",
+        "--served-model-name",
+        dest="alias",
+        default=None,
+        help="model names clients use, comma-separated: the first is the id responses carry, "
+        "the others are accepted too (default: -m's value)",
     )
     p.add_argument("--host", default="127.0.0.1", help="bind address (default: loopback only)")
     p.add_argument("--port", type=int, default=8080)
@@ -112,8 +118,23 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
         "gives up (exits non-zero)",
     )
     p.add_argument("--engine-restart-window", type=float, default=600.0, help="seconds (see above)")
+    p.add_argument(
+        "--slots",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="serve GET /slots, llama-server's slot monitor (default: off, 501)",
+    )
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     apply_llama_env(p)
+
+
+def served_names(args) -> tuple[str, set[str]]:
+    """(the model's id, the other names a request's `model` may use): --alias's names, -m's
+    value and its file name."""
+    names = [name.strip() for name in (args.alias or "").split(",") if name.strip()]
+    model = str(args.model)
+    served = names[0] if names else args.shape or model
+    return served, {model, os.path.basename(model), *names[1:]}
 
 
 def apply_llama_env(p: argparse.ArgumentParser, environ=os.environ) -> None:

@@ -1,5 +1,6 @@
-"""`--api-key`: every route but /health needs the key, as `Authorization: Bearer KEY` or
-`X-Api-Key: KEY`. A middleware, not a per-route dependency, so no new route can slip through."""
+"""`--api-key`: every route but /health and the chat page (GET /) needs the key, as
+`Authorization: Bearer KEY` or `X-Api-Key: KEY`. A middleware, not a per-route dependency, so no
+new route can slip through. The page is static; it asks for the key when the API answers 401."""
 
 import hmac
 
@@ -8,6 +9,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from kestrel.server.errors import APIError, error_response
 
 OPEN_PATHS = frozenset({"/health"})
+OPEN_PAGES = frozenset({"/"})  # open to GET (and HEAD) only
 
 
 class APIKeyMiddleware:
@@ -16,7 +18,7 @@ class APIKeyMiddleware:
         self.key = api_key.encode()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or scope["path"] in OPEN_PATHS or self._authorized(scope):
+        if scope["type"] != "http" or _is_open(scope) or self._authorized(scope):
             return await self.app(scope, receive, send)
         error = APIError(
             401,
@@ -33,3 +35,8 @@ class APIKeyMiddleware:
         if scheme.lower() == b"bearer":
             given = token.strip()
         return hmac.compare_digest(given, self.key)  # constant time
+
+
+def _is_open(scope: Scope) -> bool:
+    path = scope["path"]
+    return path in OPEN_PATHS or (path in OPEN_PAGES and scope["method"] in ("GET", "HEAD"))

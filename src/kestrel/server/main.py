@@ -15,6 +15,7 @@ from kestrel.engine.engine import Engine
 from kestrel.engine.process import EngineProcessClient
 from kestrel.server import faults
 from kestrel.server.app import create_app
+from kestrel.server.args import served_names
 from kestrel.server.limits import TimedH11Protocol
 from kestrel.server.state import ServerState
 
@@ -83,11 +84,12 @@ class _Server(uvicorn.Server):
 def server_settings(args) -> Config:
     """The server's whole Config from its flags. Every new request waits in the scheduler's
     queue until its next step, free slot or not, so that queue holds -np + --max-queue-depth."""
+    model_name, aliases = served_names(args)
     return config_from_args(
         args,
         max_queue_depth=args.max_num_seqs + args.max_queue_depth,
-        model_name=args.alias or args.shape or args.model,
-        aliases={args.model, os.path.basename(str(args.model))},
+        model_name=model_name,
+        aliases=aliases,
         api_key=args.api_key or None,
         allowed_origins=[o.strip() for o in args.allowed_origins.split(",") if o.strip()],
         default_max_tokens=args.max_tokens if args.max_tokens > 0 else None,

@@ -1,21 +1,130 @@
 """OpenAI (and llama-server) request and response bodies as pydantic models.
 
 Requests are strict (a string is not a number) and ignore unknown fields, as OpenAI's SDKs send
-newer fields first. Types are checked here; value ranges are checked once, by SamplingParams, whose
-InvalidRequestError names the parameter.
+newer fields first. Named fields kestrel does not implement are another matter: the tables under
+"not supported" list them with the reason, and a request that sets one to anything but its
+default gets 400 naming it, never an answer that silently ignored it. Types are checked here; value
+ranges are checked once, by SamplingParams, whose InvalidRequestError names the parameter.
 """
 
+import re
 import time
-from typing import Annotated, Literal
+from typing import Annotated, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from kestrel.errors import InvalidRequestError
 from kestrel.sampling import SamplingParams
 
+# -- not supported ----------------------------------------------------------------------------
+# Named fields (OpenAI's, vLLM's and llama-server's) kestrel does not implement yet: field -> (its
+# "off" values, why). Set to anything else, the request gets 400 naming the field; unknown fields
+# in no table are ignored. README.md's "Request fields" lists what is supported.
+
+NO_TOOLS = "tool calls are not supported yet"
+NO_STRUCTURED = "structured output (JSON schemas, grammars) is not supported yet"
+
+# chat and completions
+SAMPLING_UNSUPPORTED = {
+    "guided_json": ((), NO_STRUCTURED),
+    "guided_regex": ((), NO_STRUCTURED),
+    "guided_choice": ((), NO_STRUCTURED),
+    "guided_grammar": ((), NO_STRUCTURED),
+    "structured_outputs": ((), NO_STRUCTURED),
+    "use_beam_search": ((False,), "beam search is not supported"),
+    "min_tokens": ((0,), "min_tokens is not supported"),
+    "prompt_logprobs": ((), "prompt log-probs are not supported"),
+    "truncate_prompt_tokens": ((), "prompts are never truncated; a long one is a 400"),
+    "length_penalty": ((1, 1.0), "length_penalty applies to beam search, which is not supported"),
+}
+
+CHAT_UNSUPPORTED = {
+    **SAMPLING_UNSUPPORTED,
+    "tools": (([],), NO_TOOLS),
+    "tool_choice": (("none", "auto"), NO_TOOLS),
+    "parallel_tool_calls": ((True,), NO_TOOLS),
+    "functions": (([],), NO_TOOLS),
+    "function_call": (("none", "auto"), NO_TOOLS),
+    "response_format": (({"type": "text"},), NO_STRUCTURED),
+    "audio": ((), "audio output is not supported"),
+    "modalities": ((["text"],), "only text output is supported"),
+    "prediction": ((), "predicted outputs are not supported"),
+    "web_search_options": ((), "web search is not supported"),
+    "reasoning_effort": ((), "reasoning effort is not supported"),
+    "verbosity": (("medium",), "verbosity is not supported"),
+    "store": ((False,), "kestrel stores no completions"),
+    "metadata": (({},), "metadata is kept with stored completions; kestrel stores none"),
+    "service_tier": (("auto", "default"), "kestrel has one service tier"),
+    "chat_template_kwargs": (({},), "chat template arguments are not supported yet"),
+    "add_generation_prompt": ((True,), "the generation prompt is always added"),
+    "continue_final_message": ((False,), "continuing the final message is not supported"),
+    "echo": ((False,), "echo is not supported on chat completions"),
+}
+
+MESSAGE_UNSUPPORTED = {
+    "tool_calls": (([],), NO_TOOLS),
+    "tool_call_id": ((), NO_TOOLS),
+    "function_call": ((), NO_TOOLS),
+    "audio": ((), "audio is not supported"),
+}
+
+COMPLETION_UNSUPPORTED = {
+    **SAMPLING_UNSUPPORTED,
+    "suffix": (("",), "no infill (fill-in-the-middle) support: a suffix would be ignored"),
+    "response_format": (({"type": "text"},), NO_STRUCTURED),
+}
+
+# llama-server's /completion. Knobs that act only when another is on (dry_base, xtc_threshold,
+# mirostat_tau, dynatemp_exponent, ...) are not listed: their switch is.
+LLAMA_UNSUPPORTED = {
+    "grammar": (("",), NO_STRUCTURED),
+    "json_schema": ((), NO_STRUCTURED),
+    "dynatemp_range": ((0,), "dynamic temperature is not supported"),
+    "typical_p": ((1,), "locally typical sampling is not supported"),
+    "top_n_sigma": ((-1,), "top-n-sigma sampling is not supported"),
+    "dry_multiplier": ((0,), "DRY sampling is not supported"),
+    "xtc_probability": ((0,), "XTC sampling is not supported"),
+    "mirostat": ((0,), "Mirostat sampling is not supported"),
+    "min_keep": ((0,), "min_keep is not supported"),
+    "samplers": (
+        (),
+        "kestrel's sampler order is fixed: penalties, temperature, top_k, top_p, min_p (vLLM's)",
+    ),
+    "n_keep": ((0,), "kestrel keeps --keep sink tokens when it trims (server-wide)"),
+    "n_indent": ((0,), "n_indent is not supported"),
+    "n_cache_reuse": ((0,), "KV shifting for cache reuse is not supported"),
+    "t_max_predict_ms": ((0,), "prediction time limits are not supported"),
+    "id_slot": ((-1,), "kestrel schedules requests itself: there are no slots to pick"),
+    "post_sampling_probs": ((False,), "post-sampling probabilities are not supported"),
+    "return_progress": ((False,), "prompt progress events are not supported"),
+    "lora": (([],), "LoRA adapters are not supported"),
+    "multimodal_data": ((), "multimodal prompts on /completion are not supported"),
+}
+
+
+def _is_off(value, off_values: tuple) -> bool:
+    # 1 == True in Python; a bool must match a bool
+    return any(
+        value == off and isinstance(value, bool) == isinstance(off, bool) for off in off_values
+    )
+
 
 class _Request(BaseModel):
     model_config = ConfigDict(strict=True, extra="ignore")
+
+
+class _CheckedRequest(_Request):
+    """A body whose named-but-unsupported fields (`UNSUPPORTED`) are rejected unless off."""
+
+    model_config = ConfigDict(strict=True, extra="allow")  # kept aside, in model_extra
+    UNSUPPORTED: ClassVar[dict[str, tuple[tuple, str]]] = {}
+
+    def check_supported(self, prefix: str = "") -> None:
+        """400 naming the first field set to a value kestrel would otherwise ignore."""
+        for name, value in (self.model_extra or {}).items():
+            rule = self.UNSUPPORTED.get(name)
+            if rule is not None and value is not None and not _is_off(value, rule[0]):
+                raise InvalidRequestError(f"{prefix}{name}: {rule[1]}", param=prefix + name)
 
 
 class _Response(BaseModel):
@@ -25,14 +134,17 @@ class _Response(BaseModel):
 # -- requests ---------------------------------------------------------------------------------
 
 
-class StreamOptions(_Request):
+class StreamOptions(_CheckedRequest):
+    UNSUPPORTED = {"include_obfuscation": ((False,), "kestrel sends no obfuscation padding")}
+
     include_usage: bool = False
 
 
-class _SamplingRequest(_Request):
+class _SamplingRequest(_CheckedRequest):
     """Fields shared by chat and completions (vLLM's extras included: top_k, min_p, ...)."""
 
-    model: str
+    UNSUPPORTED = SAMPLING_UNSUPPORTED
+    model: str | None = None  # omitted: the served model (as llama-server and vLLM)
     n: int = 1
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -47,7 +159,7 @@ class _SamplingRequest(_Request):
     frequency_penalty: float | None = None
     repetition_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
-    user: str | None = None  # accepted and ignored
+    user: str | None = None  # informational (OpenAI's end-user id); kestrel keeps no record
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = None
     skip_special_tokens: bool = True
@@ -55,6 +167,9 @@ class _SamplingRequest(_Request):
     max_kv_size: int | None = Field(None, description="a per-request KV bound, below the server's")
 
     def sampling_params(self, default_max_tokens: int | None) -> SamplingParams:
+        self.check_supported()
+        if self.stream_options is not None:
+            self.stream_options.check_supported("stream_options.")
         return SamplingParams(
             n=self.n,
             max_tokens=_or(self._max_tokens(), default_max_tokens),
@@ -98,7 +213,7 @@ class TextPart(_Request):
 
 class ImageURL(_Request):
     url: str  # data:image/...;base64,... or file:// under --allowed-local-media-path
-    detail: str | None = None  # accepted and ignored
+    detail: str | None = None  # only "auto": see ChatMessage.check_supported
 
 
 class ImagePart(_Request):
@@ -109,10 +224,21 @@ class ImagePart(_Request):
 ContentPart = Annotated[TextPart | ImagePart, Field(discriminator="type")]
 
 
-class ChatMessage(_Request):
+class ChatMessage(_CheckedRequest):
+    UNSUPPORTED = MESSAGE_UNSUPPORTED
+
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None
-    name: str | None = None
+    name: str | None = None  # given to the chat template, which may render it
+
+    def check_supported(self, prefix: str = "") -> None:
+        super().check_supported(prefix)
+        for j, part in enumerate(self.content if isinstance(self.content, list) else []):
+            if isinstance(part, ImagePart) and part.image_url.detail not in (None, "auto"):
+                param = f"{prefix}content[{j}].image_url.detail"
+                raise InvalidRequestError(
+                    f"{param}: only 'auto': the model's own processor sizes images", param=param
+                )
 
     def as_template_dict(self) -> dict:
         """The message as chat templates expect it: text content, `developer` as `system`;
@@ -123,17 +249,27 @@ class ChatMessage(_Request):
         elif isinstance(content, list):
             content = "".join(part.text for part in content)
         role = "system" if self.role == "developer" else self.role
-        return {"role": role, "content": content or ""}
+        message = {"role": role, "content": content or ""}
+        if self.name is not None:
+            message["name"] = self.name
+        return message
 
 
 MAX_MESSAGES = 2048  # more is a 400 (the body size limit bounds the rest)
 
 
 class ChatCompletionRequest(_SamplingRequest):
+    UNSUPPORTED = CHAT_UNSUPPORTED
+
     messages: list[ChatMessage] = Field(min_length=1, max_length=MAX_MESSAGES)
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
+
+    def check_supported(self, prefix: str = "") -> None:
+        super().check_supported(prefix)
+        for i, message in enumerate(self.messages):
+            message.check_supported(f"messages[{i}].")
 
     def _max_tokens(self) -> int | None:
         if self.max_completion_tokens is not None:
@@ -153,9 +289,12 @@ class ChatCompletionRequest(_SamplingRequest):
 
 
 class CompletionRequest(_SamplingRequest):
+    UNSUPPORTED = COMPLETION_UNSUPPORTED
+
     prompt: str | list[int] | list[str] | list[list[int]]
     logprobs: int | None = None
     echo: bool = False
+    best_of: int | None = None  # only n (or 1 with n = 1): every generated choice is returned
 
     def prompts(self) -> list[str | list[int]]:
         """One or several prompts, each a string or token ids."""
@@ -170,20 +309,39 @@ class CompletionRequest(_SamplingRequest):
         return self.logprobs
 
     def sampling_params(self, default_max_tokens: int | None) -> SamplingParams:
+        if self.best_of not in (None, self.n):
+            raise InvalidRequestError(
+                f"best_of must equal n ({self.n}): kestrel returns every choice it generates "
+                "rather than ranking more candidates than it returns",
+                param="best_of",
+            )
+        if self.echo and self.logprobs is not None:
+            raise InvalidRequestError(
+                "echo with logprobs asks for the prompt's log-probs, which are not supported",
+                param="echo",
+            )
         # OpenAI's completions default is 16 tokens, unless the server sets one (-n)
         return super().sampling_params(default_max_tokens or 16)
 
 
-class LlamaCompletionRequest(_Request):
-    """llama-server's native /completion body (the fields we share)."""
+LlamaPrompt = str | list[int | str]  # text, token ids, or both mixed
 
-    prompt: str | list[int]
+
+class LlamaCompletionRequest(_CheckedRequest):
+    """llama-server's native /completion body. Defaults are llama-server's, except
+    repeat_last_n: kestrel's penalties see the whole context (-1), or none (0)."""
+
+    UNSUPPORTED = LLAMA_UNSUPPORTED
+
+    prompt: str | list[int | str | list[int | str]]
     n_predict: int = -1
+    n_cmpl: int = 1
     temperature: float = 0.8
     top_k: int = 40
     top_p: float = 0.95
     min_p: float = 0.05
     repeat_penalty: float = 1.0
+    repeat_last_n: int = -1
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     seed: int = -1
@@ -191,31 +349,168 @@ class LlamaCompletionRequest(_Request):
     stream: bool = False
     ignore_eos: bool = False
     n_probs: int = 0
+    logit_bias: list[list[int | str | float | bool]] | dict[str, float | bool] | None = None
+    return_tokens: bool = False
+    timings_per_token: bool = False
+    response_fields: list[str] | None = None
+    cache_prompt: bool = True  # a hint: reusing a cached prefix never changes the output
 
-    def sampling_params(self, default_max_tokens: int | None) -> SamplingParams:
-        return SamplingParams(
-            max_tokens=self.n_predict if self.n_predict > 0 else default_max_tokens,
-            temperature=self.temperature,
-            top_k=self.top_k,
-            top_p=self.top_p,
-            min_p=self.min_p,
-            repetition_penalty=self.repeat_penalty,
-            presence_penalty=self.presence_penalty,
-            frequency_penalty=self.frequency_penalty,
-            seed=None if self.seed < 0 else self.seed,
-            stop=self.stop,
-            ignore_eos=self.ignore_eos,
-            logprobs=self.n_probs or None,
-        )
+    def prompts(self) -> tuple[list[LlamaPrompt], bool]:
+        """(the prompts, whether several were given: then the answer is a list). A list with a
+        token id in it is one mixed prompt; a list of strings and lists is several prompts."""
+        prompt = self.prompt
+        if isinstance(prompt, str):
+            return [prompt], False
+        if not prompt:
+            raise InvalidRequestError("the prompt is empty", param="prompt")
+        if any(isinstance(part, int) for part in prompt):
+            if any(isinstance(part, list) for part in prompt):
+                raise InvalidRequestError(
+                    "a prompt mixes token ids and strings; lists of prompts hold prompts",
+                    param="prompt",
+                )
+            return [prompt], False
+        return list(prompt), True
+
+    def sampling_params(self, default_max_tokens: int | None, tokenizer) -> SamplingParams:
+        self.check_supported()
+        repeat, presence, frequency = self._penalties()
+        try:
+            return SamplingParams(
+                n=self.n_cmpl,
+                max_tokens=self._max_tokens(default_max_tokens),
+                temperature=max(self.temperature, 0.0),  # below 0: greedy, as llama-server
+                top_k=self.top_k,
+                top_p=self.top_p,
+                min_p=self.min_p,
+                repetition_penalty=repeat,
+                presence_penalty=presence,
+                frequency_penalty=frequency,
+                logit_bias=llama_logit_bias(self.logit_bias, tokenizer),
+                seed=None if self.seed == -1 else self.seed,
+                stop=self.stop,
+                ignore_eos=self.ignore_eos,
+                logprobs=self.n_probs or None,
+            )
+        except InvalidRequestError as error:  # name the field as this body spells it
+            name = LLAMA_NAMES.get(error.param, error.param)
+            raise InvalidRequestError(str(error).replace(error.param, name, 1), name) from None
+
+    def _max_tokens(self, default: int | None) -> int | None:
+        if self.n_predict == -1:
+            return default
+        if self.n_predict < 1:
+            raise InvalidRequestError(
+                "n_predict must be -1 (until the context is full) or at least 1",
+                param="n_predict",
+            )
+        return self.n_predict
+
+    def _penalties(self) -> tuple[float, float, float]:
+        """(repeat, presence, frequency). repeat_last_n 0 turns them off, as in llama-server;
+        a window other than the whole context (-1) is not something kestrel can honour."""
+        if self.repeat_last_n == 0:
+            return 1.0, 0.0, 0.0
+        penalties = (self.repeat_penalty, self.presence_penalty, self.frequency_penalty)
+        if penalties != (1.0, 0.0, 0.0) and self.repeat_last_n != -1:
+            raise InvalidRequestError(
+                "repeat_last_n: kestrel's penalties see the whole context: use -1, or 0 for none",
+                param="repeat_last_n",
+            )
+        return penalties
+
+    def settings(self, params: SamplingParams, n_ctx: int, model: str) -> dict:
+        """llama-server's `generation_settings`: the options as the request runs them."""
+        return {
+            "n_ctx": n_ctx,
+            "model": model,
+            **generation_settings(params),
+            "stream": self.stream,
+            "repeat_last_n": -1 if params.repetition_penalty != 1 else self.repeat_last_n,
+            "n_probs": self.n_probs,
+            "logit_bias": [[token, bias] for token, bias in (params.logit_bias or {}).items()],
+        }
+
+
+# kestrel's SamplingParams names -> /completion's
+LLAMA_NAMES = {
+    "n": "n_cmpl",
+    "max_tokens": "n_predict",
+    "repetition_penalty": "repeat_penalty",
+    "logprobs": "n_probs",
+}
+
+LOGIT_BAN = -100.0  # `false` bans a token: OpenAI's ban value, the bottom of the allowed range
+
+
+def llama_logit_bias(bias, tokenizer) -> dict[int, float] | None:
+    """llama-server's logit_bias: [[token, bias], ...] or {"token": bias}; a token is an id or a
+    string (each of its tokens is biased); a bias of `false` bans the token."""
+    if not bias:
+        return None
+    pairs = bias.items() if isinstance(bias, dict) else bias
+    result: dict[int, float] = {}
+    for pair in pairs:
+        if len(pair) != 2 or not _is_bias(pair[1]):
+            raise InvalidRequestError(
+                "logit_bias entries are [token id or string, a number in [-100, 100] or false]",
+                param="logit_bias",
+            )
+        key, value = pair
+        value = LOGIT_BAN if value is False else float(value)
+        for token in _bias_tokens(key, tokenizer):
+            result[token] = value
+    return result
+
+
+def _is_bias(value) -> bool:
+    if value is False:
+        return True
+    return isinstance(value, int | float) and value is not True and -100 <= value <= 100
+
+
+def _bias_tokens(key, tokenizer) -> list[int]:
+    if isinstance(key, int):
+        return [key]
+    if isinstance(key, str) and re.fullmatch(r"-?[0-9]+", key):  # OpenAI's form: {"15043": 1}
+        return [int(key)]
+    if isinstance(key, str):
+        return tokenizer.encode(key, add_special_tokens=False)
+    raise InvalidRequestError("logit_bias keys are token ids or strings", param="logit_bias")
+
+
+def generation_settings(params: SamplingParams) -> dict:
+    """The sampling options in llama-server's names (/props and /completion report them)."""
+    return {
+        "n_predict": params.max_tokens or -1,
+        "max_tokens": params.max_tokens or -1,
+        "seed": -1 if params.seed is None else params.seed,
+        "temperature": params.temperature,
+        "top_k": params.top_k,
+        "top_p": params.top_p,
+        "min_p": params.min_p,
+        "repeat_penalty": params.repetition_penalty,
+        "presence_penalty": params.presence_penalty,
+        "frequency_penalty": params.frequency_penalty,
+        "stop": list(params.stop),
+        "ignore_eos": params.ignore_eos,
+        "samplers": ["penalties", "temperature", "top_k", "top_p", "min_p"],
+    }
 
 
 class TokenizeRequest(_Request):
     content: str
     add_special: bool = False
+    parse_special: bool = True
+    with_pieces: bool = False
 
 
 class DetokenizeRequest(_Request):
     tokens: list[int]
+
+
+class ApplyTemplateRequest(_Request):
+    messages: list[ChatMessage] = Field(min_length=1, max_length=MAX_MESSAGES)
 
 
 def _or(value, default):
@@ -324,6 +619,7 @@ class ModelCard(_Response):
     object: Literal["model"] = "model"
     created: int = 0
     owned_by: str = "kestrel"
+    aliases: list[str] = Field(default_factory=list)  # other names `model` may use (llama-server)
 
 
 class ModelList(_Response):

@@ -17,6 +17,7 @@ from kestrel.server.protocol import (
     Delta,
 )
 from kestrel.server.routes import ERROR_RESPONSES, server_state
+from kestrel.server.routes.models import served_model
 
 router = APIRouter()
 
@@ -26,7 +27,7 @@ router = APIRouter()
 )
 async def chat_completions(body: ChatCompletionRequest, http: Request):
     state = server_state(http)
-    state.check_model(body.model)
+    body.model = served_model(state, body.model)  # omitted: the served name
     params = body.sampling_params(state.config.default_max_tokens)
     engine = state.ready_engine()
     prompt = await chat_template_prompt(state, [m.as_template_dict() for m in body.messages])

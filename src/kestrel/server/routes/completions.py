@@ -12,6 +12,7 @@ from kestrel.server.protocol import (
     CompletionResponse,
 )
 from kestrel.server.routes import ERROR_RESPONSES, server_state
+from kestrel.server.routes.models import served_model
 from kestrel.tokenizer import encode
 
 router = APIRouter()
@@ -20,7 +21,7 @@ router = APIRouter()
 @router.post("/v1/completions", response_model=CompletionResponse, responses=ERROR_RESPONSES)
 async def completions(body: CompletionRequest, http: Request):
     state = server_state(http)
-    state.check_model(body.model)
+    body.model = served_model(state, body.model)  # omitted: the served name
     params = body.sampling_params(state.config.default_max_tokens)
     engine = state.ready_engine()
     prompts = [encode(state.tokenizer, p) for p in body.prompts()]
