@@ -121,9 +121,11 @@ class Experts(nn.Module):
     def _grouped(self, x: torch.Tensor, flat: torch.Tensor, k: int) -> torch.Tensor:
         # many pairs (prefill, large decode batches): sort pairs by expert so each expert
         # multiplies one contiguous slice, all experts in one grouped GEMM per projection
-        order = flat.argsort(stable=True)
+        experts, order = flat.sort(stable=True)
         xs = x[order // k]  # (P, H) in expert order
-        ends = torch.bincount(flat, minlength=self.num_experts).cumsum(0)
+        # where each expert's slice ends; searchsorted, unlike bincount, never syncs the host
+        every = torch.arange(self.num_experts, device=flat.device)
+        ends = torch.searchsorted(experts, every, right=True)
         h = self._mlp(grouped_matmul(xs, self.in_proj, ends))
         out_sorted = grouped_matmul(h, self.down_proj, ends)
         out = torch.empty_like(out_sorted)
