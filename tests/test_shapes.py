@@ -267,15 +267,15 @@ def test_decode_ceiling_counts_active_not_total_weights():
 
 def test_peer_of_a_vision_language_shape_generates_from_text():
     """No transformers causal-LM class takes Qwen3-VL-MoE's config: the peer is its
-    image-text-to-text model, which generates from token ids alone. (Its batch path,
-    `generate_batch`, sizes a KV cache from the machine's free memory, over 14 GB here: the
-    GPU run exercises it.)"""
-    from kestrel.bench.offline import peer_latency, peer_model
+    image-text-to-text model, which generates from token ids alone (one stream and a batch)."""
+    from kestrel.bench.offline import peer_latency, peer_model, peer_throughput
 
     config = shape_config("qwen3-vl-30b-a3b", **SMALL["qwen3-vl-30b-a3b"])
     model = peer_model(config, torch.float32, torch.device("cpu"), seed=0)
     one = peer_latency(model, Workload(1, 6, 3), 512, torch.device("cpu"))
     assert one["decode_tok_s"] > 0
+    batch = peer_throughput(model, Workload(2, 6, 3), 512, torch.device("cpu"))
+    assert batch["generated_tokens"] == 6
 
 
 def test_peer_without_a_transformers_class_is_reported_per_mode(tmp_path):
