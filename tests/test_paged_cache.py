@@ -19,32 +19,30 @@ from kestrel.engine.scheduler import ScheduledChunk, Scheduler
 from kestrel.sampling import SamplingParams
 from kestrel.weights.loader import build_model
 
+# the attention dimensions gemma3's and exaone_moe's tiny models share
+SMALL = dict(
+    vocab_size=97,
+    hidden_size=32,
+    intermediate_size=48,
+    num_hidden_layers=3,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=8,
+    max_position_embeddings=256,
+)
+
 
 def tiny_model(kind: str, window=None):
     torch.manual_seed(0)
     if kind == "gemma3":
         config = Gemma3TextConfig(
-            vocab_size=97,
-            hidden_size=32,
-            intermediate_size=48,
-            num_hidden_layers=3,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            head_dim=8,
+            **SMALL,
             sliding_window=window or 6,
             layer_types=["sliding_attention", "sliding_attention", "full_attention"],
-            max_position_embeddings=256,
         )
     elif kind == "exaone_moe":  # GQA over sliding and full layers, sigmoid-routed MoE
         config = ExaoneMoeConfig(
-            vocab_size=97,
-            hidden_size=32,
-            intermediate_size=48,
-            num_hidden_layers=3,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            head_dim=8,
-            max_position_embeddings=256,
+            **SMALL,
             sliding_window=window or 6,
             layer_types=["sliding_attention", "full_attention", "sliding_attention"],
             mlp_layer_types=["dense", "sparse", "sparse"],
