@@ -1,7 +1,7 @@
 """SamplingParams (vLLM's shape) and the sampling functions.
 
-Order, as in vLLM: logit bias, repetition/presence/frequency penalties, temperature, top-k, top-p,
-min-p, then a draw from a per-request generator (seeded => reproducible). Log-probs are those of the
+Order, as in vLLM: the structured-output mask (the runner's, kestrel.engine.grammar), logit bias,
+repetition/presence/frequency penalties, temperature, top-k, top-p, min-p, then a draw from a per-request generator (seeded => reproducible). Log-probs are those of the
 model's raw distribution, before any of these transformations.
 """
 
@@ -11,6 +11,7 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from kestrel.errors import InvalidRequestError
+from kestrel.structured import StructuredOutput
 
 MAX_LOGPROBS = 20
 GREEDY_BELOW = 1e-5  # temperatures under this sample greedily
@@ -37,6 +38,7 @@ class SamplingParams:
     logprobs: int | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    structured_output: StructuredOutput | None = None  # the grammar every token must follow
 
     def __post_init__(self):
         if isinstance(self.stop, str):

@@ -7,6 +7,7 @@ import torch
 
 from kestrel.config import Config
 from kestrel.engine.gpu_runner import make_runner
+from kestrel.engine.grammar import GrammarMasks
 from kestrel.engine.request import Request
 from kestrel.engine.runner import ModelRunner, StepResult, run_step  # noqa: F401
 from kestrel.engine.scheduler import Scheduler
@@ -68,6 +69,7 @@ class Engine:
         self.ctx_size = self.config.model.ctx_size or getattr(text, "max_position_embeddings", 4096)
         # CUDA: the paged runner (pool, kernels, graphs); the reference runner otherwise
         self.runner = make_runner(model, self.device, self.config, self.ctx_size)
+        self.runner.grammar = GrammarMasks(tokenizer, self.vocab_size, self.eos_ids)
         blocks = self.runner.block_manager(self.config.scheduler.kv_capacity)
         # the KV capacity in effect (the GPU pool's, when it has one) bounds what requests ask
         self.config = replace(

@@ -205,15 +205,16 @@ class GPURunner(ModelRunner):
         # one-token chunk cut from a prompt or a recompute samples nothing)
         decode = all(c.num_tokens == 1 and c.samples for c in chunks)
         size = next((b for b in sorted(self.graphs) if b >= len(chunks)), None)
+        sampling = [c.request for c in chunks if c.samples]
+        masks = self._start_masks(sampling)  # on the host, while the device runs the forward
         if decode and size is not None:
             logits = self._replay(packed, size)[: len(chunks)]
         else:
             logits = self.model(self._to_batch(packed, tile_tokens=1 if decode else None))
         for chunk in chunks:
             self.caches[chunk.request.request_id].advance(chunk.num_tokens)
-        sampling = [c.request for c in chunks if c.samples]
-        results = self._sample_batch(sampling, logits)
-        return results + [StepResult(c.request) for c in chunks if not c.samples]
+        results = self._sample_batch(sampling, logits, self._apply_masks(masks, logits))
+        return self._accept(results) + [StepResult(c.request) for c in chunks if not c.samples]
 
     def _pack_batch(self, chunks) -> PagedBatch:
         return self._to_batch(self._pack_host(chunks), None)
@@ -314,9 +315,12 @@ class GPURunner(ModelRunner):
 
     # -- sampling on the device ---------------------------------------------------------------
 
-    def _sample_batch(self, requests: list[Request], logits: torch.Tensor) -> list[StepResult]:
+    def _sample_batch(
+        self, requests: list[Request], raw: torch.Tensor, logits: torch.Tensor
+    ) -> list[StepResult]:
         """Greedy and plain temperature/top-k/top-p/min-p rows are sampled together on the device
-        (one host read for all); rows with penalties, biases, seeds or log-probs go one by one."""
+        (one host read for all); rows with penalties, biases, seeds or log-probs go one by one.
+        `logits` are the grammar-masked `raw` ones (the same tensor without constraints)."""
         if not requests:
             return []
         simple = [i for i, r in enumerate(requests) if _batchable(r) and not self.fault_hook]
@@ -330,7 +334,7 @@ class GPURunner(ModelRunner):
                 results[i] = StepResult(requests[i], token)
         for i, request in enumerate(requests):
             if results[i] is None:
-                results[i] = self._sample(request, logits[i])
+                results[i] = self._sample(request, logits[i], raw[i])
         return results
 
 

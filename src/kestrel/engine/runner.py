@@ -16,6 +16,7 @@ import torch
 
 from kestrel.cache.blocks import BlockManager, evict_window
 from kestrel.cache.sequence import SequenceCache
+from kestrel.engine.grammar import GrammarMasks
 from kestrel.engine.request import Request
 from kestrel.engine.scheduler import ScheduledChunk, Scheduler
 from kestrel.models.base import CausalLM
@@ -42,6 +43,8 @@ class ModelRunner:
         self.caches: dict[str, SequenceCache] = {}
         self.generators: dict[str, torch.Generator] = {}
         self.image_features: dict[str, object] = {}  # request id -> VisionFeatures (prefill)
+        # structured output's masks; the Engine sets it (it has the tokenizer)
+        self.grammar: GrammarMasks | None = None
         # test-only fault injection: called as hook(stage, request) at "forward" and "sample"
         self.fault_hook: Callable[[str, Request], None] | None = None
 
@@ -60,14 +63,18 @@ class ModelRunner:
     @torch.inference_mode()
     def _run(self, chunks: list[ScheduledChunk]) -> list[StepResult]:
         batch = self._pack(chunks)
+        sampling = [c.request for c in chunks if c.samples]
+        masks = self._start_masks(sampling)  # on the host, while the forward runs
         logits = self.model(batch)  # (R, V): one row per sampling chunk
         for chunk in chunks:
             self.caches[chunk.request.request_id].advance(chunk.num_tokens)
             if chunk.request.num_computed + chunk.num_tokens >= len(chunk.request.prompt_ids):
                 self.image_features.pop(chunk.request.request_id, None)  # the prompt is in
-        sampling = [c for c in chunks if c.samples]
-        results = [self._sample(c.request, row) for c, row in zip(sampling, logits, strict=True)]
-        return results + [StepResult(c.request) for c in chunks if not c.samples]
+        masked = self._apply_masks(masks, logits)
+        results = [
+            self._sample(request, masked[i], logits[i]) for i, request in enumerate(sampling)
+        ]
+        return self._accept(results) + [StepResult(c.request) for c in chunks if not c.samples]
 
     def _pack(self, chunks: list[ScheduledChunk]) -> ForwardBatch:
         ids, positions, seq_chunks, rows = [], [], [], []
@@ -110,7 +117,8 @@ class ModelRunner:
             rope = torch.cat([rope, tail.expand(3, -1)], dim=1)
         return rope.to(self.device), images
 
-    def _sample(self, request: Request, logits: torch.Tensor) -> StepResult:
+    def _sample(self, request: Request, logits: torch.Tensor, raw: torch.Tensor) -> StepResult:
+        """A token drawn from (V,) `logits` (grammar-masked); log-probs from the `raw` ones."""
         try:
             if self.fault_hook:
                 self.fault_hook("sample", request)
@@ -118,12 +126,37 @@ class ModelRunner:
             generator = self._generator(request)
             token = sample(logits, params, generator, request.prompt_ids, request.output_ids)
             logprobs = (
-                None if params.logprobs is None else top_logprobs(logits, token, params.logprobs)
+                None if params.logprobs is None else top_logprobs(raw, token, params.logprobs)
             )
             return StepResult(request, token, logprobs)
         except Exception as error:
             log.exception("request %s failed in sampling", request.request_id)
             return StepResult(request, error=error)
+
+    # -- structured output ----------------------------------------------------------------------
+
+    def _start_masks(self, requests: list[Request]):
+        if self.grammar is None:
+            if any(r.params.structured_output for r in requests):
+                raise ValueError("structured output needs the engine's tokenizer")
+            return None
+        return self.grammar.start(requests)
+
+    def _apply_masks(self, masks, logits: torch.Tensor) -> torch.Tensor:
+        return logits if masks is None else self.grammar.apply(masks, logits)
+
+    def _accept(self, results: list[StepResult]) -> list[StepResult]:
+        """Each sampled token fed to its request's grammar. Last in a step and per request: a
+        grammar that fails fails its request only, never a retry of tokens already consumed."""
+        if self.grammar is None:
+            return results
+        for i, result in enumerate(results):
+            if result.token is not None:
+                try:
+                    self.grammar.accept(result.request, result.token)
+                except Exception as error:
+                    results[i] = StepResult(result.request, error=error)
+        return results
 
     def _cache(self, request: Request) -> SequenceCache:
         if request.request_id not in self.caches:
@@ -145,6 +178,8 @@ class ModelRunner:
         self.caches.pop(request_id, None)
         self.generators.pop(request_id, None)
         self.image_features.pop(request_id, None)
+        if self.grammar is not None:
+            self.grammar.release(request_id)
 
     def evict(self, request_id: str) -> None:
         """Drop a preempted request's cache (it is recomputed); its sampler state stays."""

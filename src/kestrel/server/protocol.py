@@ -13,8 +13,10 @@ from typing import Annotated, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from kestrel import structured
 from kestrel.errors import InvalidRequestError
 from kestrel.sampling import SamplingParams
+from kestrel.structured import StructuredOutput
 
 # -- not supported ----------------------------------------------------------------------------
 # Named fields (OpenAI's, vLLM's and llama-server's) kestrel does not implement yet: field -> (its
@@ -22,15 +24,11 @@ from kestrel.sampling import SamplingParams
 # in no table are ignored. README.md's "Request fields" lists what is supported.
 
 NO_TOOLS = "tool calls are not supported yet"
-NO_STRUCTURED = "structured output (JSON schemas, grammars) is not supported yet"
 
 # chat and completions
 SAMPLING_UNSUPPORTED = {
-    "guided_json": ((), NO_STRUCTURED),
-    "guided_regex": ((), NO_STRUCTURED),
-    "guided_choice": ((), NO_STRUCTURED),
-    "guided_grammar": ((), NO_STRUCTURED),
-    "structured_outputs": ((), NO_STRUCTURED),
+    "guided_decoding_backend": ((), "kestrel's one grammar backend is llguidance"),
+    "guided_whitespace_pattern": ((), "JSON is compact (no whitespace between tokens)"),
     "use_beam_search": ((False,), "beam search is not supported"),
     "min_tokens": ((0,), "min_tokens is not supported"),
     "prompt_logprobs": ((), "prompt log-probs are not supported"),
@@ -45,7 +43,6 @@ CHAT_UNSUPPORTED = {
     "parallel_tool_calls": ((True,), NO_TOOLS),
     "functions": (([],), NO_TOOLS),
     "function_call": (("none", "auto"), NO_TOOLS),
-    "response_format": (({"type": "text"},), NO_STRUCTURED),
     "audio": ((), "audio output is not supported"),
     "modalities": ((["text"],), "only text output is supported"),
     "prediction": ((), "predicted outputs are not supported"),
@@ -71,14 +68,11 @@ MESSAGE_UNSUPPORTED = {
 COMPLETION_UNSUPPORTED = {
     **SAMPLING_UNSUPPORTED,
     "suffix": (("",), "no infill (fill-in-the-middle) support: a suffix would be ignored"),
-    "response_format": (({"type": "text"},), NO_STRUCTURED),
 }
 
 # llama-server's /completion. Knobs that act only when another is on (dry_base, xtc_threshold,
 # mirostat_tau, dynatemp_exponent, ...) are not listed: their switch is.
 LLAMA_UNSUPPORTED = {
-    "grammar": (("",), NO_STRUCTURED),
-    "json_schema": ((), NO_STRUCTURED),
     "dynatemp_range": ((0,), "dynamic temperature is not supported"),
     "typical_p": ((1,), "locally typical sampling is not supported"),
     "top_n_sigma": ((-1,), "top-n-sigma sampling is not supported"),
@@ -140,6 +134,84 @@ class StreamOptions(_CheckedRequest):
     include_usage: bool = False
 
 
+class JsonSchemaFormat(_Request):
+    name: str | None = None
+    description: str | None = None
+    json_schema: dict = Field(alias="schema")  # pydantic's BaseModel has a `schema` method
+    strict: bool | None = None  # kestrel enforces every schema it is given
+
+
+class ResponseFormat(_Request):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    def structured_output(self, param: str = "response_format") -> StructuredOutput | None:
+        if self.type == "json_object":
+            return StructuredOutput("json_object", param=param)
+        if self.type == "json_schema":
+            if self.json_schema is None:
+                raise InvalidRequestError(
+                    f"{param}.json_schema is required with type json_schema",
+                    param=f"{param}.json_schema",
+                )
+            return structured.json_schema(self.json_schema.json_schema, f"{param}.json_schema")
+        return None
+
+
+class StructuredOutputs(_CheckedRequest):
+    """vLLM's `structured_outputs` (one of json, regex, choice, grammar, json_object)."""
+
+    UNSUPPORTED = {
+        "structural_tag": ((), "structural tags are not supported"),
+        "whitespace_pattern": ((), "JSON is compact (no whitespace between tokens)"),
+        "disable_any_whitespace": ((True,), "JSON is compact (no whitespace between tokens)"),
+        "disable_fallback": ((), "kestrel's one grammar backend is llguidance"),
+        "disable_additional_properties": ((), "additionalProperties follows the schema"),
+    }
+    json_: dict | str | None = Field(None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+
+    def constraints(self, p: str) -> list[StructuredOutput]:
+        self.check_supported(p)
+        return _constraints(
+            json_schema=(self.json_, f"{p}json"),
+            regex=(self.regex, f"{p}regex"),
+            choice=(self.choice, f"{p}choice"),
+            grammar=(self.grammar, f"{p}grammar"),
+            json_object=(self.json_object or None, f"{p}json_object"),
+        )
+
+
+def _constraints(**given: tuple) -> list[StructuredOutput]:
+    """The constraints set among `given` (kind -> (value or None, request field))."""
+    makers = {
+        "json_schema": structured.json_schema,
+        "choice": structured.choice,
+        "json_object": lambda _, param: StructuredOutput("json_object", param=param),
+    }
+    found = []
+    for kind, (value, param) in given.items():
+        if value is not None:
+            make = makers.get(kind, lambda v, p, k=kind: StructuredOutput(k, v, p))
+            found.append(make(value, param))
+    return found
+
+
+def one_structured_output(found: list[StructuredOutput]) -> StructuredOutput | None:
+    """The request's one constraint, compiled once to reject a bad one with 400 here."""
+    if len(found) > 1:
+        names = ", ".join(c.param for c in found)
+        raise InvalidRequestError(
+            f"set one structured output, not several ({names})", param=found[1].param
+        )
+    if found:
+        found[0].check()
+    return found[0] if found else None
+
+
 class _SamplingRequest(_CheckedRequest):
     """Fields shared by chat and completions (vLLM's extras included: top_k, min_p, ...)."""
 
@@ -165,6 +237,13 @@ class _SamplingRequest(_CheckedRequest):
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     max_kv_size: int | None = Field(None, description="a per-request KV bound, below the server's")
+    # structured output: OpenAI's response_format, vLLM's guided_* and structured_outputs
+    response_format: ResponseFormat | None = None
+    guided_json: dict | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    structured_outputs: StructuredOutputs | None = None
 
     def sampling_params(self, default_max_tokens: int | None) -> SamplingParams:
         self.check_supported()
@@ -188,7 +267,21 @@ class _SamplingRequest(_CheckedRequest):
             logprobs=self._logprobs(),
             skip_special_tokens=self.skip_special_tokens,
             include_stop_str_in_output=self.include_stop_str_in_output,
+            structured_output=one_structured_output(self.constraints()),
         )
+
+    def constraints(self) -> list[StructuredOutput]:
+        found = _constraints(
+            json_schema=(self.guided_json, "guided_json"),
+            regex=(self.guided_regex, "guided_regex"),
+            choice=(self.guided_choice, "guided_choice"),
+            grammar=(self.guided_grammar, "guided_grammar"),
+        )
+        if self.response_format is not None:
+            found += filter(None, [self.response_format.structured_output()])
+        if self.structured_outputs is not None:
+            found += self.structured_outputs.constraints("structured_outputs.")
+        return found
 
     def _max_tokens(self) -> int | None:
         return self.max_tokens
@@ -354,6 +447,8 @@ class LlamaCompletionRequest(_CheckedRequest):
     timings_per_token: bool = False
     response_fields: list[str] | None = None
     cache_prompt: bool = True  # a hint: reusing a cached prefix never changes the output
+    grammar: str = ""  # GBNF
+    json_schema: dict | None = None
 
     def prompts(self) -> tuple[list[LlamaPrompt], bool]:
         """(the prompts, whether several were given: then the answer is a list). A list with a
@@ -391,6 +486,12 @@ class LlamaCompletionRequest(_CheckedRequest):
                 stop=self.stop,
                 ignore_eos=self.ignore_eos,
                 logprobs=self.n_probs or None,
+                structured_output=one_structured_output(
+                    _constraints(
+                        grammar=(self.grammar or None, "grammar"),
+                        json_schema=(self.json_schema, "json_schema"),
+                    )
+                ),
             )
         except InvalidRequestError as error:  # name the field as this body spells it
             name = LLAMA_NAMES.get(error.param, error.param)

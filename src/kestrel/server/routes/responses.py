@@ -11,7 +11,7 @@ State: the server keeps its last MAX_KEPT finished responses with `store: true` 
 memory, least recently used dropped first, for `previous_response_id` and GET /v1/responses/{id}.
 Nothing survives a restart; an unknown or dropped id is a 400 naming previous_response_id.
 Unknown fields (reasoning, include, background, ...) are a 400 naming them; so are `tools`
-(tool calls are not parsed yet) and a `text.format` other than text.
+(tool calls are not parsed yet). `text.format` json_schema and json_object constrain the answer.
 """
 
 import json
@@ -24,14 +24,16 @@ from typing import Annotated, Literal
 from fastapi import APIRouter, Request
 from pydantic import BaseModel, Field
 
+from kestrel import structured
 from kestrel.errors import InvalidRequestError
 from kestrel.sampling import SamplingParams
 from kestrel.server.bodies import StrictBody, by_type
 from kestrel.server.errors import APIError, as_api_error
 from kestrel.server.generation import Choice, Generation, new_id, sse_response
 from kestrel.server.prompts import ParamNames, chat_template_prompt
-from kestrel.server.protocol import MAX_MESSAGES
+from kestrel.server.protocol import MAX_MESSAGES, one_structured_output
 from kestrel.server.routes import ERROR_RESPONSES, server_state
+from kestrel.structured import StructuredOutput
 
 router = APIRouter()
 
@@ -92,7 +94,23 @@ def _chat_part(part: InputTextPart | InputImagePart | OutputTextPart) -> dict:
 
 
 class TextFormat(StrictBody):
-    type: Literal["text"]  # json_schema / json_object: structured output is not built yet
+    type: Literal["text", "json_object", "json_schema"]
+    name: str | None = None
+    description: str | None = None
+    json_schema: dict | None = Field(None, alias="schema")  # BaseModel has a `schema` method
+    strict: bool | None = None  # every schema is enforced
+
+    def structured_output(self) -> StructuredOutput | None:
+        if self.type == "json_object":
+            return StructuredOutput("json_object", param="text.format")
+        if self.type == "json_schema":
+            if self.json_schema is None:
+                raise InvalidRequestError(
+                    "text.format.schema is required with type json_schema",
+                    param="text.format.schema",
+                )
+            return structured.json_schema(self.json_schema, "text.format.schema")
+        return None
 
 
 class TextConfig(StrictBody):
@@ -136,7 +154,12 @@ class ResponsesRequest(StrictBody):
             ),
             temperature=1.0 if self.temperature is None else self.temperature,
             top_p=1.0 if self.top_p is None else self.top_p,
+            structured_output=one_structured_output(self._constraints()),
         )
+
+    def _constraints(self) -> list[StructuredOutput]:
+        text_format = self.text and self.text.format
+        return list(filter(None, [text_format and text_format.structured_output()]))
 
 
 # -- response ---------------------------------------------------------------------------------
@@ -372,6 +395,11 @@ class Answer:
             tool_choice=body.tool_choice or "auto",
             metadata=body.metadata or {},
             usage=usage,
+            **(
+                {"text": body.text.model_dump(by_alias=True, exclude_none=True)}
+                if body.text
+                else {}
+            ),
         )
 
     def status(self) -> str:
