@@ -205,7 +205,8 @@ def kestrel_engine(args, model, config, device, max_num_seqs: int):
     return Engine(model, tokenizer, bench_config(args, max_num_seqs), device)
 
 
-def engine_throughput(args, engine, work: Workload) -> dict:
+def engine_throughput(args, engine, work: Workload, structured=None) -> dict:
+    """Throughput through the Engine; every request constrained by `structured` when given."""
     from kestrel.sampling import SamplingParams
 
     def run(prompts, outputs, progress) -> tuple[float, int, list[float]]:
@@ -214,7 +215,12 @@ def engine_throughput(args, engine, work: Workload) -> dict:
         ids = [f"e{run.calls}-{i}" for i in range(len(prompts))]
         run.calls += 1
         for request_id, prompt, o in zip(ids, prompts, outputs, strict=True):
-            params = SamplingParams(temperature=args.temperature, ignore_eos=True, max_tokens=o)
+            params = SamplingParams(
+                temperature=args.temperature,
+                ignore_eos=True,
+                max_tokens=o,
+                structured_output=structured,
+            )
             engine.add_request(request_id, prompt, params)
         first, produced = {}, 0
         bar = tqdm(total=sum(outputs), disable=not progress, unit="tok", leave=False)
@@ -372,6 +378,12 @@ def run_bench(args) -> int:
             engine = kestrel_engine(args, model, config, device, seqs)
             runner = engine.runner
             numbers = engine_throughput(args, engine, work)
+            if args.json_schema:  # the same engine and workload, every request constrained
+                constrained = engine_throughput(args, engine, work, _structured(args.json_schema))
+                numbers.update({f"json_schema_{k}": v for k, v in constrained.items()})
+                numbers["json_schema_cost"] = (
+                    1 - constrained["output_tok_s"] / numbers["output_tok_s"]
+                )
             del engine
         else:
             runner = make_kestrel_runner(args, model, config, device, seqs)
@@ -439,6 +451,18 @@ def _run_peer(peer, args, dtype, device, modes, latency, batch, env, out) -> Non
         torch.cuda.empty_cache()
 
 
+def _structured(schema: str):
+    """--json-schema: a file's path or the schema's JSON text."""
+    from pathlib import Path
+
+    from kestrel.structured import StructuredOutput
+
+    text = Path(schema).read_text() if os.path.isfile(schema) else schema
+    constraint = StructuredOutput("json_schema", text, "--json-schema")
+    constraint.check()
+    return constraint
+
+
 def _error(error: Exception) -> dict:
     return {"error": f"{type(error).__name__}: {error}"[:300]}
 
@@ -471,6 +495,11 @@ def add_bench_args(p) -> None:
     p.add_argument("--latency-output-tokens", type=int, default=256)
     p.add_argument("--max-num-seqs", type=int, default=256)
     p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument(
+        "--json-schema",
+        help="engine mode: measure again with every request constrained by this JSON schema "
+        "(a file or the JSON text), in the same run; json_schema_* fields and the cost",
+    )
     p.add_argument("--peer", action="append", default=[], help="also measure: transformers")
     p.add_argument(
         "--bandwidth", type=float, default=None, help="bytes/s for the ceiling (CUDA: 4.25e12)"

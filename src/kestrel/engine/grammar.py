@@ -25,6 +25,7 @@ class GrammarMasks:
         self.matchers: dict[str, llguidance.LLMatcher] = {}
         self._lltokenizer = None  # built at the first constrained request (about a second)
         self._executor = None
+        self._buffer: torch.Tensor | None = None
         self._thread = ThreadPoolExecutor(1, thread_name_prefix="kestrel-grammar")
 
     def start(self, requests: list[Request]) -> Future | None:
@@ -59,11 +60,20 @@ class GrammarMasks:
     # -- the worker thread ----------------------------------------------------------------------
 
     def _bitmask(self, size: int, rows: list[tuple[int, Request]]) -> torch.Tensor:
-        words = -(-self.vocab_size // BITS)
-        bitmask = torch.full((size, words), -1, dtype=torch.int32)  # -1: every token allowed
+        bitmask = self._host_buffer(size)[:size]
+        bitmask.fill_(-1)  # every token allowed
         matchers = [(self._matcher(request), i) for i, request in rows]
         llguidance.torch.fill_next_token_bitmask_par(self._parallel(), matchers, bitmask)
-        return bitmask.pin_memory() if torch.cuda.is_available() else bitmask
+        return bitmask
+
+    def _host_buffer(self, size: int) -> torch.Tensor:
+        """One pinned buffer, grown as batches grow (pinning per step would cost more than the
+        mask). Reusing it is safe: a step's sampling reads its tokens, which waits for the copy."""
+        if self._buffer is None or self._buffer.shape[0] < size:
+            words = -(-self.vocab_size // BITS)
+            pin = torch.cuda.is_available()
+            self._buffer = torch.empty((size, words), dtype=torch.int32, pin_memory=pin)
+        return self._buffer
 
     def _matcher(self, request: Request) -> llguidance.LLMatcher:
         matcher = self.matchers.get(request.request_id)
