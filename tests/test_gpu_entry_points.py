@@ -54,6 +54,14 @@ def test_kestrel_generate_on_cuda_streams_text():
     assert done.stdout.strip(), done.stderr[-3000:]
 
 
+SCHEMA = {
+    "type": "object",
+    "properties": {"a": {"enum": ["x", "y"]}, "n": {"type": "integer", "minimum": 0, "maximum": 9}},
+    "required": ["a", "n"],
+    "additionalProperties": False,
+}
+
+
 def test_kestrel_serve_on_cuda_answers_the_openai_client():
     server = start_server(["--shape", "qwen2.5-0.5b", "--device", "cuda", "-np", "4"])
     try:
@@ -71,6 +79,15 @@ def test_kestrel_serve_on_cuda_answers_the_openai_client():
             extra_body={"ignore_eos": True},
         )  # fmt: skip
         assert "".join(chunk.choices[0].text for chunk in stream if chunk.choices)
+        # structured output: the grammar's mask on the device, the answer parses and validates
+        constrained = client.chat.completions.create(
+            model="qwen2.5-0.5b",
+            messages=[{"role": "user", "content": "Hello"}],
+            max_tokens=64,
+            response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": SCHEMA}},
+        )
+        answer = json.loads(constrained.choices[0].message.content)
+        assert answer["a"] in ("x", "y") and 0 <= answer["n"] <= 9, answer
     finally:
         assert server.stop() == 0, server.log()[-3000:]
 
