@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # The H200 session: the GPU gate (every GPU test, recorded), then `kestrel bench` on the headline
 # shapes with the transformers peer in the same run.
-# Usage: benchmarks/h200.sh OUTDIR [tests|quick|bench|seeds|full]   (full = tests, then bench)
+# Usage: benchmarks/h200.sh OUTDIR [tests|quick|bench|seeds|structured|full]   (full = tests, bench)
 # seeds: the seed families' released shapes (benchmarks/README.md), each with the peer
+# structured: batch 64 on llama3-8b through the Engine, free and JSON-schema-constrained
 set -uo pipefail
 out=${1:-benchmarks/results}; what=${2:-full}
 export PYTHONUNBUFFERED=1 PYTHONPATH=src${PYTHONPATH:+:$PYTHONPATH}
@@ -29,5 +30,10 @@ if [[ $what == seeds ]]; then
     python3 -m kestrel bench --shape "$shape" --peer transformers --no-progress \
       -o "$out/h200-seeds.jsonl" || status=1
   done
+fi
+if [[ $what == structured ]]; then
+  python3 -m kestrel bench engine --shape llama3-8b --num-requests 256 --max-num-seqs 64 \
+    --prompt-tokens 512 --output-tokens 256 --temperature 1 --no-progress \
+    --json-schema benchmarks/schemas/records.json -o "$out/h200-structured.jsonl" || status=1
 fi
 exit $status
