@@ -15,8 +15,10 @@ import llguidance.torch
 import torch
 
 from kestrel.engine.request import Request
+from kestrel.structured import StructuredOutput
 
 BITS = 32  # llguidance packs the allowed-token set 32 tokens to an int32
+COMPILED_KEPT = 64  # compiled grammars kept, least recently used dropped first
 
 
 class GrammarMasks:
@@ -26,6 +28,7 @@ class GrammarMasks:
         self._lltokenizer = None  # built at the first constrained request (about a second)
         self._executor = None
         self._buffer: torch.Tensor | None = None
+        self._cache: dict[StructuredOutput, llguidance.LLMatcher] = {}
         self._thread = ThreadPoolExecutor(1, thread_name_prefix="kestrel-grammar")
 
     def start(self, requests: list[Request]) -> Future | None:
@@ -47,12 +50,24 @@ class GrammarMasks:
         rows = logits[: mask.shape[0]]
         return rows.masked_fill(allowed[:, : rows.shape[1]] == 0, float("-inf"))
 
-    def accept(self, request: Request, token: int) -> None:
-        """Advance the request's matcher past its sampled token; ValueError if the grammar
-        rejects it (only a matcher in error can: the mask allowed the token)."""
-        matcher = self.matchers.get(request.request_id)
-        if matcher is not None and not matcher.consume_token(token):
-            raise ValueError(f"the output no longer matches its grammar: {matcher.get_error()}")
+    def accept(self, sampled: list[tuple[Request, int]]) -> dict[str, ValueError]:
+        """Advance each constrained request's matcher past its sampled token, in parallel; the
+        errors of those whose grammar rejects it (only a matcher in error can: the mask allowed
+        the token), by request id."""
+        pairs = [
+            (self.matchers[r.request_id], token)
+            for r, token in sampled
+            if r.request_id in self.matchers
+        ]
+        if not pairs:
+            return {}
+        accepted = llguidance.torch.consume_token_par(self._parallel(), pairs)
+        ids = [r.request_id for r, _ in sampled if r.request_id in self.matchers]
+        return {
+            request_id: ValueError(f"the output no longer matches its grammar: {m.get_error()}")
+            for request_id, (m, _), ok in zip(ids, pairs, accepted, strict=True)
+            if not ok
+        }
 
     def release(self, request_id: str) -> None:
         self.matchers.pop(request_id, None)
@@ -78,11 +93,21 @@ class GrammarMasks:
     def _matcher(self, request: Request) -> llguidance.LLMatcher:
         matcher = self.matchers.get(request.request_id)
         if matcher is None:
-            grammar = request.params.structured_output.grammar()
-            matcher = llguidance.LLMatcher(self._tokenizer(), grammar)
+            matcher = self._compiled(request.params.structured_output).deep_copy()
+            self.matchers[request.request_id] = matcher
+        return matcher
+
+    def _compiled(self, constraint: StructuredOutput) -> llguidance.LLMatcher:
+        """A fresh matcher of `constraint`, compiled once: requests with the same schema (n > 1,
+        a client's every call) copy it instead of compiling again."""
+        matcher = self._cache.pop(constraint, None)
+        if matcher is None:
+            matcher = llguidance.LLMatcher(self._tokenizer(), constraint.grammar())
             if matcher.is_error():
                 raise ValueError(f"the grammar does not compile: {matcher.get_error()}")
-            self.matchers[request.request_id] = matcher
+        self._cache[constraint] = matcher  # most recently used last
+        while len(self._cache) > COMPILED_KEPT:
+            self._cache.pop(next(iter(self._cache)))
         return matcher
 
     def _tokenizer(self) -> llguidance.LLTokenizer:

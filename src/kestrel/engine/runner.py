@@ -150,13 +150,17 @@ class ModelRunner:
         grammar that fails fails its request only, never a retry of tokens already consumed."""
         if self.grammar is None:
             return results
-        for i, result in enumerate(results):
-            if result.token is not None:
-                try:
-                    self.grammar.accept(result.request, result.token)
-                except Exception as error:
-                    results[i] = StepResult(result.request, error=error)
-        return results
+        sampled = [(r.request, r.token) for r in results if r.token is not None]
+        try:
+            errors = self.grammar.accept(sampled)
+        except Exception as error:  # the grammar library itself failed: every constrained one
+            errors = {r.request_id: error for r, _ in sampled if r.params.structured_output}
+        return [
+            StepResult(r.request, error=errors[r.request.request_id])
+            if r.request.request_id in errors
+            else r
+            for r in results
+        ]
 
     def _cache(self, request: Request) -> SequenceCache:
         if request.request_id not in self.caches:
