@@ -29,6 +29,8 @@ SCHEMAS = [
         "type": "object",
         "properties": {"colour": {"enum": ["red", "green", "blue"]}, "ok": {"type": "boolean"}},
         "required": ["colour", "ok"],
+        # closed: an open object lets the model add properties until max_tokens cuts the JSON
+        "additionalProperties": False,
     },
     {
         "type": "object",
