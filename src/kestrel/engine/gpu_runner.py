@@ -213,8 +213,11 @@ class GPURunner(ModelRunner):
             logits = self.model(self._to_batch(packed, tile_tokens=1 if decode else None))
         for chunk in chunks:
             self.caches[chunk.request.request_id].advance(chunk.num_tokens)
-        results = self._sample_batch(sampling, logits, self._apply_masks(masks, logits))
-        return self._accept(results) + [StepResult(c.request) for c in chunks if not c.samples]
+        masked, failed = self._apply_masks(masks, logits)
+        results = self._sample_batch(sampling, logits, masked)
+        return self._accept(results, failed) + [
+            StepResult(c.request) for c in chunks if not c.samples
+        ]
 
     def _pack_batch(self, chunks) -> PagedBatch:
         return self._to_batch(self._pack_host(chunks), None)

@@ -1,13 +1,15 @@
 """Grammar masks: each constrained request's llguidance matcher, the batch's token bitmask and its
 application to the logits on the device.
 
-The bitmask of a step is computed on the host in a worker thread while the forward runs (it
-depends only on the tokens already sampled), so a constrained batch pays for it only where the
-mask takes longer than the forward. Rows of unconstrained requests allow every token, so free and
+Off the critical path: a step's sampled tokens are only noted (`accept`); the next step's worker
+thread feeds them to the matchers and computes the bitmask while the forward runs (both depend
+only on tokens already sampled), so a constrained batch waits for the grammar only where it takes
+longer than the forward. Rows of unconstrained requests allow every token, so free and
 constrained requests share one batch and one sampling kernel.
 """
 
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
 
 import llguidance
 import llguidance.hf
@@ -21,10 +23,20 @@ BITS = 32  # llguidance packs the allowed-token set 32 tokens to an int32
 COMPILED_KEPT = 64  # compiled grammars kept, least recently used dropped first
 
 
+@dataclass
+class StepMasks:
+    """A step's grammar work: one bitmask row per sampling request (-1: all allowed), and the
+    requests whose grammar failed (they fail instead of sampling)."""
+
+    bitmask: torch.Tensor  # (R, ceil(V / 32)) int32, on the host
+    errors: dict[str, Exception] = field(default_factory=dict)
+
+
 class GrammarMasks:
     def __init__(self, tokenizer, vocab_size: int, eos_ids: set[int]):
         self.tokenizer, self.vocab_size, self.eos_ids = tokenizer, vocab_size, sorted(eos_ids)
         self.matchers: dict[str, llguidance.LLMatcher] = {}
+        self.pending: dict[str, int] = {}  # sampled tokens not yet fed to their matcher
         self._lltokenizer = None  # built at the first constrained request (about a second)
         self._executor = None
         self._buffer: torch.Tensor | None = None
@@ -32,54 +44,63 @@ class GrammarMasks:
         self._thread = ThreadPoolExecutor(1, thread_name_prefix="kestrel-grammar")
 
     def start(self, requests: list[Request]) -> Future | None:
-        """The bitmask of `requests` (one row each; None when none is constrained), computed in
-        the worker thread: start it before the forward, read it after."""
+        """The StepMasks of `requests` (None when none is constrained), computed in the worker
+        thread: start it before the forward, read it after."""
         rows = [(i, r) for i, r in enumerate(requests) if r.params.structured_output]
         if not rows:
             return None
-        return self._thread.submit(self._bitmask, len(requests), rows)
+        return self._thread.submit(self._step_masks, len(requests), rows)
 
-    def apply(self, bitmask: Future | None, logits: torch.Tensor) -> torch.Tensor:
+    def apply(self, masks: StepMasks, logits: torch.Tensor) -> torch.Tensor:
         """(R, V) logits with the tokens each row's grammar forbids at -inf (a copy; the raw
         logits stay for log-probs). Unconstrained rows are unchanged."""
-        if bitmask is None:
-            return logits
-        mask = bitmask.result().to(logits.device, non_blocking=True)  # (R, ceil(V / 32))
+        mask = masks.bitmask.to(logits.device, non_blocking=True)
         shifts = torch.arange(BITS, dtype=torch.int32, device=logits.device)
         allowed = ((mask.unsqueeze(-1) >> shifts) & 1).view(mask.shape[0], -1)
         rows = logits[: mask.shape[0]]
         return rows.masked_fill(allowed[:, : rows.shape[1]] == 0, float("-inf"))
 
-    def accept(self, sampled: list[tuple[Request, int]]) -> dict[str, ValueError]:
-        """Advance each constrained request's matcher past its sampled token, in parallel; the
-        errors of those whose grammar rejects it (only a matcher in error can: the mask allowed
-        the token), by request id."""
-        pairs = [
-            (self.matchers[r.request_id], token)
-            for r, token in sampled
-            if r.request_id in self.matchers
-        ]
-        if not pairs:
-            return {}
-        accepted = llguidance.torch.consume_token_par(self._parallel(), pairs)
-        ids = [r.request_id for r, _ in sampled if r.request_id in self.matchers]
-        return {
-            request_id: ValueError(f"the output no longer matches its grammar: {m.get_error()}")
-            for request_id, (m, _), ok in zip(ids, pairs, accepted, strict=True)
-            if not ok
-        }
+    def accept(self, sampled: list[tuple[Request, int]]) -> None:
+        """Note each constrained request's sampled token; the next step's worker feeds it."""
+        for request, token in sampled:
+            if request.params.structured_output:
+                self.pending[request.request_id] = token
 
     def release(self, request_id: str) -> None:
         self.matchers.pop(request_id, None)
+        self.pending.pop(request_id, None)
 
     # -- the worker thread ----------------------------------------------------------------------
 
-    def _bitmask(self, size: int, rows: list[tuple[int, Request]]) -> torch.Tensor:
-        bitmask = self._host_buffer(size)[:size]
-        bitmask.fill_(-1)  # every token allowed
-        matchers = [(self._matcher(request), i) for i, request in rows]
-        llguidance.torch.fill_next_token_bitmask_par(self._parallel(), matchers, bitmask)
-        return bitmask
+    def _step_masks(self, size: int, rows: list[tuple[int, Request]]) -> StepMasks:
+        masks = StepMasks(self._host_buffer(size)[:size])
+        masks.bitmask.fill_(-1)  # every token allowed
+        live = []
+        for i, request in rows:
+            try:
+                live.append((i, request, self._matcher(request)))
+            except Exception as error:  # compiles, so only the library's own failure
+                masks.errors[request.request_id] = error
+        masks.errors.update(self._consume_pending([(r, m) for _, r, m in live]))
+        matchers = [(m, i) for i, r, m in live if r.request_id not in masks.errors]
+        llguidance.torch.fill_next_token_bitmask_par(self._parallel(), matchers, masks.bitmask)
+        return masks
+
+    def _consume_pending(self, live: list[tuple[Request, llguidance.LLMatcher]]) -> dict:
+        """Feed the last step's tokens, in parallel; errors of the rejected (only a matcher in
+        error can reject: the mask allowed the token)."""
+        fed = [
+            (r, m, self.pending.pop(r.request_id)) for r, m in live if r.request_id in self.pending
+        ]
+        if not fed:
+            return {}
+        pairs = [(m, token) for _, m, token in fed]
+        accepted = llguidance.torch.consume_token_par(self._parallel(), pairs)
+        return {
+            r.request_id: ValueError(f"the output no longer matches its grammar: {m.get_error()}")
+            for (r, m, _), ok in zip(fed, accepted, strict=True)
+            if not ok
+        }
 
     def _host_buffer(self, size: int) -> torch.Tensor:
         """One pinned buffer, grown as batches grow (pinning per step would cost more than the

@@ -70,11 +70,13 @@ class ModelRunner:
             self.caches[chunk.request.request_id].advance(chunk.num_tokens)
             if chunk.request.num_computed + chunk.num_tokens >= len(chunk.request.prompt_ids):
                 self.image_features.pop(chunk.request.request_id, None)  # the prompt is in
-        masked = self._apply_masks(masks, logits)
+        masked, failed = self._apply_masks(masks, logits)
         results = [
             self._sample(request, masked[i], logits[i]) for i, request in enumerate(sampling)
         ]
-        return self._accept(results) + [StepResult(c.request) for c in chunks if not c.samples]
+        return self._accept(results, failed) + [
+            StepResult(c.request) for c in chunks if not c.samples
+        ]
 
     def _pack(self, chunks: list[ScheduledChunk]) -> ForwardBatch:
         ids, positions, seq_chunks, rows = [], [], [], []
@@ -142,25 +144,25 @@ class ModelRunner:
             return None
         return self.grammar.start(requests)
 
-    def _apply_masks(self, masks, logits: torch.Tensor) -> torch.Tensor:
-        return logits if masks is None else self.grammar.apply(masks, logits)
+    def _apply_masks(self, masks, logits: torch.Tensor) -> tuple[torch.Tensor, dict]:
+        """(the masked logits, {request id: error} of grammars that failed) of a step."""
+        if masks is None:
+            return logits, {}
+        step = masks.result()
+        return self.grammar.apply(step, logits), step.errors
 
-    def _accept(self, results: list[StepResult]) -> list[StepResult]:
-        """Each sampled token fed to its request's grammar. Last in a step and per request: a
-        grammar that fails fails its request only, never a retry of tokens already consumed."""
-        if self.grammar is None:
-            return results
-        sampled = [(r.request, r.token) for r in results if r.token is not None]
-        try:
-            errors = self.grammar.accept(sampled)
-        except Exception as error:  # the grammar library itself failed: every constrained one
-            errors = {r.request_id: error for r, _ in sampled if r.params.structured_output}
-        return [
-            StepResult(r.request, error=errors[r.request.request_id])
-            if r.request.request_id in errors
+    def _accept(self, results: list[StepResult], failed: dict) -> list[StepResult]:
+        """The step's results with grammar failures as errors; sampled tokens noted for the
+        grammars (fed to them while the next forward runs)."""
+        results = [
+            StepResult(r.request, error=failed[r.request.request_id])
+            if r.request.request_id in failed
             else r
             for r in results
         ]
+        if self.grammar is not None:
+            self.grammar.accept([(r.request, r.token) for r in results if r.token is not None])
+        return results
 
     def _cache(self, request: Request) -> SequenceCache:
         if request.request_id not in self.caches:
