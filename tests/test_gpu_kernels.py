@@ -50,7 +50,7 @@ def random_sequences(pool: BlockPool, chunk: int):
 
 def check_paged_attention(device, dtype, chunk, window, hq=8, hkv=2, d=64, bs=16):
     torch.manual_seed(chunk)
-    pool = BlockPool(1, 40, bs, hkv, d, dtype, device)
+    pool = BlockPool([(hkv, d)], 40, bs, dtype, device)
     for t in pool.k + pool.v:
         t.normal_()
     p = random_sequences(pool, chunk)

@@ -1,5 +1,5 @@
 """The paged GPU runner (Triton kernels, fused layers, CUDA graphs) generates the same greedy tokens
-as the CPU reference runner, on tiny random llama and gemma3 models in fp32, with and without a
+as the CPU reference runner, on tiny random models of every paged family in fp32, with and without a
 KV bound (trimmed, sunk) and sliding windows. GPU only; skipped elsewhere."""
 
 import copy
@@ -27,7 +27,15 @@ def generate(runner, seqs, steps, max_kv_size=None, keep=0, max_num_seqs=4, chun
 
 
 @pytest.mark.parametrize(
-    "kind,window", [("llama", None), ("llama", 7), ("gemma3", 6), ("exaone_moe", 6)]
+    "kind,window",
+    [
+        ("llama", None),
+        ("llama", 7),
+        ("gemma3", 6),
+        ("exaone_moe", 6),
+        ("gemma4", 6),
+        ("nemotron_nas", None),
+    ],
 )
 @pytest.mark.parametrize("graphs", [True, False])
 @pytest.mark.parametrize("max_kv_size", [None, 12])
@@ -51,7 +59,14 @@ def test_gpu_greedy_tokens_equal_cpu(kind, window, graphs, max_kv_size):
 
 
 @pytest.mark.parametrize(
-    "kind,window,max_kv_size", [("llama", None, None), ("gemma3", 6, 12), ("exaone_moe", 6, None)]
+    "kind,window,max_kv_size",
+    [
+        ("llama", None, None),
+        ("gemma3", 6, 12),
+        ("exaone_moe", 6, None),
+        ("gemma4", 6, 12),
+        ("nemotron_nas", None, None),
+    ],
 )
 def test_gpu_pool_exhaustion_preempts_and_each_request_gets_its_solo_output(
     kind, window, max_kv_size

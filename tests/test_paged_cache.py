@@ -7,7 +7,7 @@ is driven through the same chunk schedule as the reference runner: trimmed (--ma
 
 import pytest
 import torch
-from transformers import ExaoneMoeConfig, Gemma3TextConfig, LlamaConfig
+from transformers import ExaoneMoeConfig, Gemma3TextConfig, Gemma4TextConfig, LlamaConfig
 
 from kestrel.cache.blocks import BlockManager
 from kestrel.cache.paged import PagedSequenceCache
@@ -16,6 +16,7 @@ from kestrel.engine.gpu_runner import GPURunner
 from kestrel.engine.request import Request
 from kestrel.engine.runner import ModelRunner, run_step
 from kestrel.engine.scheduler import ScheduledChunk, Scheduler
+from kestrel.models.nemotron_nas import NemotronNasConfig
 from kestrel.sampling import SamplingParams
 from kestrel.weights.loader import build_model
 
@@ -32,42 +33,101 @@ SMALL = dict(
 )
 
 
+S, F = "sliding_attention", "full_attention"
+
+
+def gemma3_config(window):
+    return Gemma3TextConfig(**SMALL, sliding_window=window or 6, layer_types=[S, S, F])
+
+
+def exaone_moe_config(window):  # GQA over sliding and full layers, sigmoid-routed MoE
+    return ExaoneMoeConfig(
+        **SMALL,
+        sliding_window=window or 6,
+        layer_types=[S, F, S],
+        mlp_layer_types=["dense", "sparse", "sparse"],
+        moe_intermediate_size=16,
+        num_experts=8,
+        num_experts_per_tok=2,
+        n_group=4,
+        topk_group=2,
+        num_shared_experts=1,
+    )
+
+
+def gemma4_config(window):
+    """Full layers with their own head dim and KV heads (K = V), the last two layers reading
+    layers 2's and 3's caches, per-layer inputs and routed experts beside the dense MLP."""
+    rope = {"rope_type": "proportional", "partial_rotary_factor": 0.5, "rope_theta": 1e6}
+    return Gemma4TextConfig(
+        **{**SMALL, "num_hidden_layers": 6},
+        sliding_window=window or 6,
+        layer_types=[S, S, F, S, S, F],
+        global_head_dim=16,
+        num_global_key_value_heads=1,
+        attention_k_eq_v=True,
+        num_kv_shared_layers=2,
+        hidden_size_per_layer_input=8,
+        vocab_size_per_layer_input=97,
+        enable_moe_block=True,
+        num_experts=8,
+        top_k_experts=2,
+        moe_intermediate_size=16,
+        final_logit_softcapping=20.0,
+        rope_parameters={S: {"rope_type": "default", "rope_theta": 1e4}, F: rope},
+    )
+
+
+def nas_block(attention: str = "gqa", group: int = 1, ffn: str = "mlp") -> dict:
+    """A `block_configs` entry: GQA of `group` query heads per KV head, or the flag named."""
+    return {
+        "attention": {"n_heads_in_group": group} if attention == "gqa" else {attention: True},
+        "ffn": {"ffn_mult": 1.0} if ffn == "mlp" else {ffn: True},
+    }
+
+
+def nemotron_nas_config(window):
+    """GQA blocks of 4, 1 and 2 KV heads between linear and no-op attention blocks."""
+    blocks = [
+        nas_block("gqa", 1),
+        nas_block("replace_with_linear", ffn="replace_with_linear"),
+        nas_block("gqa", 4),
+        nas_block("no_op", ffn="no_op"),
+        nas_block("gqa", 2),
+    ]
+    fields = {k: v for k, v in SMALL.items() if k not in ("intermediate_size", "head_dim")}
+    return NemotronNasConfig(**{**fields, "num_hidden_layers": 5}, block_configs=blocks)
+
+
+def llama_config(window):
+    config = LlamaConfig(
+        vocab_size=97,
+        hidden_size=48,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=6,
+        num_key_value_heads=2,
+        head_dim=8,
+        max_position_embeddings=256,
+    )
+    if window:  # every layer slides (Mistral-style): blocks behind the window are freed
+        config.model_type = "mistral"
+        config.sliding_window = window
+    return config
+
+
+TINY_CONFIGS = {
+    "llama": llama_config,
+    "gemma3": gemma3_config,
+    "exaone_moe": exaone_moe_config,
+    "gemma4": gemma4_config,
+    "nemotron_nas": nemotron_nas_config,
+}
+
+
 def tiny_model(kind: str, window=None):
     torch.manual_seed(0)
-    if kind == "gemma3":
-        config = Gemma3TextConfig(
-            **SMALL,
-            sliding_window=window or 6,
-            layer_types=["sliding_attention", "sliding_attention", "full_attention"],
-        )
-    elif kind == "exaone_moe":  # GQA over sliding and full layers, sigmoid-routed MoE
-        config = ExaoneMoeConfig(
-            **SMALL,
-            sliding_window=window or 6,
-            layer_types=["sliding_attention", "full_attention", "sliding_attention"],
-            mlp_layer_types=["dense", "sparse", "sparse"],
-            moe_intermediate_size=16,
-            num_experts=8,
-            num_experts_per_tok=2,
-            n_group=4,
-            topk_group=2,
-            num_shared_experts=1,
-        )
-    else:
-        config = LlamaConfig(
-            vocab_size=97,
-            hidden_size=48,
-            intermediate_size=64,
-            num_hidden_layers=2,
-            num_attention_heads=6,
-            num_key_value_heads=2,
-            head_dim=8,
-            max_position_embeddings=256,
-        )
-        if window:  # every layer slides (Mistral-style): blocks behind the window are freed
-            config.model_type = "mistral"
-            config.sliding_window = window
-    model = build_model(config, torch.float32, torch.device("cpu"))
+    model = build_model(TINY_CONFIGS[kind](window), torch.float32, torch.device("cpu"))
     with torch.no_grad():
         for p in model.parameters():
             p.normal_(0, 0.3)
@@ -150,6 +210,23 @@ def test_exaone_moe_sliding_full_and_moe_layers_match_dense():
     model = tiny_model("exaone_moe", window=6)
     schedule = [(9, 4), (5, 1), *[(1, 1)] * 8]
     run_both(model, prompts(14, 4), schedule, max_kv_size=12, keep=1)
+
+
+def test_gemma4_shared_kv_and_per_layer_head_sizes_match_dense():
+    model = tiny_model("gemma4", window=6)
+    schedule = [(9, 4), (5, 1), *[(1, 1)] * 8]
+    paged = run_both(model, prompts(14, 4), schedule, max_kv_size=12, keep=1)
+    # the two KV-shared layers hold no storage; full layers hold 1 KV head of 16
+    shapes = [None if k is None else tuple(k.shape[2:]) for k in paged.pool.k]
+    assert shapes == [(2, 8), (2, 8), (1, 16), (2, 8), None, None]
+
+
+def test_nemotron_nas_per_layer_blocks_match_dense():
+    model = tiny_model("nemotron_nas")
+    schedule = [(9, 4), (5, 1), *[(1, 1)] * 8]
+    paged = run_both(model, prompts(14, 4), schedule, max_kv_size=12, keep=1)
+    shapes = [None if k is None else tuple(k.shape[2:]) for k in paged.pool.k]
+    assert shapes == [(4, 8), None, (1, 8), None, (2, 8)]  # linear and no-op hold nothing
 
 
 @pytest.mark.parametrize("block_size", [1, 3, 16])
@@ -271,7 +348,14 @@ def test_pool_sized_by_a_probe_step_then_generates_as_reference():
 
 @pytest.mark.parametrize(
     "kind,window,max_kv_size",
-    [("llama", None, None), ("llama", 7, None), ("gemma3", 6, 12), ("exaone_moe", 6, 12)],
+    [
+        ("llama", None, None),
+        ("llama", 7, None),
+        ("gemma3", 6, 12),
+        ("exaone_moe", 6, 12),
+        ("gemma4", 6, 12),
+        ("nemotron_nas", None, None),
+    ],
 )
 def test_a_pool_too_small_for_the_load_preempts_and_every_request_gets_its_solo_output(
     kind, window, max_kv_size

@@ -184,8 +184,6 @@ def test_streaming_events_add_up_to_the_answer(server, greedy):
     ("field", "value"),
     [
         ("mirostat", 2),
-        ("grammar", "root ::= [a-z]+"),
-        ("json_schema", {"type": "object"}),
         ("samplers", ["top_k", "temperature"]),
         ("typical_p", 0.5),
         ("dry_multiplier", 0.8),

@@ -180,7 +180,6 @@ BAD_BODIES = {
     "max_output_tokens 0": ({"max_output_tokens": 0}, "max_output_tokens"),
     "top_p 0": ({"top_p": 0}, "top_p"),
     "reasoning": ({"reasoning": {"effort": "low"}}, "reasoning"),
-    "json output": ({"text": {"format": {"type": "json_object"}}}, "text.format.type"),
     "a tool output item": (
         {"input": [*_user(TEXT), {"type": "function_call_output", "call_id": "c", "output": "{}"}]},
         "input[1].type",

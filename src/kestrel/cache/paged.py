@@ -18,18 +18,24 @@ from kestrel.kernels.attention import attend, paged_attention_triton, triton, wr
 
 
 class BlockPool:
-    """K and V of every layer: (num_blocks, block_size, Hkv, D) each. Block 0 is a scratch block
-    never handed out (CUDA-graph padding rows write there)."""
+    """K and V of every layer that stores them: (num_blocks, block_size, Hkv, D) each, with the
+    layer's own Hkv and D (`layout`: the model's `kv_layout()`); None for a layer that stores
+    none. Block 0 is a scratch block never handed out (CUDA-graph padding rows write there)."""
 
-    def __init__(self, num_layers, num_blocks, block_size, num_kv_heads, head_dim, dtype, device):
-        shape = (num_blocks, block_size, num_kv_heads, head_dim)
-        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+    def __init__(self, layout, num_blocks, block_size, dtype, device):
+        def zeros(shape):
+            if shape is None:
+                return None
+            return torch.zeros((num_blocks, block_size, *shape), dtype=dtype, device=device)
+
+        self.k = [zeros(shape) for shape in layout]
+        self.v = [zeros(shape) for shape in layout]
         self.num_blocks, self.block_size = num_blocks, block_size
 
     @staticmethod
-    def bytes_per_block(num_layers, block_size, num_kv_heads, head_dim, dtype) -> int:
-        return 2 * num_layers * block_size * num_kv_heads * head_dim * torch.finfo(dtype).bits // 8
+    def bytes_per_block(layout, block_size, dtype) -> int:
+        elements = sum(2 * heads * dim for heads, dim in filter(None, layout))
+        return elements * block_size * torch.finfo(dtype).bits // 8
 
 
 class PagedSequenceCache(SequenceCache):

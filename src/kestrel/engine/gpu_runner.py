@@ -19,15 +19,26 @@ from kestrel.config import CacheConfig, Config
 from kestrel.engine.request import Request
 from kestrel.engine.runner import ModelRunner, StepResult
 from kestrel.engine.scheduler import ScheduledChunk
-from kestrel.models.base import head_dim
 from kestrel.models.batch import ForwardBatch
 from kestrel.sampling import SamplingParams
 
 log = logging.getLogger("kestrel.gpu_runner")
 
-# families whose attention goes only through `cached_attention` (so the paged pool serves them)
-# and whose every layer is graph-capturable (MoE experts by grouped GEMM)
-PAGED_FAMILIES = {"llama", "mistral", "qwen2", "qwen3", "gemma3", "gemma3_text", "exaone_moe"}
+# families whose attention goes only through `cached_attention` (so the paged pool serves them,
+# each layer with its own `kv_layout` shape) and whose every layer is graph-capturable (MoE
+# experts by grouped GEMM)
+PAGED_FAMILIES = {
+    "llama",
+    "mistral",
+    "qwen2",
+    "qwen3",
+    "gemma3",
+    "gemma3_text",
+    "exaone_moe",
+    "gemma4",
+    "gemma4_text",
+    "nemotron-nas",
+}
 GRAPH_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256, 320, 384, 448, 512)
 
 
@@ -84,10 +95,10 @@ class GPURunner(ModelRunner):
         self.cache_config = cache or CacheConfig()
         self.cuda_graphs = cuda_graphs
         self.max_num_seqs, self.token_budget = max_num_seqs, token_budget
-        c = model.config
-        self.head_dim = head_dim(c)
-        self.num_kv_heads = c.num_key_value_heads
-        self.group_pad = 1 << math.ceil(math.log2(c.num_attention_heads // self.num_kv_heads))
+        self.layout = model.kv_layout()  # per layer (KV heads, head dim), None: no KV
+        kv_heads = min(heads for heads, _ in filter(None, self.layout))
+        group = model.config.num_attention_heads // kv_heads
+        self.group_pad = 1 << math.ceil(math.log2(group))
         self.specs = model.cache_specs()
         bs = self.cache_config.block_size
         self.table_width = (max_model_len + bs - 1) // bs + 2
@@ -110,15 +121,7 @@ class GPURunner(ModelRunner):
     def _use_pool(self, num_blocks: int) -> None:
         """A pool of `num_blocks` (block 0: scratch) and the manager of its blocks."""
         bs = self.cache_config.block_size
-        self.pool = BlockPool(
-            len(self.specs),
-            num_blocks,
-            bs,
-            self.num_kv_heads,
-            self.head_dim,
-            self.dtype,
-            self.device,
-        )
+        self.pool = BlockPool(self.layout, num_blocks, bs, self.dtype, self.device)
         self.blocks = BlockManager(num_blocks - 1, bs, evict_window(self.specs), first_id=1)
 
     def block_manager(self, kv_capacity: int | None) -> BlockManager:
@@ -144,13 +147,7 @@ class GPURunner(ModelRunner):
         graphs = 512 << 20 if self.cuda_graphs else 0
         utilization = self.cache_config.gpu_memory_utilization
         budget = total * utilization - (total - free) - activations - graphs
-        per_block = BlockPool.bytes_per_block(
-            len(self.specs),
-            self.cache_config.block_size,
-            self.num_kv_heads,
-            self.head_dim,
-            self.dtype,
-        )
+        per_block = BlockPool.bytes_per_block(self.layout, self.cache_config.block_size, self.dtype)
         blocks = int(budget // per_block)
         if blocks < 2:
             raise RuntimeError(

@@ -240,16 +240,12 @@ class Gemma4ForCausalLM(CausalLM):
             logits = self.softcap * torch.tanh(logits / self.softcap)
         return logits
 
-    def kv_bytes_per_token(self, dtype: torch.dtype) -> int:
-        # only layers that own a cache count; full layers have their own head dim and KV heads
-        owners = [i for i, s in enumerate(self.model.kv_sources) if s == i]
-        elements = sum(
-            2
-            * self.model.layers[i].self_attn.num_kv_heads
-            * self.model.layers[i].self_attn.head_dim
-            for i in owners
-        )
-        return elements * torch.finfo(dtype).bits // 8
+    def kv_layout(self) -> list[tuple[int, int] | None]:
+        # only layers that own a cache store keys; full layers have their own head dim and heads
+        attns = [layer.self_attn for layer in self.model.layers]
+        return [
+            (a.num_kv_heads, a.head_dim) if a.kv_source == i else None for i, a in enumerate(attns)
+        ]
 
     def checkpoint_name(self, name: str) -> str:
         # multimodal Gemma 4 checkpoints nest the text model; the other towers match no parameter

@@ -111,8 +111,3 @@ class JambaForCausalLM(CausalLM):
         # transformers calls the router `router`; the shared MoE calls it `gate`
         name = name.replace(".feed_forward.router.", ".feed_forward.gate.")
         return expert_slot(name, self.config.intermediate_size) or name
-
-    def kv_bytes_per_token(self, dtype: torch.dtype) -> int:
-        c = self.config
-        layers = sum(is_attention(c, i) for i in range(c.num_hidden_layers))
-        return 2 * c.num_key_value_heads * head_dim(c) * layers * torch.finfo(dtype).bits // 8

@@ -157,8 +157,3 @@ class NemotronHForCausalLM(CausalLM):
             return None  # multi-token-prediction heads: speculative decoding, not served
         name = name.replace("backbone.", "model.", 1)
         return expert_slot(name, self.config.moe_intermediate_size, gate=None) or name
-
-    def kv_bytes_per_token(self, dtype: torch.dtype) -> int:
-        c = self.config
-        layers = c.layers_block_type.count("full_attention")
-        return 2 * c.num_key_value_heads * head_dim(c) * layers * torch.finfo(dtype).bits // 8

@@ -172,9 +172,10 @@ class NemotronNasForCausalLM(CausalLM):
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         return self.lm_head(self.model(batch))
 
-    def kv_bytes_per_token(self, dtype: torch.dtype) -> int:
-        heads = sum(b.kv_heads for b in self.model.blocks if b.attention == "gqa")
-        return 2 * heads * head_dim(self.config) * torch.finfo(dtype).bits // 8
+    def kv_layout(self) -> list[tuple[int, int] | None]:
+        # each GQA block has its own KV head count (n_heads_in_group)
+        dim = head_dim(self.config)
+        return [(b.kv_heads, dim) if b.attention == "gqa" else None for b in self.model.blocks]
 
     @classmethod
     def config_from_gguf(cls, meta) -> NemotronNasConfig:
