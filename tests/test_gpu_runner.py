@@ -33,7 +33,6 @@ def generate(runner, seqs, steps, max_kv_size=None, keep=0, max_num_seqs=4, chun
         ("llama", 7),
         ("gemma3", 6),
         ("exaone_moe", 6),
-        ("gemma4", 6),
         ("nemotron_nas", None),
     ],
 )
@@ -64,7 +63,6 @@ def test_gpu_greedy_tokens_equal_cpu(kind, window, graphs, max_kv_size):
         ("llama", None, None),
         ("gemma3", 6, 12),
         ("exaone_moe", 6, None),
-        ("gemma4", 6, 12),
         ("nemotron_nas", None, None),
     ],
 )
