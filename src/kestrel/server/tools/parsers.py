@@ -72,6 +72,7 @@ class ToolParser:
     markers: ClassVar[tuple[str, ...]]
     syntax: ClassVar[str]  # how a call is written, for the prompt of templates without tools
     arguments_key: ClassVar[str] = "arguments"
+    special_tokens: ClassVar[bool] = False  # its markers are special tokens (decode them)
 
     def __init__(self, literal=json.dumps):
         self.literal = literal  # marker -> its Lark expression (a special token: `<[id]>`)
@@ -288,6 +289,7 @@ class Llama3Json(ToolParser):
 
     name = "llama3_json"
     markers = ("<|python_tag|>",)
+    special_tokens = True
     arguments_key = "parameters"
     separator = "; "
     syntax = '{"name": <function-name>, "parameters": <args-json-object>}'
@@ -328,6 +330,7 @@ class Mistral(ToolParser):
 
     name = "mistral"
     markers = ("[TOOL_CALLS]",)
+    special_tokens = True
     syntax = '[TOOL_CALLS][{"name": <function-name>, "arguments": <args-json-object>}]'
 
     def parse(self, text: str, final: bool = True) -> tuple[str, list[ToolCall]]:
