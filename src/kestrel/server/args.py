@@ -8,6 +8,7 @@ import argparse
 import os
 
 from kestrel.flags import add_engine_args
+from kestrel.server.tools.parsers import PARSERS
 
 # flag dest -> llama-server's environment variable
 LLAMA_ENV = {
@@ -123,6 +124,13 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
         action=argparse.BooleanOptionalAction,
         default=False,
         help="serve GET /slots, llama-server's slot monitor (default: off, 501)",
+    )
+    p.add_argument(
+        "--tool-call-parser",
+        default="auto",
+        choices=["auto", *PARSERS],
+        help="the syntax of the model's tool calls (vLLM's names; default: auto, chosen from the "
+        "chat template and vocabulary, else hermes)",
     )
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     apply_llama_env(p)

@@ -15,15 +15,24 @@ from dataclasses import dataclass, field
 from kestrel.errors import InvalidRequestError
 from kestrel.media import image_part_params
 from kestrel.models.qwen_vl_processor import MultimodalPrompt, chat_prompt
+from kestrel.server.tools.prompt import template_messages
+from kestrel.server.tools.request import ToolUse
 from kestrel.tokenizer import apply_chat_template
 
 
-async def chat_template_prompt(state, messages: list[dict]) -> list[int] | MultimodalPrompt:
-    """The prompt of chat messages: token ids, or a MultimodalPrompt when images are attached."""
+async def chat_template_prompt(
+    state, messages: list[dict], tools: ToolUse | None = None
+) -> list[int] | MultimodalPrompt:
+    """The prompt of chat messages (and the tools offered): token ids, or a MultimodalPrompt when
+    images are attached."""
+    images = bool(image_part_params(messages))
+    kwargs = {}
+    if tools is not None:
+        messages, kwargs = template_messages(state.tokenizer, messages, tools, images)
     try:
-        if image_part_params(messages):  # decoding and preprocessing images: off the event loop
+        if images:  # decoding and preprocessing images: off the event loop
             return await asyncio.to_thread(chat_prompt, state.processor, messages)
-        return apply_chat_template(state.tokenizer, messages)
+        return apply_chat_template(state.tokenizer, messages, **kwargs)
     except InvalidRequestError:
         raise
     except Exception as error:  # the template's own checks (role order, ...) raise jinja errors

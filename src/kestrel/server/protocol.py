@@ -7,6 +7,7 @@ default gets 400 naming it, never an answer that silently ignored it. Types are 
 ranges are checked once, by SamplingParams, whose InvalidRequestError names the parameter.
 """
 
+import json
 import re
 import time
 from typing import Annotated, ClassVar, Literal
@@ -23,7 +24,7 @@ from kestrel.structured import StructuredOutput
 # "off" values, why). Set to anything else, the request gets 400 naming the field; unknown fields
 # in no table are ignored. README.md's "Request fields" lists what is supported.
 
-NO_TOOLS = "tool calls are not supported yet"
+NO_FUNCTIONS = "the deprecated functions API is not supported: use tools and tool_choice"
 
 # chat and completions
 SAMPLING_UNSUPPORTED = {
@@ -38,11 +39,8 @@ SAMPLING_UNSUPPORTED = {
 
 CHAT_UNSUPPORTED = {
     **SAMPLING_UNSUPPORTED,
-    "tools": (([],), NO_TOOLS),
-    "tool_choice": (("none", "auto"), NO_TOOLS),
-    "parallel_tool_calls": ((True,), NO_TOOLS),
-    "functions": (([],), NO_TOOLS),
-    "function_call": (("none", "auto"), NO_TOOLS),
+    "functions": (([],), NO_FUNCTIONS),
+    "function_call": (("none", "auto"), NO_FUNCTIONS),
     "audio": ((), "audio output is not supported"),
     "modalities": ((["text"],), "only text output is supported"),
     "prediction": ((), "predicted outputs are not supported"),
@@ -59,9 +57,7 @@ CHAT_UNSUPPORTED = {
 }
 
 MESSAGE_UNSUPPORTED = {
-    "tool_calls": (([],), NO_TOOLS),
-    "tool_call_id": ((), NO_TOOLS),
-    "function_call": ((), NO_TOOLS),
+    "function_call": ((), NO_FUNCTIONS),
     "audio": ((), "audio is not supported"),
 }
 
@@ -245,7 +241,10 @@ class _SamplingRequest(_CheckedRequest):
     guided_grammar: str | None = None
     structured_outputs: StructuredOutputs | None = None
 
-    def sampling_params(self, default_max_tokens: int | None) -> SamplingParams:
+    def sampling_params(
+        self, default_max_tokens: int | None, extra: list[StructuredOutput] = ()
+    ) -> SamplingParams:
+        """The request's SamplingParams; `extra`: constraints the route adds (tool calls)."""
         self.check_supported()
         if self.stream_options is not None:
             self.stream_options.check_supported("stream_options.")
@@ -267,7 +266,7 @@ class _SamplingRequest(_CheckedRequest):
             logprobs=self._logprobs(),
             skip_special_tokens=self.skip_special_tokens,
             include_stop_str_in_output=self.include_stop_str_in_output,
-            structured_output=one_structured_output(self.constraints()),
+            structured_output=one_structured_output([*self.constraints(), *extra]),
         )
 
     def constraints(self) -> list[StructuredOutput]:
@@ -316,6 +315,42 @@ class ImagePart(_Request):
 
 ContentPart = Annotated[TextPart | ImagePart, Field(discriminator="type")]
 
+FUNCTION_NAME = r"^[a-zA-Z0-9_.-]{1,64}$"  # OpenAI's (and a dot, as vLLM allows)
+
+
+class FunctionCallParam(_Request):
+    name: str
+    arguments: str  # JSON text of an object; ChatMessage.as_template_dict parses it
+
+
+class ToolCallParam(_Request):
+    """An earlier assistant turn's call, sent back with the conversation."""
+
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCallParam
+
+
+class FunctionDefinition(_Request):
+    name: str = Field(pattern=FUNCTION_NAME)
+    description: str | None = None
+    parameters: dict | None = None  # a JSON schema of the arguments; omitted: no arguments
+    strict: bool | None = None  # kestrel enforces the schema whenever it forces a call
+
+
+class FunctionTool(_Request):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(_Request):
+    name: str
+
+
+class NamedToolChoice(_Request):
+    type: Literal["function"]
+    function: NamedFunction
+
 
 class ChatMessage(_CheckedRequest):
     UNSUPPORTED = MESSAGE_UNSUPPORTED
@@ -323,6 +358,8 @@ class ChatMessage(_CheckedRequest):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None
     name: str | None = None  # given to the chat template, which may render it
+    tool_calls: list[ToolCallParam] | None = None  # assistant turns
+    tool_call_id: str | None = None  # tool turns: the call this is the result of
 
     def check_supported(self, prefix: str = "") -> None:
         super().check_supported(prefix)
@@ -333,9 +370,10 @@ class ChatMessage(_CheckedRequest):
                     f"{param}: only 'auto': the model's own processor sizes images", param=param
                 )
 
-    def as_template_dict(self) -> dict:
+    def as_template_dict(self, prefix: str = "") -> dict:
         """The message as chat templates expect it: text content, `developer` as `system`;
-        content with images stays a list of OpenAI parts (kestrel.media reads them)."""
+        content with images stays a list of OpenAI parts (kestrel.media reads them); tool calls
+        with their arguments parsed (`prefix`: the message's name in errors)."""
         content = self.content
         if isinstance(content, list) and any(isinstance(p, ImagePart) for p in content):
             content = [part.model_dump(exclude_none=True) for part in content]
@@ -345,7 +383,26 @@ class ChatMessage(_CheckedRequest):
         message = {"role": role, "content": content or ""}
         if self.name is not None:
             message["name"] = self.name
+        if self.tool_calls:
+            message["tool_calls"] = [
+                _template_call(c, prefix, j) for j, c in enumerate(self.tool_calls)
+            ]
+        if self.tool_call_id is not None:
+            message["tool_call_id"] = self.tool_call_id
         return message
+
+
+def _template_call(call: ToolCallParam, prefix: str, j: int) -> dict:
+    """A call as transformers' chat templates take it: `arguments` a dict, not JSON text."""
+    param = f"{prefix}tool_calls[{j}].function.arguments"
+    try:
+        arguments = json.loads(call.function.arguments)
+    except ValueError:
+        arguments = None
+    if not isinstance(arguments, dict):
+        raise InvalidRequestError(f"{param} must be the JSON text of an object", param=param)
+    function = {"name": call.function.name, "arguments": arguments}
+    return {"id": call.id, "type": "function", "function": function}
 
 
 MAX_MESSAGES = 2048  # more is a 400 (the body size limit bounds the rest)
@@ -358,6 +415,9 @@ class ChatCompletionRequest(_SamplingRequest):
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
+    tools: list[FunctionTool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
 
     def check_supported(self, prefix: str = "") -> None:
         super().check_supported(prefix)
@@ -612,6 +672,9 @@ class DetokenizeRequest(_Request):
 
 class ApplyTemplateRequest(_Request):
     messages: list[ChatMessage] = Field(min_length=1, max_length=MAX_MESSAGES)
+    tools: list[FunctionTool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
 
 
 def _or(value, default):
@@ -650,9 +713,21 @@ class ChoiceLogprobs(_Response):
     content: list[TokenLogprob] | None = None
 
 
+class FunctionCallOut(_Response):
+    name: str
+    arguments: str  # JSON text, as OpenAI's
+
+
+class ToolCallOut(_Response):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCallOut
+
+
 class AssistantMessage(_Response):
     role: Literal["assistant"] = "assistant"
     content: str | None = None
+    tool_calls: list[ToolCallOut] | None = None
 
 
 class ChatChoice(_Response):
@@ -671,9 +746,24 @@ class ChatCompletionResponse(_Response):
     usage: Usage
 
 
+class DeltaFunction(_Response):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class DeltaToolCall(_Response):
+    """A piece of a streamed call: its first names it (id, name), the rest add arguments."""
+
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: DeltaFunction
+
+
 class Delta(_Response):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
 
 
 class ChatChunkChoice(_Response):

@@ -18,6 +18,7 @@ from kestrel.sampling import SamplingParams
 from kestrel.server.errors import model_not_found, unavailable
 from kestrel.server.generation import TokenText
 from kestrel.server.metrics import Metrics
+from kestrel.server.tools.parsers import ToolParser, choose_parser
 from kestrel.tokenizer import encode
 
 log = logging.getLogger("kestrel.server")
@@ -32,6 +33,7 @@ class ServerState:
         self.status = "loading"  # loading | ready | restarting | draining | failed
         self.engine: EngineClient | None = None
         self.token_text: TokenText | None = None
+        self.tool_parser: ToolParser | None = None
         self.stats = EngineStats()  # kept across engine restarts (Prometheus counters)
         self.metrics = Metrics(lambda: self.engine, self.stats)
         self.request_exit = request_exit or (lambda code: None)
@@ -74,13 +76,16 @@ class ServerState:
             return
         if self.status == "loading":
             self.status = "ready"
-        log.info("ready: serving %s", self.config.model_name)
+        log.info(
+            "ready: serving %s (tool calls: %s)", self.config.model_name, self.tool_parser.name
+        )
 
     async def _start_engine(self) -> None:
         engine = await asyncio.to_thread(self._load, self.metrics, self.stats)
         await engine.start()
         self.engine = engine
         self.token_text = TokenText(engine.tokenizer)
+        self.tool_parser = choose_parser(engine.tokenizer, self.config.tool_call_parser)
         await self._warm_up(engine)  # a death before this returns fails the start instead
         engine.on_death = self._on_engine_death
 

@@ -1,5 +1,6 @@
-"""POST /v1/chat/completions."""
+"""POST /v1/chat/completions (tool calls: kestrel.server.tools)."""
 
+import dataclasses
 from collections.abc import AsyncIterator
 
 from fastapi import APIRouter, Request
@@ -7,7 +8,6 @@ from fastapi import APIRouter, Request
 from kestrel.server.generation import Generation, new_id, sse_event, sse_response
 from kestrel.server.prompts import chat_template_prompt
 from kestrel.server.protocol import (
-    AssistantMessage,
     ChatChoice,
     ChatChunkChoice,
     ChatCompletionChunk,
@@ -18,6 +18,8 @@ from kestrel.server.protocol import (
 )
 from kestrel.server.routes import ERROR_RESPONSES, server_state
 from kestrel.server.routes.models import served_model
+from kestrel.server.tools.output import StreamedChoice, assistant_message, finish_reason
+from kestrel.server.tools.request import ToolUse, check_tool_messages, tool_use
 
 router = APIRouter()
 
@@ -28,28 +30,35 @@ router = APIRouter()
 async def chat_completions(body: ChatCompletionRequest, http: Request):
     state = server_state(http)
     body.model = served_model(state, body.model)  # omitted: the served name
-    params = body.sampling_params(state.config.default_max_tokens)
     engine = state.ready_engine()
-    prompt = await chat_template_prompt(state, [m.as_template_dict() for m in body.messages])
+    tools = tool_use(body, state.tool_parser)
+    params = _sampling_params(state, body, tools)
+    messages = [m.as_template_dict(f"messages[{i}].") for i, m in enumerate(body.messages)]
+    check_tool_messages(body.messages)
+    prompt = await chat_template_prompt(state, messages, tools)
     generation = Generation(engine, new_id("chatcmpl"), [prompt], params, body.check_kv_size())
     await generation.start()
     if body.stream:
-        return sse_response(_chunks(state, body, generation), generation)
+        return sse_response(_chunks(state, body, generation, tools), generation)
     await generation.collect(http)
+    choices = []
+    for c in generation.choices:
+        message, calls = assistant_message(c.text, tools)
+        logprobs = _logprobs(state, body, c.token_ids, c.logprobs)
+        reason = finish_reason(c.finish_reason, calls)
+        choices.append(
+            ChatChoice(index=c.index, message=message, logprobs=logprobs, finish_reason=reason)
+        )
     return ChatCompletionResponse(
-        id=generation.request_id,
-        model=body.model,
-        usage=generation.usage(),
-        choices=[
-            ChatChoice(
-                index=c.index,
-                message=AssistantMessage(content=c.text),
-                logprobs=_logprobs(state, body, c.token_ids, c.logprobs),
-                finish_reason=c.finish_reason,
-            )
-            for c in generation.choices
-        ],
+        id=generation.request_id, model=body.model, usage=generation.usage(), choices=choices
     )
+
+
+def _sampling_params(state, body: ChatCompletionRequest, tools: ToolUse):
+    params = body.sampling_params(state.config.default_max_tokens, tools.constraints())
+    if tools.offered and tools.parser.special_tokens:  # its markers are special tokens: keep them
+        params = dataclasses.replace(params, skip_special_tokens=False)
+    return params
 
 
 def _logprobs(state, body: ChatCompletionRequest, token_ids, entries) -> ChoiceLogprobs | None:
@@ -58,8 +67,11 @@ def _logprobs(state, body: ChatCompletionRequest, token_ids, entries) -> ChoiceL
     return ChoiceLogprobs(content=state.token_text.chat(token_ids, entries, body.top_logprobs or 0))
 
 
-async def _chunks(state, body: ChatCompletionRequest, generation: Generation) -> AsyncIterator[str]:
-    """A role chunk per choice, content deltas, a final chunk with finish_reason, then usage."""
+async def _chunks(
+    state, body: ChatCompletionRequest, generation: Generation, tools: ToolUse
+) -> AsyncIterator[str]:
+    """A role chunk per choice, content and tool-call deltas, a final chunk with finish_reason,
+    then usage."""
 
     def chunk(choices, usage=None) -> str:
         return sse_event(
@@ -68,27 +80,22 @@ async def _chunks(state, body: ChatCompletionRequest, generation: Generation) ->
             )
         )
 
+    streams = [StreamedChoice(tools) for _ in generation.choices]
     for choice in generation.choices:
         yield chunk(
             [ChatChunkChoice(index=choice.index, delta=Delta(role="assistant", content=""))]
         )
     async for choice, out in generation.outputs():
-        if out.new_text or (body.logprobs and out.new_token_ids):
+        stream = streams[choice.index]
+        content, calls = stream.feed(out.new_text, out.finished)
+        if content or (body.logprobs and out.new_token_ids):
             logprobs = _logprobs(state, body, out.new_token_ids, out.new_logprobs)
-            yield chunk(
-                [
-                    ChatChunkChoice(
-                        index=choice.index, delta=Delta(content=out.new_text), logprobs=logprobs
-                    )
-                ]
-            )
+            delta = Delta(content=content)
+            yield chunk([ChatChunkChoice(index=choice.index, delta=delta, logprobs=logprobs)])
+        for call in calls:
+            yield chunk([ChatChunkChoice(index=choice.index, delta=Delta(tool_calls=[call]))])
         if out.finished:
-            yield chunk(
-                [
-                    ChatChunkChoice(
-                        index=choice.index, delta=Delta(), finish_reason=out.finish_reason
-                    )
-                ]
-            )
+            reason = finish_reason(out.finish_reason, stream.calls)
+            yield chunk([ChatChunkChoice(index=choice.index, delta=Delta(), finish_reason=reason)])
     if body.include_usage:
         yield chunk([], generation.usage())

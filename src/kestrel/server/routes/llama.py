@@ -26,6 +26,8 @@ from kestrel.server.protocol import (
 )
 from kestrel.server.routes import ERROR_RESPONSES, server_state
 from kestrel.server.state import ServerState
+from kestrel.server.tools.prompt import template_messages
+from kestrel.server.tools.request import check_tool_messages, tool_use
 from kestrel.tokenizer import encode
 
 router = APIRouter()
@@ -298,9 +300,14 @@ async def apply_template(body: ApplyTemplateRequest, http: Request) -> dict:
     tokenizer = state.tokenizer
     if not tokenizer.chat_template:
         raise InvalidRequestError("this model has no chat template", param="messages")
-    messages = [m.as_template_dict() for m in body.messages]
+    tools = tool_use(body, state.tool_parser)
+    messages = [m.as_template_dict(f"messages[{i}].") for i, m in enumerate(body.messages)]
+    check_tool_messages(body.messages)
+    messages, kwargs = template_messages(tokenizer, messages, tools)
     try:
-        prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        prompt = tokenizer.apply_chat_template(
+            messages, add_generation_prompt=True, tokenize=False, **kwargs
+        )
     except Exception as error:  # the template's own checks (role order, ...) raise jinja errors
         raise InvalidRequestError(
             f"the chat template rejected the messages: {error}", param="messages"

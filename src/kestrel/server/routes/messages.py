@@ -8,10 +8,11 @@ Anthropic's events: message_start, content_block_start, ping, content_block_delt
 content_block_stop, message_delta (stop_reason, usage), message_stop. Errors on this route have
 Anthropic's shape (server/errors.py); `x-api-key` is the key (server/auth.py).
 
-A 400 answers what is not built: tools and tool_choice (tool calls are not parsed yet), image URL
-sources (nothing is fetched over the network), a final assistant message (prefilling the answer),
-and every field not declared below (thinking, ...). `cache_control` is accepted: it never changes
-the answer, and usage reports that nothing was cached.
+A 400 answers what is not built: tools and tool_choice (no tool_use blocks yet:
+/v1/chat/completions takes tools), image URL sources (nothing is fetched over the network), a
+final assistant message (prefilling the answer), and every field not declared below (thinking,
+...). `cache_control` is accepted: it never changes the answer, and usage reports that nothing
+was cached.
 """
 
 import json
@@ -31,6 +32,8 @@ from kestrel.server.protocol import MAX_MESSAGES
 from kestrel.server.routes import ERROR_RESPONSES, server_state
 
 router = APIRouter()
+
+CHAT_TOOLS = "/v1/chat/completions takes them"
 
 
 # -- request ----------------------------------------------------------------------------------
@@ -105,11 +108,12 @@ class MessagesRequest(StrictBody):
     def check_supported(self) -> None:
         if self.tools:
             raise InvalidRequestError(
-                "tools are not supported yet (tool calls are not parsed)", param="tools"
+                f"tools are not supported on this route yet ({CHAT_TOOLS})", param="tools"
             )
         if self.tool_choice is not None and self.tool_choice.get("type") not in ("auto", "none"):
             raise InvalidRequestError(
-                'tool_choice needs tools, which are not supported yet; use {"type": "none"}',
+                f"tool_choice needs tools, not supported here yet ({CHAT_TOOLS}); "
+                'use {"type": "none"}',
                 param="tool_choice",
             )
         last = len(self.messages) - 1

@@ -11,7 +11,8 @@ State: the server keeps its last MAX_KEPT finished responses with `store: true` 
 memory, least recently used dropped first, for `previous_response_id` and GET /v1/responses/{id}.
 Nothing survives a restart; an unknown or dropped id is a 400 naming previous_response_id.
 Unknown fields (reasoning, include, background, ...) are a 400 naming them; so are `tools`
-(tool calls are not parsed yet). `text.format` json_schema and json_object constrain the answer.
+(function_call output items are not built yet: /v1/chat/completions takes tools). `text.format`
+json_schema and json_object constrain the answer.
 """
 
 import json
@@ -36,6 +37,8 @@ from kestrel.server.routes import ERROR_RESPONSES, server_state
 from kestrel.structured import StructuredOutput
 
 router = APIRouter()
+
+CHAT_TOOLS = "/v1/chat/completions takes them"
 
 MAX_KEPT = 128  # finished responses kept for previous_response_id (their images included)
 
@@ -136,14 +139,16 @@ class ResponsesRequest(StrictBody):
     tool_choice: str | dict | None = None
 
     def check_supported(self) -> None:
-        """Tool calls are not parsed yet: a request that offers tools is refused, not ignored."""
+        """Tools are not built on this route yet: a request that offers them is refused, not
+        ignored."""
         if self.tools:
             raise InvalidRequestError(
-                "tools are not supported yet (tool calls are not parsed)", param="tools"
+                f"tools are not supported on this route yet ({CHAT_TOOLS})", param="tools"
             )
         if self.tool_choice not in (None, "none", "auto"):
             raise InvalidRequestError(
-                'tool_choice needs tools, which are not supported yet; use "none" or "auto"',
+                f"tool_choice needs tools, not supported here yet ({CHAT_TOOLS}); "
+                'use "none" or "auto"',
                 param="tool_choice",
             )
 

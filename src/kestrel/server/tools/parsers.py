@@ -1,0 +1,411 @@
+"""Tool-call syntaxes: read a model's calls out of its text, write them back for the prompt, and
+the Lark grammar (llguidance) that forces an answer made only of calls.
+
+Each parser follows the format its model family was trained on, as vLLM's parser of the same name
+reads it: `hermes` (Hermes, Qwen 2.5/3, SmolLM3: `<tool_call>{json}</tool_call>`), `llama3_json`
+(Llama 3.1-3.3: `{"name", "parameters"}`, optionally after `<|python_tag|>`), `mistral`
+(`[TOOL_CALLS][{...}]`, or `[TOOL_CALLS]name[ARGS]{...}` from v11 tokenizers), `gemma` (a
+```tool_code block of Python calls or JSON) and `glm45` (GLM-4.5/4.6: `<tool_call>name` then
+`<arg_key>`/`<arg_value>` pairs). `choose_parser` picks one from the model's chat template and
+vocabulary (`DETECT`), or by name (`--tool-call-parser`).
+"""
+
+import ast
+import json
+import re
+from dataclasses import dataclass
+from typing import ClassVar
+
+_DECODER = json.JSONDecoder()
+
+
+@dataclass(frozen=True)
+class ToolCall:
+    """One call: the function's name and its arguments as the JSON text of an object."""
+
+    name: str
+    arguments: str
+
+
+def call_of(name, arguments) -> ToolCall | None:
+    """The call, or None unless `name` is a string and `arguments` an object (or its JSON)."""
+    if isinstance(arguments, str):
+        try:
+            arguments = json.loads(arguments)
+        except ValueError:
+            return None
+    if not isinstance(name, str) or not name or not isinstance(arguments, dict):
+        return None
+    return ToolCall(name, json.dumps(arguments, ensure_ascii=False))
+
+
+def _json_call(value, arguments_key: str = "arguments") -> ToolCall | None:
+    if not isinstance(value, dict):
+        return None
+    arguments = value.get(arguments_key, value.get("parameters", value.get("arguments", {})))
+    return call_of(value.get("name"), arguments)
+
+
+def _decode(text: str, at: int = 0) -> tuple[object, int] | None:
+    """The JSON value starting at `at` (after whitespace) and where it ends, or None."""
+    at += len(text[at:]) - len(text[at:].lstrip())
+    try:
+        return _DECODER.raw_decode(text, at)
+    except ValueError:
+        return None
+
+
+def _suffix_prefix(text: str, marker: str) -> int:
+    """The length of the longest end of `text` that is a proper beginning of `marker`."""
+    for n in range(min(len(text), len(marker) - 1), 0, -1):
+        if marker.startswith(text[-n:]):
+            return n
+    return 0
+
+
+class ToolParser:
+    """A format: `markers` open the calls part of an answer; `parse` splits text into what lies
+    outside the calls and the calls. `final` False (streaming) parses only calls that more text
+    can no longer change."""
+
+    name: ClassVar[str]
+    markers: ClassVar[tuple[str, ...]]
+    syntax: ClassVar[str]  # how a call is written, for the prompt of templates without tools
+    arguments_key: ClassVar[str] = "arguments"
+    special_tokens: ClassVar[bool] = False  # its markers are special tokens (decode them)
+
+    def __init__(self, literal=json.dumps):
+        self.literal = literal  # marker -> its Lark expression (a special token: `<[id]>`)
+
+    def start(self, text: str) -> int:
+        """Where the calls part begins in `text`, or -1."""
+        found = [i for i in (text.find(m) for m in self.markers) if i >= 0]
+        return min(found, default=-1)
+
+    def held(self, text: str) -> int:
+        """How many characters at the end of `text` may begin a marker (not content yet)."""
+        return max(_suffix_prefix(text, m) for m in self.markers)
+
+    def parse(self, text: str, final: bool = True) -> tuple[str, list[ToolCall]]:
+        raise NotImplementedError
+
+    def render(self, calls: list[ToolCall]) -> str:
+        """The calls as the model writes them (for earlier assistant turns in the prompt)."""
+        raise NotImplementedError
+
+    def grammar(self, call_schema: dict, parallel: bool) -> str:
+        """A Lark grammar of answers made of one call (or, parallel, one or more) whose JSON
+        object (name and arguments) matches `call_schema`."""
+        repeat = f" ({self.literal(self.separator)} call)*" if parallel else ""
+        return f"start: call{repeat}\n{self._call_rule()}\n{_json_rule(call_schema)}"
+
+    separator: ClassVar[str] = "\n"
+
+    def _call_rule(self) -> str:
+        return "call: obj"
+
+
+def _json_rule(schema: dict) -> str:
+    # compact JSON, as response_format's (see kestrel.structured.JSON_OPTIONS)
+    schema = {**schema, "x-guidance": {"whitespace_flexible": False}}
+    return f"obj: %json {json.dumps(schema)}\n"
+
+
+class Tagged(ToolParser):
+    """Calls between an open and a close tag, text around them (hermes, gemma, glm45)."""
+
+    open: ClassVar[str]
+    close: ClassVar[str]
+
+    @property
+    def markers(self) -> tuple[str, ...]:
+        return (self.open,)
+
+    def parse(self, text: str, final: bool = True) -> tuple[str, list[ToolCall]]:
+        content, calls, at = [], [], 0
+        while (begin := text.find(self.open, at)) >= 0:
+            end = text.find(self.close, begin + len(self.open))
+            if end < 0 and not final:  # unclosed: a call only once the text ends
+                break
+            body_end = len(text) if end < 0 else end
+            stop = body_end if end < 0 else end + len(self.close)
+            found = self.body(text[begin + len(self.open) : body_end])
+            content.append(text[at:begin] if found else text[at:stop])  # a bad call stays text
+            calls += found
+            at = stop
+        content.append(text[at:])
+        return "".join(content), calls
+
+    def body(self, text: str) -> list[ToolCall]:
+        """The calls of one tagged body (none if it does not parse)."""
+        raise NotImplementedError
+
+    def render(self, calls: list[ToolCall]) -> str:
+        return self.separator.join(f"{self.open}{self.write(c)}{self.close}" for c in calls)
+
+    def write(self, call: ToolCall) -> str:
+        raise NotImplementedError
+
+    def _call_rule(self) -> str:
+        return f"call: {self.literal(self.open)} obj {self.literal(self.close)}"
+
+
+class Hermes(Tagged):
+    name = "hermes"
+    open, close = "<tool_call>\n", "\n</tool_call>"
+    syntax = '<tool_call>\n{"name": <function-name>, "arguments": <args-json-object>}\n</tool_call>'
+
+    @property
+    def markers(self) -> tuple[str, ...]:
+        return ("<tool_call>",)
+
+    def parse(self, text: str, final: bool = True) -> tuple[str, list[ToolCall]]:
+        # models put any whitespace inside the tags; parse one spelling
+        text = re.sub(r"<tool_call>\s*", "<tool_call>\n", text)
+        return super().parse(re.sub(r"\s*</tool_call>", "\n</tool_call>", text), final)
+
+    def body(self, text: str) -> list[ToolCall]:
+        decoded = _decode(text)
+        call = decoded and not text[decoded[1] :].strip() and _json_call(decoded[0])
+        return [call] if call else []
+
+    def write(self, call: ToolCall) -> str:
+        return json.dumps({"name": call.name, "arguments": json.loads(call.arguments)})
+
+    def _call_rule(self) -> str:
+        tags = self.literal("<tool_call>"), self.literal("</tool_call>")
+        return f'call: {tags[0]} "\\n" obj "\\n" {tags[1]}'
+
+
+class Gemma(Tagged):
+    """A ```tool_code block: Python calls `f(a=1)` (one a line, or a list), or JSON objects."""
+
+    name = "gemma"
+    open, close = "```tool_code\n", "\n```"
+    syntax = '```tool_code\n{"name": <function-name>, "arguments": <args-json-object>}\n```'
+
+    def body(self, text: str) -> list[ToolCall]:
+        decoded = _decode(text)
+        if decoded and not text[decoded[1] :].strip():
+            values = decoded[0] if isinstance(decoded[0], list) else [decoded[0]]
+            calls = [_json_call(v) for v in values]
+            return calls if calls and all(calls) else []
+        return python_calls(text)
+
+    def write(self, call: ToolCall) -> str:
+        return json.dumps({"name": call.name, "arguments": json.loads(call.arguments)})
+
+
+def python_calls(text: str) -> list[ToolCall]:
+    """`f(a=1, b="x")` lines or `[f(a=1), g()]`: keyword arguments of literal values only."""
+    try:
+        tree = ast.parse(text.strip(), mode="eval" if text.strip().startswith("[") else "exec")
+    except SyntaxError:
+        return []
+    nodes = tree.body.elts if isinstance(tree, ast.Expression) else [s.value for s in tree.body]
+    calls = [_python_call(node) for node in nodes]
+    return calls if calls and all(calls) else []
+
+
+def _python_call(node) -> ToolCall | None:
+    if not isinstance(node, ast.Call) or not isinstance(node.func, ast.Name) or node.args:
+        return None
+    try:
+        arguments = {k.arg: ast.literal_eval(k.value) for k in node.keywords}
+    except ValueError:
+        return None
+    return call_of(node.func.id, arguments) if None not in arguments else None
+
+
+class Glm45(Tagged):
+    name = "glm45"
+    open, close = "<tool_call>", "</tool_call>"
+    syntax = (
+        "<tool_call><function-name>\n<arg_key>key</arg_key>\n<arg_value>value</arg_value>\n"
+        "</tool_call>"
+    )
+    _PAIR = re.compile(r"<arg_key>(.*?)</arg_key>\s*<arg_value>(.*?)</arg_value>", re.DOTALL)
+
+    def body(self, text: str) -> list[ToolCall]:
+        name, _, rest = text.partition("\n")
+        arguments = {key.strip(): _glm_value(value) for key, value in self._PAIR.findall(rest)}
+        if self._PAIR.sub("", rest).strip():  # anything but pairs: not a call
+            return []
+        call = call_of(name.strip(), arguments)
+        return [call] if call else []
+
+    def write(self, call: ToolCall) -> str:
+        pairs = "".join(
+            f"<arg_key>{key}</arg_key>\n<arg_value>{_glm_text(value)}</arg_value>\n"
+            for key, value in json.loads(call.arguments).items()
+        )
+        return f"{call.name}\n{pairs}"
+
+    def grammar(self, call_schema: dict, parallel: bool) -> str:
+        """One `call` alternative per tool, its arguments in the schema's property order, each
+        value JSON of its property's schema (strings in quotes, which `_glm_value` reads)."""
+        rules, names = [], []
+        for k, tool in enumerate(call_schema["anyOf"]):
+            name = tool["properties"]["name"]["const"]
+            parameters = tool["properties"]["arguments"]
+            pairs, values = _glm_pairs(parameters, f"v{k}_")
+            rules += values
+            opening = json.dumps(f"{self.open}{name}\n")
+            names.append(f"{opening} {pairs} {json.dumps(self.close)}")
+        repeat = ' ("\\n" call)*' if parallel else ""
+        return f"start: call{repeat}\ncall: {' | '.join(names)}\n" + "\n".join(rules) + "\n"
+
+
+def _glm_pairs(parameters: dict, prefix: str) -> tuple[str, list[str]]:
+    required = set(parameters.get("required", ()))
+    pairs, rules = [], []
+    for j, (key, schema) in enumerate(parameters.get("properties", {}).items()):
+        rule = f"{prefix}{j}"
+        pair = f'"<arg_key>{_lark_escape(key)}</arg_key>\\n<arg_value>" {rule} "</arg_value>\\n"'
+        pairs.append(pair if key in required else f"({pair})?")
+        schema = {**schema, "x-guidance": {"whitespace_flexible": False}}
+        rules.append(f"{rule}: %json {json.dumps(schema)}")
+    return " ".join(pairs) or '""', rules
+
+
+def _lark_escape(text: str) -> str:
+    return json.dumps(text)[1:-1]
+
+
+def _glm_value(text: str):
+    try:
+        return json.loads(text)
+    except ValueError:
+        return text.strip()  # GLM writes strings bare
+
+
+def _glm_text(value) -> str:
+    return value if isinstance(value, str) else json.dumps(value)
+
+
+class Llama3Json(ToolParser):
+    """`{"name": ..., "parameters": {...}}` as the whole answer (calls separated by `;`),
+    optionally after `<|python_tag|>`."""
+
+    name = "llama3_json"
+    markers = ("<|python_tag|>",)
+    special_tokens = True
+    arguments_key = "parameters"
+    separator = "; "
+    syntax = '{"name": <function-name>, "parameters": <args-json-object>}'
+
+    def start(self, text: str) -> int:
+        if text.lstrip().startswith("{"):
+            return len(text) - len(text.lstrip())
+        return super().start(text)
+
+    def held(self, text: str) -> int:
+        return len(text) if not text.strip() else super().held(text)  # a `{` may come
+
+    def parse(self, text: str, final: bool = True) -> tuple[str, list[ToolCall]]:
+        begin = self.start(text)
+        if begin < 0:
+            return text, []
+        at = begin + (len(self.markers[0]) if text.startswith(self.markers[0], begin) else 0)
+        calls = []
+        while (decoded := _decode(text, at)) and (call := _json_call(decoded[0], "parameters")):
+            rest = text[decoded[1] :].lstrip()
+            if not (final or rest.startswith(";")):  # the last call: once the text ends
+                break
+            calls.append(call)
+            at = len(text) - len(rest) + (1 if rest.startswith(";") else 0)
+        if not calls:
+            return text, []
+        return text[:begin] + text[at:].strip(), calls
+
+    def render(self, calls: list[ToolCall]) -> str:
+        return self.separator.join(
+            json.dumps({"name": c.name, "parameters": json.loads(c.arguments)}) for c in calls
+        )
+
+
+class Mistral(ToolParser):
+    """`[TOOL_CALLS]` then a JSON list of calls, or (v11 tokenizers) `name[ARGS]{...}`; each
+    `[TOOL_CALLS]` may open more."""
+
+    name = "mistral"
+    markers = ("[TOOL_CALLS]",)
+    special_tokens = True
+    syntax = '[TOOL_CALLS][{"name": <function-name>, "arguments": <args-json-object>}]'
+
+    def parse(self, text: str, final: bool = True) -> tuple[str, list[ToolCall]]:
+        head, *segments = text.split(self.markers[0])
+        content, calls = [head], []
+        for segment in segments:
+            found, at = self._segment(segment)
+            if not found:  # nothing more parses: the rest stays text
+                content.append(self.markers[0] + segment)
+                continue
+            calls += found
+            content.append(segment[at:])
+        return "".join(content), calls
+
+    def _segment(self, segment: str) -> tuple[list[ToolCall], int]:
+        decoded = _decode(segment)
+        if decoded and isinstance(decoded[0], list):
+            found = [_json_call(v) for v in decoded[0]]
+            return (found, decoded[1]) if found and all(found) else ([], 0)
+        name, args, rest = segment.partition("[ARGS]")
+        decoded = args and _decode(rest)
+        call = decoded and call_of(name.strip(), decoded[0])
+        return ([call], len(name) + len(args) + decoded[1]) if call else ([], 0)
+
+    def render(self, calls: list[ToolCall]) -> str:
+        values = [{"name": c.name, "arguments": json.loads(c.arguments)} for c in calls]
+        return self.markers[0] + json.dumps(values)
+
+    def grammar(self, call_schema: dict, parallel: bool) -> str:
+        repeat = ' ("," obj)*' if parallel else ""
+        open_ = self.literal(self.markers[0])
+        return f'start: {open_} "[" obj{repeat} "]"\n' + _json_rule(call_schema)
+
+
+PARSERS: dict[str, type[ToolParser]] = {
+    p.name: p for p in (Hermes, Llama3Json, Mistral, Gemma, Glm45)
+}
+
+# auto: (where to look, what to find, parser), the first match wins; else hermes, whose syntax
+# the prompt then teaches (kestrel.server.tools.prompt)
+DETECT = (
+    ("vocab", "[TOOL_CALLS]", "mistral"),
+    ("template", "<arg_key>", "glm45"),
+    ("vocab", "<|python_tag|>", "llama3_json"),
+    ("template", "<tool_call>", "hermes"),
+    ("template", "tool_code", "gemma"),
+)
+DEFAULT_PARSER = "hermes"
+
+
+def template_text(tokenizer) -> str:
+    """The chat template (all of them, where a tokenizer has several by name)."""
+    template = getattr(tokenizer, "chat_template", None) or ""
+    return "\n".join(template.values()) if isinstance(template, dict) else template
+
+
+def parser_name(tokenizer, name: str = "auto") -> str:
+    if name != "auto":
+        return name
+    places = {"vocab": tokenizer.get_vocab(), "template": template_text(tokenizer)}
+    return next((p for where, what, p in DETECT if what in places[where]), DEFAULT_PARSER)
+
+
+def choose_parser(tokenizer, name: str = "auto") -> ToolParser:
+    """The parser `name` (auto: detected), its markers as special tokens where the vocabulary
+    has them so that a grammar forces the token, not its spelling."""
+    special = {t: tokenizer.convert_tokens_to_ids(t) for t in tokenizer.all_special_tokens}
+    special.update(_added_special(tokenizer))
+
+    def literal(text: str) -> str:
+        return f"<[{special[text]}]>" if text in special else json.dumps(text)
+
+    return PARSERS[parser_name(tokenizer, name)](literal)
+
+
+def _added_special(tokenizer) -> dict[str, int]:
+    decoder = getattr(tokenizer, "added_tokens_decoder", {}) or {}
+    return {t.content: i for i, t in decoder.items() if getattr(t, "special", False)}
