@@ -34,6 +34,10 @@ def generate(runner, seqs, steps, max_kv_size=None, keep=0, max_num_seqs=4, chun
         ("gemma3", 6),
         ("exaone_moe", 6),
         ("nemotron_nas", None),
+        ("gemma4", 6),
+        ("minicpm3", None),
+        ("glm4_moe_lite", None),
+        ("mistral4", None),
     ],
 )
 @pytest.mark.parametrize("graphs", [True, False])
@@ -64,6 +68,9 @@ def test_gpu_greedy_tokens_equal_cpu(kind, window, graphs, max_kv_size):
         ("gemma3", 6, 12),
         ("exaone_moe", 6, None),
         ("nemotron_nas", None, None),
+        ("gemma4", 6, 12),
+        ("glm4_moe_lite", None, None),
+        ("minicpm3", None, 12),
     ],
 )
 def test_gpu_pool_exhaustion_preempts_and_each_request_gets_its_solo_output(

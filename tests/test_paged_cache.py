@@ -7,7 +7,15 @@ is driven through the same chunk schedule as the reference runner: trimmed (--ma
 
 import pytest
 import torch
-from transformers import ExaoneMoeConfig, Gemma3TextConfig, Gemma4TextConfig, LlamaConfig
+from transformers import (
+    ExaoneMoeConfig,
+    Gemma3TextConfig,
+    Gemma4TextConfig,
+    Glm4MoeLiteConfig,
+    LlamaConfig,
+    MiniCPM3Config,
+    Mistral4Config,
+)
 
 from kestrel.cache.blocks import BlockManager
 from kestrel.cache.paged import PagedSequenceCache
@@ -19,6 +27,9 @@ from kestrel.engine.scheduler import ScheduledChunk, Scheduler
 from kestrel.models.nemotron_nas import NemotronNasConfig
 from kestrel.sampling import SamplingParams
 from kestrel.weights.loader import build_model
+from test_models_glm4_moe_lite import CONFIG as GLM4_MOE_LITE
+from test_models_minicpm3 import CONFIG as MINICPM3
+from test_models_mistral4 import COMMON as MISTRAL4
 
 # the attention dimensions gemma3's and exaone_moe's tiny models share
 SMALL = dict(
@@ -116,12 +127,18 @@ def llama_config(window):
     return config
 
 
+# MLA families (latent pool): their transformers tests' tiny configs. MiniCPM3's LongRoPE switches
+# to its long factors for chunks ending at position 32 or later; Mistral 4 scales its queries by
+# position (Llama-4 scaling) with low-rank queries and interleaved RoPE pairs
 TINY_CONFIGS = {
     "llama": llama_config,
     "gemma3": gemma3_config,
     "exaone_moe": exaone_moe_config,
     "gemma4": gemma4_config,
     "nemotron_nas": nemotron_nas_config,
+    "minicpm3": lambda window: MiniCPM3Config(**MINICPM3),
+    "glm4_moe_lite": lambda window: Glm4MoeLiteConfig(**GLM4_MOE_LITE),
+    "mistral4": lambda window: Mistral4Config(**MISTRAL4, q_lora_rank=12, rope_interleave=True),
 }
 
 
@@ -227,6 +244,20 @@ def test_nemotron_nas_per_layer_blocks_match_dense():
     paged = run_both(model, prompts(14, 4), schedule, max_kv_size=12, keep=1)
     shapes = [None if k is None else tuple(k.shape[2:]) for k in paged.pool.k]
     assert shapes == [(4, 8), None, (1, 8), None, (2, 8)]  # linear and no-op hold nothing
+
+
+@pytest.mark.parametrize("kind", ["minicpm3", "glm4_moe_lite", "mistral4"])
+def test_mla_latent_pool_matches_dense(kind):
+    """MLA layers keep [latent, rope key] per token in one pool tensor (values inside the keys)
+    and attend in latent space for every chunk, long prompts and trimmed sinks included."""
+    model = tiny_model(kind)
+    schedule = [(9, 4), (12, 1), (13, 1), *[(1, 1)] * 6]
+    paged = run_both(model, prompts(40, 4), schedule, max_kv_size=30, keep=1)
+    c = model.config
+    assert [tuple(k.shape[2:]) for k in paged.pool.k] == [
+        (1, c.kv_lora_rank + c.qk_rope_head_dim)
+    ] * 3
+    assert paged.pool.v == [None] * 3
 
 
 @pytest.mark.parametrize("block_size", [1, 3, 16])
@@ -355,6 +386,8 @@ def test_pool_sized_by_a_probe_step_then_generates_as_reference():
         ("exaone_moe", 6, 12),
         ("gemma4", 6, 12),
         ("nemotron_nas", None, None),
+        ("glm4_moe_lite", None, 12),
+        ("mistral4", None, None),
     ],
 )
 def test_a_pool_too_small_for_the_load_preempts_and_every_request_gets_its_solo_output(

@@ -13,29 +13,31 @@ import torch
 
 from kestrel.cache.blocks import BlockTable
 from kestrel.cache.mask import visible_mask
-from kestrel.cache.sequence import CacheSpec, SequenceCache
+from kestrel.cache.sequence import CacheSpec, KVShape, SequenceCache, kv_bytes
 from kestrel.kernels.attention import attend, paged_attention_triton, triton, write_kv
 
 
 class BlockPool:
     """K and V of every layer that stores them: (num_blocks, block_size, Hkv, D) each, with the
-    layer's own Hkv and D (`layout`: the model's `kv_layout()`); None for a layer that stores
-    none. Block 0 is a scratch block never handed out (CUDA-graph padding rows write there)."""
+    layer's own `KVShape` (`layout`: the model's `kv_layout()`); None for a layer that stores
+    none, and V None for a latent layer (its values are inside its keys). Block 0 is a scratch
+    block never handed out (CUDA-graph padding rows write there)."""
 
-    def __init__(self, layout, num_blocks, block_size, dtype, device):
-        def zeros(shape):
-            if shape is None:
+    def __init__(self, layout: list[KVShape | None], num_blocks, block_size, dtype, device):
+        def zeros(shape: KVShape | None, values: bool):
+            if shape is None or (values and shape.value_dim):
                 return None
-            return torch.zeros((num_blocks, block_size, *shape), dtype=dtype, device=device)
+            dims = (num_blocks, block_size, shape.heads, shape.dim)
+            return torch.zeros(dims, dtype=dtype, device=device)
 
-        self.k = [zeros(shape) for shape in layout]
-        self.v = [zeros(shape) for shape in layout]
+        self.layout = layout
+        self.k = [zeros(shape, False) for shape in layout]
+        self.v = [zeros(shape, True) for shape in layout]
         self.num_blocks, self.block_size = num_blocks, block_size
 
     @staticmethod
-    def bytes_per_block(layout, block_size, dtype) -> int:
-        elements = sum(2 * heads * dim for heads, dim in filter(None, layout))
-        return elements * block_size * torch.finfo(dtype).bits // 8
+    def bytes_per_block(layout: list[KVShape | None], block_size: int, dtype) -> int:
+        return kv_bytes(layout, torch.finfo(dtype).bits // 8) * block_size
 
 
 class PagedSequenceCache(SequenceCache):
@@ -110,15 +112,24 @@ class PagedAttention:
             write_kv(k_cache, v_cache, k, v, self.slot_mapping)
         return paged_attention(q, k_cache, v_cache, self, scale, window, self.use_triton)
 
+    def latent(self, q, kv, layer_idx, scale):
+        """MLA in latent space. q: (T, H, r + dr) absorbed queries, kv: (T, 1, r + dr) each token's
+        [latent, rope key] -> (T, H, r): every head attends the shared keys, values the latents."""
+        k_cache = self.pool.k[layer_idx]
+        write_kv(k_cache, None, kv, None, self.slot_mapping)
+        rank = self.pool.layout[layer_idx].value_dim
+        return paged_attention(q, k_cache, None, self, scale, None, self.use_triton, rank)
+
 
 # -- attention over the pool -------------------------------------------------------------------
 
 
-def paged_attention(q, k_cache, v_cache, meta, scale, window=None, use_triton=True):
-    """q: (T, Hq, D) -> (T, Hq, D) attending the pool's keys of each query's sequence."""
+def paged_attention(q, k_cache, v_cache, meta, scale, window=None, use_triton=True, value_dim=None):
+    """q: (T, Hq, D) -> (T, Hq, Dv) attending the pool's keys of each query's sequence; `v_cache`
+    None: the values are the keys' first `value_dim` dims."""
     if use_triton and triton is not None and q.is_cuda:
-        return paged_attention_triton(q, k_cache, v_cache, meta, scale, window)
-    return paged_attention_torch(q, k_cache, v_cache, meta, scale, window)
+        return paged_attention_triton(q, k_cache, v_cache, meta, scale, window, value_dim)
+    return paged_attention_torch(q, k_cache, v_cache, meta, scale, window, value_dim)
 
 
 def key_positions(block_size, n_blocks, n_sink, main_start, device) -> torch.Tensor:
@@ -128,10 +139,11 @@ def key_positions(block_size, n_blocks, n_sink, main_start, device) -> torch.Ten
     return (logical[:, None] * block_size + torch.arange(block_size, device=device)).flatten()
 
 
-def paged_attention_torch(q, k_cache, v_cache, meta, scale, window=None) -> torch.Tensor:
+def paged_attention_torch(q, k_cache, v_cache, meta, scale, window=None, value_dim=None):
     """The reference: gather each tile's keys, build the mask from positions, run `attend`."""
-    out = torch.zeros_like(q)
     bs, hkv, d = k_cache.shape[1:]
+    dv = value_dim or v_cache.shape[-1]
+    out = q.new_zeros(*q.shape[:2], dv)
     host = lambda t: t.tolist()  # noqa: E731
     seqs, starts, lens = host(meta.tile_seq), host(meta.tile_start), host(meta.tile_len)
     for s, start, n in zip(seqs, starts, lens, strict=True):
@@ -140,7 +152,10 @@ def paged_attention_torch(q, k_cache, v_cache, meta, scale, window=None) -> torc
         nb = int(meta.num_blocks[s])
         blocks = meta.block_tables[s, :nb].long()
         keys = k_cache[blocks].reshape(nb * bs, hkv, d).transpose(0, 1)  # (Hkv, L, D)
-        values = v_cache[blocks].reshape(nb * bs, hkv, d).transpose(0, 1)
+        if v_cache is None:
+            values = keys[..., :dv]
+        else:
+            values = v_cache[blocks].reshape(nb * bs, hkv, dv).transpose(0, 1)
         k_pos = key_positions(bs, nb, int(meta.n_sink[s]), int(meta.main_start[s]), q.device)
         q_pos = meta.positions[start : start + n]
         live = (k_pos < meta.keep[s]) | (k_pos >= meta.live_start[s])

@@ -2,6 +2,7 @@
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from kestrel.cache.blocks import live_tokens, tokens_to_trim, trimmed_live_start
 from kestrel.cache.kv import LayerKVCache
@@ -14,6 +15,31 @@ class CacheSpec:
 
     kind: str = "full"
     window: int | None = None
+
+
+class KVShape(NamedTuple):
+    """What one layer stores per token: `heads` keys of `dim` each and as many values. With
+    `value_dim` set (the MLA latent) the values are the first `value_dim` dims of each key, so only
+    keys are stored."""
+
+    heads: int
+    dim: int
+    value_dim: int | None = None
+
+    @property
+    def values(self) -> int:
+        """Width of each value: `value_dim`, or `dim` when values are stored apart."""
+        return self.value_dim or self.dim
+
+    @property
+    def elements(self) -> int:
+        """Numbers stored per token."""
+        return self.heads * self.dim * (1 if self.value_dim else 2)
+
+
+def kv_bytes(layout: list[KVShape | None], itemsize: int) -> int:
+    """Bytes one token costs across the layers of a `kv_layout` (None: the layer stores none)."""
+    return sum(shape.elements for shape in layout if shape) * itemsize
 
 
 CACHE_KINDS: dict[str, Callable[[CacheSpec], object]] = {

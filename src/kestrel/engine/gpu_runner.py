@@ -19,25 +19,14 @@ from kestrel.config import CacheConfig, Config
 from kestrel.engine.request import Request
 from kestrel.engine.runner import ModelRunner, StepResult
 from kestrel.engine.scheduler import ScheduledChunk
+from kestrel.kernels.attention import tile_rows
 from kestrel.models.batch import ForwardBatch
 from kestrel.sampling import SamplingParams
 
 log = logging.getLogger("kestrel.gpu_runner")
 
-# families whose attention goes only through `cached_attention` (so the paged pool serves them,
-# each layer with its own `kv_layout` shape) and whose every layer is graph-capturable (MoE
-# experts by grouped GEMM). gemma4's pool layout works (tests/test_paged_cache.py), but its full
-# layers' 512-wide heads overflow the Triton kernel's shared memory: it waits for that kernel.
-PAGED_FAMILIES = {
-    "llama",
-    "mistral",
-    "qwen2",
-    "qwen3",
-    "gemma3",
-    "gemma3_text",
-    "exaone_moe",
-    "nemotron-nas",
-}
+# cache kinds the paged pool holds: per-token keys (full, sliding, the MLA latent) or nothing
+POOL_KINDS = {"full", "sliding", "latent", "none"}
 GRAPH_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256, 320, 384, 448, 512)
 
 
@@ -52,17 +41,23 @@ class PagedBatch(ForwardBatch):
 class Packed:
     ids: list[int] = field(default_factory=list)
     positions: list[int] = field(default_factory=list)
+    chunk_ends: list[int] = field(default_factory=list)
     slots: list[int] = field(default_factory=list)
     tiles: list[tuple[int, int, int]] = field(default_factory=list)  # (seq, start, len)
     seqs: list[tuple] = field(default_factory=list)  # (blocks, n_sink, main_start, live, keep)
     rows: list[int] = field(default_factory=list)
 
 
+def pool_serves(model) -> bool:
+    """Whether every layer's cache fits the paged pool: recurrent state (Mamba) does not yet, and
+    models that take images are fed by the reference runner only."""
+    kinds = {spec.kind for spec in model.cache_specs()}
+    return kinds <= POOL_KINDS and not getattr(model, "multimodal", False)
+
+
 def make_runner(model, device: torch.device, config: Config, max_model_len: int) -> ModelRunner:
-    """The paged runner on CUDA for families it serves; the reference runner otherwise (and
-    always for models that take images: only the reference runner feeds them)."""
-    paged = model.config.model_type in PAGED_FAMILIES and not getattr(model, "multimodal", False)
-    if device.type == "cuda" and paged:
+    """The paged runner on CUDA for models the pool serves; the reference runner otherwise."""
+    if device.type == "cuda" and pool_serves(model):
         sched = config.scheduler
         return GPURunner(
             model,
@@ -94,14 +89,12 @@ class GPURunner(ModelRunner):
         self.cache_config = cache or CacheConfig()
         self.cuda_graphs = cuda_graphs
         self.max_num_seqs, self.token_budget = max_num_seqs, token_budget
-        self.layout = model.kv_layout()  # per layer (KV heads, head dim), None: no KV
-        kv_heads = min(heads for heads, _ in filter(None, self.layout))
-        group = model.config.num_attention_heads // kv_heads
-        self.group_pad = 1 << math.ceil(math.log2(group))
+        self.layout = model.kv_layout()  # per layer KVShape, None: no KV
         self.specs = model.cache_specs()
         bs = self.cache_config.block_size
         self.table_width = (max_model_len + bs - 1) // bs + 2
         self.dtype = next(model.parameters()).dtype
+        self.tile_tokens = self._tile_tokens(model.config.num_attention_heads)
         self.use_triton = device.type == "cuda"
         if self.use_triton:  # fused Triton norms/RoPE/MLP
             from kestrel.models.layers.fused import fuse_model
@@ -114,6 +107,15 @@ class GPURunner(ModelRunner):
         self.graphs: dict[int, tuple] = {}
         if device.type == "cuda" and cuda_graphs:
             self._capture_graphs()
+
+    def _tile_tokens(self, num_heads: int) -> int:
+        """Prompt tokens per query tile: the widest GQA group times these fill a kernel tile."""
+        shapes = [shape for shape in self.layout if shape]
+        group = num_heads // min(shape.heads for shape in shapes)
+        group_pad = 1 << math.ceil(math.log2(group))
+        width = max(shape.values for shape in shapes)
+        itemsize = torch.finfo(self.dtype).bits // 8
+        return max(1, tile_rows(width, itemsize) // group_pad)
 
     # -- memory -------------------------------------------------------------------------------
 
@@ -234,6 +236,7 @@ class GPURunner(ModelRunner):
             start = len(p.ids)
             p.ids.extend(_pending_ids(request, n))
             p.positions.extend(range(cache.offset, cache.offset + n))
+            p.chunk_ends.extend([cache.offset + n - 1] * n)
             p.slots.extend(cache.slots(cache.offset, n))
             blocks, n_sink, main_start = cache.table()
             p.seqs.append((blocks, n_sink, main_start, cache.live_start, cache.keep))
@@ -243,7 +246,7 @@ class GPURunner(ModelRunner):
         return p
 
     def _to_batch(self, p: Packed, tile_tokens: int | None) -> PagedBatch:
-        tile_tokens = tile_tokens or max(1, 64 // self.group_pad)
+        tile_tokens = tile_tokens or self.tile_tokens
         return build_batch(p, self.pool, tile_tokens, self.device, self.use_triton)
 
     # -- CUDA graphs (decode steps) -----------------------------------------------------------
@@ -291,7 +294,7 @@ class GPURunner(ModelRunner):
             1,
             True,
         )
-        return PagedBatch(ids, pos, [], seq, attention=meta)
+        return PagedBatch(ids, pos, [], seq, chunk_ends=pos, attention=meta)
 
     def _replay(self, p: Packed, size: int) -> torch.Tensor:
         b = len(p.seqs)
@@ -353,7 +356,8 @@ def build_batch(p: Packed, pool, tile_tokens: int, device, use_triton: bool) -> 
         list(col)
         for col in zip(*[(len(b), ns, ms, ls, k) for b, ns, ms, ls, k in p.seqs], strict=False)
     ]
-    flat = [p.ids, p.positions, p.slots, p.rows, *map(list, zip(*tiles, strict=False)), *per_seq]
+    tile_columns = map(list, zip(*tiles, strict=False))
+    flat = [p.ids, p.positions, p.chunk_ends, p.slots, p.rows, *tile_columns, *per_seq]
     # each part starts 16-byte aligned: Triton specializes kernels on pointer alignment
     padded = [part + [0] * (len(part) % 2) for part in flat]
     sizes = [len(x) for x in padded]
@@ -362,7 +366,7 @@ def build_batch(p: Packed, pool, tile_tokens: int, device, use_triton: bool) -> 
         host.extend(row)
     dev = torch.frombuffer(host, dtype=torch.long).to(device, non_blocking=True)
     parts = [t[: len(f)] for t, f in zip(dev[: sum(sizes)].split(sizes), flat, strict=True)]
-    ids, positions, slots, rows, t_seq, t_start, t_len, nb, n_sink, main, live, keep = parts
+    ids, positions, ends, slots, rows, t_seq, t_start, t_len, nb, n_sink, main, live, keep = parts
     tables = dev[sum(sizes) :].view(len(p.seqs), width)
     meta = PagedAttention(
         pool,
@@ -380,7 +384,7 @@ def build_batch(p: Packed, pool, tile_tokens: int, device, use_triton: bool) -> 
         tile_tokens,
         use_triton,
     )
-    return PagedBatch(ids, positions, [], rows, attention=meta)
+    return PagedBatch(ids, positions, [], rows, chunk_ends=ends, attention=meta)
 
 
 def _pending_ids(request: Request, n: int) -> list[int]:

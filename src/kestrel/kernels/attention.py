@@ -3,11 +3,13 @@ attention over a `BlockPool`: one Triton kernel for prefill chunks, decode token
 batches (its PyTorch fallback, the reference it is tested against, is in cache/paged.py). This
 module imports nothing from kestrel: kernels are the bottom of the import graph.
 
-The kernel runs one program per (query tile, KV head): a tile is up to `tile_tokens` consecutive
-tokens of one sequence times the query heads sharing that KV head (GQA), so each K/V block is read
-once per group. It walks the sequence's held blocks (sinks, then the main run), derives every key's
+The kernel runs one program per (query tile, KV head, part of its group): a tile is up to
+`tile_tokens` consecutive tokens of one sequence times the query heads sharing that KV head (GQA),
+so each K/V block is read once per group (wide heads split the group in parts that fit shared
+memory). It walks the sequence's held blocks (sinks, then the main run), derives every key's
 position from its logical block, and masks with DESIGN.md's rule: pos_k <= pos_q, inside the
-window, and pos_k < keep or pos_k >= live_start.
+window, and pos_k < keep or pos_k >= live_start. The same kernel serves MLA in latent space: one
+KV head whose keys are [latent, rope key] and whose values are the latent, read once.
 """
 
 import torch
@@ -36,27 +38,52 @@ def attend(q, keys, values, mask, scale, softcap: float | None = None) -> torch.
 
 
 def write_kv(k_cache, v_cache, k, v, slot_mapping) -> None:
-    """Store new keys/values (T, Hkv, D) at their flat slots of (blocks, block_size, Hkv, D)."""
-    nb, bs, h, d = k_cache.shape
-    k_cache.view(nb * bs, h, d).index_copy_(0, slot_mapping, k.to(k_cache.dtype))
-    v_cache.view(nb * bs, h, d).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
+    """Store new keys/values (T, Hkv, D) at their flat slots of (blocks, block_size, Hkv, D);
+    `v_cache` None: the values live inside the keys (the MLA latent), only keys are stored."""
+    for cache, new in ((k_cache, k), (v_cache, v)):
+        if cache is not None:
+            nb, bs, h, d = cache.shape
+            cache.view(nb * bs, h, d).index_copy_(0, slot_mapping, new.to(cache.dtype))
 
 
-def paged_attention_triton(q, k_cache, v_cache, meta, scale, window=None) -> torch.Tensor:
+# one program's query tile and K/V sub-block stay within this many bytes per row of head dims, so
+# wide heads (gemma4's 512, the MLA latent's 512 + 64) fit in shared memory with two stages
+_TILE_BYTES = 32768
+
+
+def tile_rows(value_dim: int, itemsize: int) -> int:
+    """Query rows (tile tokens x query heads) one program holds for heads `value_dim` wide: 64,
+    fewer for wide heads. The runner sizes its query tiles with it."""
+    return max(16, min(64, _TILE_BYTES // (_pow2(value_dim) * itemsize)))
+
+
+def _pow2(n: int) -> int:
+    return max(16, 1 << (n - 1).bit_length())
+
+
+def paged_attention_triton(q, k_cache, v_cache, meta, scale, window=None, value_dim=None):
+    """q: (T, Hq, D) over the pool -> (T, Hq, Dv). `v_cache` None: values are the first
+    `value_dim` dims of each key (MLA in latent space: one shared KV head, D = rank + rope)."""
     T, hq, d = q.shape
     bs, hkv = k_cache.shape[1], k_cache.shape[2]
     if bs < 16 or bs & (bs - 1):
         raise ValueError(f"the Triton kernel needs a power-of-two block size >= 16, not {bs}")
+    dv = value_dim or (v_cache.shape[-1] if v_cache is not None else d)
+    values = k_cache if v_cache is None else v_cache
     group = hq // hkv
-    group_pad = triton.next_power_of_2(group)
-    tile_tokens = meta.tile_tokens
-    rows = max(16, tile_tokens * group_pad)
-    out = torch.empty_like(q)
-    grid = (meta.tile_seq.shape[0], hkv)
+    dv_pad, esize = _pow2(dv), q.element_size()
+    # query heads of a group per program: a tile's tokens times these fill at most tile_rows
+    fit = max(1, tile_rows(dv, esize) // meta.tile_tokens)
+    heads = min(1 << (group - 1).bit_length(), 1 << (fit.bit_length() - 1))
+    splits = -(-group // heads)
+    rows = max(16, meta.tile_tokens * heads)
+    keys = min(bs, max(16, _TILE_BYTES // (dv_pad * esize)))  # keys per inner step
+    out = q.new_empty(T, hq, dv)
+    grid = (meta.tile_seq.shape[0], hkv * splits)
     _paged_attention_kernel[grid](
         q,
         k_cache,
-        v_cache,
+        values,
         out,
         meta.positions,
         meta.tile_seq,
@@ -75,18 +102,26 @@ def paged_attention_triton(q, k_cache, v_cache, meta, scale, window=None) -> tor
         k_cache.stride(0),
         k_cache.stride(1),
         k_cache.stride(2),
+        values.stride(0),
+        values.stride(1),
+        values.stride(2),
         out.stride(0),
         out.stride(1),
         meta.block_tables.stride(0),
         GROUP=group,
-        GROUP_PAD=group_pad,
+        HEADS=heads,
+        SPLITS=splits,
         ROWS=rows,
         BLOCK=bs,
-        D=d,
-        D_PAD=max(16, triton.next_power_of_2(d)),
+        KEYS=keys,
+        DV=dv,
+        DV_PAD=dv_pad,
+        TAIL=d - dv,
+        TAIL_PAD=_pow2(d - dv) if d > dv else 16,
+        VALUES_IN_KEYS=v_cache is None,
         HAS_WINDOW=window is not None,
         PREC="ieee" if q.dtype == torch.float32 else "tf32",
-        num_warps=4 if rows * d <= 64 * 128 else 8,
+        num_warps=4 if rows * dv_pad <= 64 * 128 else 8,
         num_stages=2,
     )
     return out
@@ -117,31 +152,48 @@ if triton is not None:
         stride_kb,
         stride_kt,
         stride_kh,
+        stride_vb,
+        stride_vt,
+        stride_vh,
         stride_ot,
         stride_oh,
         stride_tab,
         GROUP: tl.constexpr,
-        GROUP_PAD: tl.constexpr,
+        HEADS: tl.constexpr,
+        SPLITS: tl.constexpr,
         ROWS: tl.constexpr,
         BLOCK: tl.constexpr,
-        D: tl.constexpr,
-        D_PAD: tl.constexpr,
+        KEYS: tl.constexpr,
+        DV: tl.constexpr,
+        DV_PAD: tl.constexpr,
+        TAIL: tl.constexpr,
+        TAIL_PAD: tl.constexpr,
+        VALUES_IN_KEYS: tl.constexpr,
         HAS_WINDOW: tl.constexpr,
         PREC: tl.constexpr,
     ):
+        # key dims: [0, DV) (also the values' dims) and a tail [DV, DV + TAIL) read by scores only
         tile = tl.program_id(0)
-        kvh = tl.program_id(1)
+        kvh = tl.program_id(1) // SPLITS
+        part = tl.program_id(1) % SPLITS
         seq = tl.load(TILE_SEQ + tile)
         start = tl.load(TILE_START + tile)
         n = tl.load(TILE_LEN + tile)
         r = tl.arange(0, ROWS)
-        tok = r // GROUP_PAD  # row -> (token of the tile, query head of the group)
-        head = kvh * GROUP + r % GROUP_PAD
-        row_ok = (tok < n) & (r % GROUP_PAD < GROUP)
-        d = tl.arange(0, D_PAD)
-        d_ok = d < D
-        q_ptr = Q + (start + tok)[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :]
-        q = tl.load(q_ptr, mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+        tok = r // HEADS  # row -> (token of the tile, query head of this part of the group)
+        in_group = part * HEADS + r % HEADS
+        head = kvh * GROUP + in_group
+        row_ok = (tok < n) & (in_group < GROUP)
+        d = tl.arange(0, DV_PAD)
+        d_ok = d < DV
+        q_row = Q + (start + tok)[:, None] * stride_qt + head[:, None] * stride_qh
+        q = tl.load(q_row + d[None, :], mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+        if TAIL > 0:
+            e = tl.arange(0, TAIL_PAD)
+            e_ok = e < TAIL
+            q_tail = tl.load(
+                q_row + DV + e[None, :], mask=row_ok[:, None] & e_ok[None, :], other=0.0
+            )
         q_pos = tl.load(POS + start + tok, mask=tok < n, other=-1)
         q_first = tl.load(POS + start)
         q_last = tl.load(POS + start + tl.maximum(n - 1, 0))
@@ -161,15 +213,21 @@ if triton is not None:
 
         m_i = tl.full([ROWS], float("-inf"), tl.float32)
         l_i = tl.zeros([ROWS], tl.float32)
-        acc = tl.zeros([ROWS, D_PAD], tl.float32)
-        kt = tl.arange(0, BLOCK)
-        for j in range(j_begin, j_end):
+        acc = tl.zeros([ROWS, DV_PAD], tl.float32)
+        kt = tl.arange(0, KEYS)
+        for step in range(j_begin * (BLOCK // KEYS), j_end * (BLOCK // KEYS)):
+            j = step // (BLOCK // KEYS)
+            slot = (step % (BLOCK // KEYS)) * KEYS + kt  # slots of block j this step reads
             logical = tl.where(j < n_sink, j, main_start + j - n_sink)
             phys = tl.load(TABLES + seq * stride_tab + j).to(tl.int64)
-            kv_off = phys * stride_kb + kt[:, None] * stride_kt + kvh * stride_kh + d[None, :]
-            k = tl.load(K + kv_off, mask=d_ok[None, :], other=0.0)
-            s = tl.dot(q, tl.trans(k), input_precision=PREC) * scale_log2  # (ROWS, BLOCK)
-            k_pos = logical * BLOCK + kt
+            k_row = K + phys * stride_kb + slot[:, None] * stride_kt + kvh * stride_kh
+            k = tl.load(k_row + d[None, :], mask=d_ok[None, :], other=0.0)
+            s = tl.dot(q, tl.trans(k), input_precision=PREC)  # (ROWS, KEYS)
+            if TAIL > 0:
+                k_tail = tl.load(k_row + DV + e[None, :], mask=e_ok[None, :], other=0.0)
+                s += tl.dot(q_tail, tl.trans(k_tail), input_precision=PREC)
+            s = s * scale_log2
+            k_pos = logical * BLOCK + slot
             live = (k_pos < keep) | (k_pos >= live_start)
             vis = (k_pos[None, :] <= q_pos[:, None]) & live[None, :]
             if HAS_WINDOW:
@@ -180,7 +238,11 @@ if triton is not None:
             p = tl.exp2(s - m_safe[:, None])
             alpha = tl.exp2(m_i - m_safe)
             l_i = l_i * alpha + tl.sum(p, 1)
-            v = tl.load(V + kv_off, mask=d_ok[None, :], other=0.0)
+            if VALUES_IN_KEYS:
+                v = k
+            else:
+                v_row = V + phys * stride_vb + slot[:, None] * stride_vt + kvh * stride_vh
+                v = tl.load(v_row + d[None, :], mask=d_ok[None, :], other=0.0)
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PREC)
             m_i = m_new
         out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]

@@ -5,7 +5,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from kestrel.cache.sequence import CacheSpec
+from kestrel.cache.sequence import CacheSpec, KVShape, kv_bytes
 from kestrel.models.batch import ForwardBatch
 
 KV_KINDS = ("full", "sliding")  # cache kinds that store per-token keys and values
@@ -101,15 +101,13 @@ class CausalLM(nn.Module):
         if getattr(self.config, "tie_word_embeddings", False) and hasattr(self, "lm_head"):
             self.lm_head.weight = self.model.embed_tokens.weight
 
-    def kv_layout(self) -> list[tuple[int, int] | None]:
-        """Per layer, the (KV heads, head dim) of the keys and values it stores per token; None
-        for a layer that stores none (recurrent state, linear or no-op attention, a layer that
-        reads another's cache). The paged pool allocates each layer by it."""
-        c = self.config
-        shape = (c.num_key_value_heads, head_dim(c))
+    def kv_layout(self) -> list[KVShape | None]:
+        """Per layer, what it stores per token; None for a layer that stores none (recurrent
+        state, linear or no-op attention, a layer that reads another's cache). The paged pool
+        allocates each layer by it."""
+        shape = KVShape(self.config.num_key_value_heads, head_dim(self.config))
         return [shape if spec.kind in KV_KINDS else None for spec in self.cache_specs()]
 
     def kv_bytes_per_token(self, dtype: torch.dtype) -> int:
         """Bytes of KV cache one token costs across all layers (for `inspect` and pool sizing)."""
-        elements = sum(2 * heads * dim for heads, dim in filter(None, self.kv_layout()))
-        return elements * torch.finfo(dtype).bits // 8
+        return kv_bytes(self.kv_layout(), torch.finfo(dtype).bits // 8)

@@ -50,8 +50,9 @@ class ForwardBatch:
 
     input_ids: (T,) token ids; positions: (T,) absolute positions (each sequence's `offset` onward);
     logits_rows: (R,) rows whose logits the model returns (last row of each chunk when sampling).
-    Runners that pack without SeqChunks (paged attention, CUDA graphs) give multimodal inputs for
-    the whole batch instead: rope_positions, (T,) or (3, T) RoPE ids of every row, and images.
+    Runners that pack without SeqChunks (paged attention, CUDA graphs) give per-row inputs for
+    the whole batch instead: rope_positions, (T,) or (3, T) RoPE ids of every row, images, and
+    chunk_ends, (T,) the last position of each row's chunk (LongRoPE picks factors per chunk).
     """
 
     input_ids: torch.Tensor
@@ -60,6 +61,7 @@ class ForwardBatch:
     logits_rows: torch.Tensor
     rope_positions: torch.Tensor | None = None
     images: ImageRows | None = None
+    chunk_ends: torch.Tensor | None = None
 
     @classmethod
     def single(

@@ -16,7 +16,7 @@ from torch import nn
 from transformers import Gemma4TextConfig
 
 import kestrel.cache.recurrent  # noqa: F401  registers the "none" cache kind
-from kestrel.cache.sequence import CacheSpec
+from kestrel.cache.sequence import CacheSpec, KVShape
 from kestrel.kernels.fused import ACTIVATIONS
 from kestrel.models.base import CausalLM, rope_parameters
 from kestrel.models.batch import ForwardBatch
@@ -240,11 +240,12 @@ class Gemma4ForCausalLM(CausalLM):
             logits = self.softcap * torch.tanh(logits / self.softcap)
         return logits
 
-    def kv_layout(self) -> list[tuple[int, int] | None]:
+    def kv_layout(self) -> list[KVShape | None]:
         # only layers that own a cache store keys; full layers have their own head dim and heads
         attns = [layer.self_attn for layer in self.model.layers]
         return [
-            (a.num_kv_heads, a.head_dim) if a.kv_source == i else None for i, a in enumerate(attns)
+            KVShape(a.num_kv_heads, a.head_dim) if a.kv_source == i else None
+            for i, a in enumerate(attns)
         ]
 
     def checkpoint_name(self, name: str) -> str:

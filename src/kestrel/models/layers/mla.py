@@ -10,7 +10,8 @@ The cache keeps the latent and the RoPE key (kind "latent"), so KV memory per to
 `kv_lora_rank + qk_rope_head_dim`, not `2 * heads * head_dim`. Attention then either expands the
 cached latents into per-head keys/values (long chunks), or, for short chunks (decode), folds
 `kv_b_proj` into the query and the output and attends in latent space: q_nope . (W_uk c) equals
-(W_uk^T q_nope) . c, so every head attends one shared (MQA) latent key/value.
+(W_uk^T q_nope) . c, so every head attends one shared (MQA) latent key/value. On the paged pool
+every chunk attends in latent space (one kernel for the batch; the latent is never expanded).
 """
 
 import torch
@@ -18,7 +19,7 @@ from torch import nn
 
 from kestrel.cache.kv import LayerKVCache
 from kestrel.cache.mask import visible_mask
-from kestrel.cache.sequence import CACHE_KINDS, CacheSpec
+from kestrel.cache.sequence import CACHE_KINDS, CacheSpec, KVShape
 from kestrel.kernels.attention import attend
 from kestrel.models.base import CausalLM, rope_parameters
 from kestrel.models.batch import ForwardBatch
@@ -47,12 +48,6 @@ CACHE_KINDS["latent"] = lambda spec: LatentKVCache(spec.window)
 
 def latent_cache_specs(num_layers: int) -> list[CacheSpec]:
     return [CacheSpec("latent") for _ in range(num_layers)]
-
-
-def latent_kv_bytes_per_token(config, dtype: torch.dtype) -> int:
-    """Bytes one token costs in the latent cache across all layers."""
-    per_layer = config.kv_lora_rank + config.qk_rope_head_dim
-    return per_layer * config.num_hidden_layers * torch.finfo(dtype).bits // 8
 
 
 def mla_scale(qk_head_dim: int, rope: dict) -> float:
@@ -113,6 +108,9 @@ class MultiHeadLatentAttention(nn.Module):
         q = torch.cat([q_nope, q_rot], dim=-1)  # (T, H, dn + dr)
         if q_scale is not None:
             q = q * q_scale[:, None, None].to(q.dtype)
+        if getattr(batch, "attention", None) is not None:  # the GPU runner's paged KV pool
+            out = self._attend_paged(q, latent, k_rot, batch.attention)
+            return self.o_proj(out.reshape(T, -1))
         out = q.new_empty(T, self.num_heads, self.v_dim)
         for chunk in batch.chunks:
             rows = chunk.rows
@@ -152,13 +150,30 @@ class MultiHeadLatentAttention(nn.Module):
 
     def _attend_latent(self, q, latents, rot_keys, mask) -> torch.Tensor:
         # fold W_uk into the query and W_uv into the output: MQA over keys [c, k_rot], values c
-        w = self.kv_b_proj.weight.view(self.num_heads, self.nope_dim + self.v_dim, self.rank)
-        w_uk, w_uv = w.split([self.nope_dim, self.v_dim], dim=1)  # (H, dn, r), (H, dv, r)
-        q_nope, q_rot = q.split([self.nope_dim, self.rope_dim], dim=-1)
-        q_latent = torch.cat([q_nope @ w_uk, q_rot], dim=-1)  # (H, m, r + dr)
         keys = torch.cat([latents, rot_keys], dim=-1)  # (1, L, r + dr)
-        out = attend(q_latent, keys, latents, mask, self.scale)  # (H, m, r)
-        return out @ w_uv.transpose(1, 2)  # (H, m, dv)
+        out = attend(self._absorb_query(q), keys, latents, mask, self.scale)  # (H, m, r)
+        return self._expand_output(out)
+
+    def _attend_paged(self, q, latent, k_rot, attention) -> torch.Tensor:
+        """(T, H, dn + dr) queries of the packed batch over the pool's latents -> (T, H, dv)."""
+        kv = torch.cat([latent, k_rot], dim=-1)[:, None]  # (T, 1, r + dr)
+        q_latent = self._absorb_query(q.transpose(0, 1)).transpose(0, 1).contiguous()
+        out = attention.latent(q_latent, kv, self.layer_idx, self.scale)  # (T, H, r)
+        return self._expand_output(out.transpose(0, 1)).transpose(0, 1)
+
+    def _absorbed(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """kv_b_proj as W_uk (H, dn, r) and W_uv (H, dv, r)."""
+        w = self.kv_b_proj.weight.view(self.num_heads, self.nope_dim + self.v_dim, self.rank)
+        return w.split([self.nope_dim, self.v_dim], dim=1)
+
+    def _absorb_query(self, q) -> torch.Tensor:
+        """(H, m, dn + dr) -> (H, m, r + dr): W_uk folded into the no-RoPE part."""
+        q_nope, q_rot = q.split([self.nope_dim, self.rope_dim], dim=-1)
+        return torch.cat([q_nope @ self._absorbed()[0], q_rot], dim=-1)
+
+    def _expand_output(self, out) -> torch.Tensor:
+        """(H, m, r) latent-space outputs -> (H, m, dv) through W_uv."""
+        return out @ self._absorbed()[1].transpose(1, 2)
 
 
 class MLABlock(nn.Module):
@@ -233,5 +248,8 @@ class LatentCausalLM(CausalLM):
     def cache_specs(self) -> list[CacheSpec]:
         return latent_cache_specs(self.config.num_hidden_layers)
 
-    def kv_bytes_per_token(self, dtype: torch.dtype) -> int:
-        return latent_kv_bytes_per_token(self.config, dtype)
+    def kv_layout(self) -> list[KVShape]:
+        # one shared key [latent, rope key] per token whose first kv_lora_rank dims are the value
+        c = self.config
+        shape = KVShape(1, c.kv_lora_rank + c.qk_rope_head_dim, value_dim=c.kv_lora_rank)
+        return [shape] * c.num_hidden_layers
