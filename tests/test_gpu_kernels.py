@@ -10,7 +10,7 @@ import torch
 from kestrel.cache import paged
 from kestrel.cache.blocks import BlockManager
 from kestrel.cache.paged import BlockPool, PagedSequenceCache
-from kestrel.cache.sequence import CacheSpec
+from kestrel.cache.sequence import CacheSpec, KVShape
 from kestrel.engine.gpu_runner import Packed, build_batch
 from kestrel.kernels import attention, fused
 from kestrel.models.layers.moe import grouped_matmul
@@ -39,6 +39,7 @@ def random_sequences(pool: BlockPool, chunk: int):
         start = len(p.ids)
         p.ids += [0] * chunk
         p.positions += list(range(cache.offset, cache.offset + chunk))
+        p.chunk_ends += [cache.offset + chunk - 1] * chunk
         held = dict(cache.blocks.held)
         p.slots += [held[q // bs] * bs + q % bs for q in range(cache.offset, cache.offset + chunk)]
         blocks, n_sink, main_start = cache.table()
@@ -48,16 +49,19 @@ def random_sequences(pool: BlockPool, chunk: int):
     return p
 
 
-def check_paged_attention(device, dtype, chunk, window, hq=8, hkv=2, d=64, bs=16):
+def check_paged_attention(
+    device, dtype, chunk, window, hq=8, hkv=2, d=64, bs=16, value_dim=None, tile_tokens=4
+):
+    """`value_dim`: the MLA latent (values are the keys' first `value_dim` dims, no V pool)."""
     torch.manual_seed(chunk)
-    pool = BlockPool([(hkv, d)], 40, bs, dtype, device)
+    pool = BlockPool([KVShape(hkv, d, value_dim)], 40, bs, dtype, device)
     for t in pool.k + pool.v:
-        t.normal_()
+        if t is not None:
+            t.normal_()
     p = random_sequences(pool, chunk)
-    tile_tokens = 1 if chunk == 1 else 4
-    batch = build_batch(p, pool, tile_tokens, device, use_triton=True)
+    batch = build_batch(p, pool, 1 if chunk == 1 else tile_tokens, device, use_triton=True)
     q = torch.randn(len(p.ids), hq, d, device=device, dtype=dtype)
-    args = (q, pool.k[0], pool.v[0], batch.attention, d**-0.5, window)
+    args = (q, pool.k[0], pool.v[0], batch.attention, d**-0.5, window, value_dim)
     expected = paged.paged_attention_torch(*args)
     actual = attention.paged_attention_triton(*args)
     tol = 2e-2 if dtype == torch.bfloat16 else 1e-4
@@ -75,6 +79,24 @@ def test_paged_attention_kernel_matches_fallback(dtype, chunk, window):
 def test_paged_attention_kernel_head_shapes(hq, hkv, d):
     check_paged_attention("cuda", torch.bfloat16, 1, None, hq, hkv, d)
     check_paged_attention("cuda", torch.bfloat16, 5, None, hq, hkv, d)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(
+    "hq,hkv,d,tile_tokens", [(8, 2, 512, 4), (32, 4, 512, 4), (16, 16, 256, 8)]
+)
+def test_paged_attention_kernel_wide_heads_in_big_blocks(dtype, hq, hkv, d, tile_tokens):
+    # gemma4's shapes on the default 64-token blocks: the kernel splits groups and blocks
+    for chunk in (1, 9):
+        check_paged_attention("cuda", dtype, chunk, None, hq, hkv, d, 64, None, tile_tokens)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("hq,rank,rope", [(20, 512, 64), (40, 256, 32), (4, 8, 4)])
+def test_paged_attention_kernel_latent_values_inside_keys(dtype, hq, rank, rope):
+    # MLA in latent space: GLM-4.7-Flash's, MiniCPM3's and a tiny test model's shapes
+    for chunk, bs in ((1, 64), (6, 64), (6, 16)):
+        check_paged_attention("cuda", dtype, chunk, None, hq, 1, rank + rope, bs, rank, 1)
 
 
 def check_fused(device, dtype):

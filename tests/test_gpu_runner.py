@@ -17,10 +17,11 @@ from test_paged_cache import prompts, run_to_end, tiny_model
 pytestmark = pytest.mark.gpu
 
 
-def generate(runner, seqs, steps, max_kv_size=None, keep=0, max_num_seqs=4, chunk=5):
+def generate(runner, seqs, steps, max_kv_size=None, keep=0, max_num_seqs=4, chunk=5, images=None):
+    images = images or [None] * len(seqs)
     reqs = [
-        Request(f"g{i}", p, SamplingParams(temperature=0), steps, max_kv_size, keep)
-        for i, p in enumerate(seqs)
+        Request(f"g{i}", p, SamplingParams(temperature=0), steps, max_kv_size, keep, mm)
+        for i, (p, mm) in enumerate(zip(seqs, images, strict=True))
     ]
     run_to_end(runner, reqs, max_num_seqs=max_num_seqs, prefill_chunk_size=chunk)
     return [r.output_ids for r in reqs]
@@ -102,3 +103,21 @@ def test_gpu_pool_exhaustion_preempts_and_each_request_gets_its_solo_output(
     assert preempted > 0
     assert [r.output_ids for r in crowd] == solo
     assert runner.blocks.num_free == 9
+
+
+@pytest.mark.parametrize("graphs", [True, False])
+def test_gpu_image_prompts_generate_as_cpu(graphs):
+    """A vision-language model on the paged runner: images encoded on the GPU, M-RoPE ids and image
+    rows packed per batch, decode in CUDA graphs; the CPU reference's greedy tokens."""
+    from tests.reference import load_kestrel
+    from tests.vl_reference import image_prompt, tiny_vl_checkpoint
+    from tests.vl_suite import MERGE, PATCH
+
+    folder = tiny_vl_checkpoint()
+    model, prompt = load_kestrel(folder), image_prompt(folder, PATCH, MERGE)
+    seqs, images = [prompt.token_ids, prompts(11)[0], prompt.token_ids], [prompt, None, prompt]
+    cpu = ModelRunner(model, torch.device("cpu"))
+    expected = generate(cpu, seqs, 24, 40, 2, chunk=7, images=images)
+    cache = CacheConfig(block_size=16, num_blocks=64)
+    runner = GPURunner(copy.deepcopy(model).cuda(), torch.device("cuda"), 4, 21, 256, cache, graphs)
+    assert generate(runner, seqs, 24, 40, 2, chunk=7, images=images) == expected

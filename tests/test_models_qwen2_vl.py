@@ -17,6 +17,7 @@ from tests.vl_suite import (  # noqa: F401  (the shared tests run here)
     test_image_prompt_full_forward_matches_transformers,
     test_loads_by_model_type,
     test_max_kv_size_image_prefill_matches_dense_reference,
+    test_paged_runner_matches_the_reference_with_images,
     test_restore_after_a_failed_image_step,
     test_sliding_window_image_chunks_match_transformers,
     test_text_chunked_prefill_matches_transformers,

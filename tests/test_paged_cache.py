@@ -151,8 +151,11 @@ def tiny_model(kind: str, window=None):
     return model
 
 
-def run_both(model, prompts, schedule, max_kv_size=None, keep=0, block_size=4, num_blocks=64):
-    """Feed the same chunks to the reference and the paged runner; compare every logits row."""
+def run_both(
+    model, prompts, schedule, max_kv_size=None, keep=0, block_size=4, num_blocks=64, images=None
+):
+    """Feed the same chunks to the reference and the paged runner; compare every logits row.
+    `images`: per prompt, its MultimodalPrompt (or None for text)."""
     ref = ModelRunner(model, torch.device("cpu"))
     paged = GPURunner(
         model,
@@ -163,9 +166,10 @@ def run_both(model, prompts, schedule, max_kv_size=None, keep=0, block_size=4, n
         CacheConfig(block_size=block_size, num_blocks=num_blocks),
         cuda_graphs=False,
     )
+    images = images or [None] * len(prompts)
     reqs = [
-        Request(f"r{i}", p, SamplingParams(temperature=0), 10**6, max_kv_size, keep)
-        for i, p in enumerate(prompts)
+        Request(f"r{i}", p, SamplingParams(temperature=0), 10**6, max_kv_size, keep, mm)
+        for i, (p, mm) in enumerate(zip(prompts, images, strict=True))
     ]
     for sizes in schedule:  # sizes[i]: tokens of request i this step (0: not scheduled)
         chunks = [ScheduledChunk(r, n) for r, n in zip(reqs, sizes, strict=True) if n]
@@ -185,6 +189,19 @@ def run_both(model, prompts, schedule, max_kv_size=None, keep=0, block_size=4, n
             c.request.output_ids.append(token)
         paged.blocks.commit()
     return paged
+
+
+def chunked_schedule(lengths, chunk: int, decode: int) -> list[tuple[int, ...]]:
+    """Every sequence prefills in chunks of `chunk` tokens, then decodes `decode` tokens."""
+    done, steps = [0] * len(lengths), []
+    while any(d < n + decode for d, n in zip(done, lengths, strict=True)):
+        sizes = tuple(
+            0 if d >= n + decode else min(chunk, n - d) if d < n else 1
+            for d, n in zip(done, lengths, strict=True)
+        )
+        done = [d + m for d, m in zip(done, sizes, strict=True)]
+        steps.append(sizes)
+    return steps
 
 
 def prompts(*lengths):

@@ -232,6 +232,21 @@ def test_image_and_text_sequences_batched_match_alone(tiny, inputs_on):
     assert_close(torch.cat(outs[1]), tiny.text_ref)
 
 
+@pytest.mark.parametrize("max_kv_size", [None, 40])
+def test_paged_runner_matches_the_reference_with_images(tiny, max_kv_size):
+    """The paged runner (here on the CPU, with its PyTorch attention) packs image prompts' M-RoPE
+    ids and image rows for the whole batch: two image prompts and a text one, in chunks that cut
+    the images, under a KV bound or not, give the reference runner's logits at every step."""
+    from tests.test_paged_cache import chunked_schedule, run_both
+
+    prompt = tiny.prompt
+    seqs = [prompt.token_ids, tiny.text_ids, prompt.token_ids]
+    assert chunk_boundaries_inside_images(prompt, 7)
+    schedule = chunked_schedule([len(s) for s in seqs], chunk=7, decode=4)
+    paged = run_both(tiny.model, seqs, schedule, max_kv_size, 2, images=[prompt, None, prompt])
+    assert len(paged.image_features) == 2  # each image prompt's features, encoded once
+
+
 # every shared check; tests/test_model_suites.py holds each family file to running them all
 CHECKS = (
     test_loads_by_model_type,
@@ -246,6 +261,7 @@ CHECKS = (
     test_max_kv_size_image_prefill_matches_dense_reference,
     test_restore_after_a_failed_image_step,
     test_image_and_text_sequences_batched_match_alone,
+    test_paged_runner_matches_the_reference_with_images,
 )
 
 

@@ -20,7 +20,7 @@ from kestrel.engine.request import Request
 from kestrel.engine.runner import ModelRunner, StepResult
 from kestrel.engine.scheduler import ScheduledChunk
 from kestrel.kernels.attention import tile_rows
-from kestrel.models.batch import ForwardBatch
+from kestrel.models.batch import ForwardBatch, ImageRows
 from kestrel.sampling import SamplingParams
 
 log = logging.getLogger("kestrel.gpu_runner")
@@ -42,17 +42,19 @@ class Packed:
     ids: list[int] = field(default_factory=list)
     positions: list[int] = field(default_factory=list)
     chunk_ends: list[int] = field(default_factory=list)
+    rope_ids: list[int] = field(default_factory=list)  # text RoPE ids: position + rope_delta
     slots: list[int] = field(default_factory=list)
     tiles: list[tuple[int, int, int]] = field(default_factory=list)  # (seq, start, len)
     seqs: list[tuple] = field(default_factory=list)  # (blocks, n_sink, main_start, live, keep)
     rows: list[int] = field(default_factory=list)
+    # multimodal prompt chunks: (start, (3, len) M-RoPE ids) and (start, ImageRows)
+    explicit_rope: list[tuple[int, torch.Tensor]] = field(default_factory=list)
+    images: list[tuple[int, ImageRows]] = field(default_factory=list)
 
 
 def pool_serves(model) -> bool:
-    """Whether every layer's cache fits the paged pool: recurrent state (Mamba) does not yet, and
-    models that take images are fed by the reference runner only."""
-    kinds = {spec.kind for spec in model.cache_specs()}
-    return kinds <= POOL_KINDS and not getattr(model, "multimodal", False)
+    """Whether every layer's cache fits the paged pool (recurrent state does not yet)."""
+    return {spec.kind for spec in model.cache_specs()} <= POOL_KINDS
 
 
 def make_runner(model, device: torch.device, config: Config, max_model_len: int) -> ModelRunner:
@@ -94,7 +96,7 @@ class GPURunner(ModelRunner):
         bs = self.cache_config.block_size
         self.table_width = (max_model_len + bs - 1) // bs + 2
         self.dtype = next(model.parameters()).dtype
-        self.tile_tokens = self._tile_tokens(model.config.num_attention_heads)
+        self.tile_tokens = self._tile_tokens(model.config.get_text_config().num_attention_heads)
         self.use_triton = device.type == "cuda"
         if self.use_triton:  # fused Triton norms/RoPE/MLP
             from kestrel.models.layers.fused import fuse_model
@@ -203,8 +205,9 @@ class GPURunner(ModelRunner):
     def _run(self, chunks: list[ScheduledChunk]) -> list[StepResult]:
         packed = self._pack_host(chunks)
         # a graph returns a row per sequence; only steps whose every chunk samples fit it (a
-        # one-token chunk cut from a prompt or a recompute samples nothing)
-        decode = all(c.num_tokens == 1 and c.samples for c in chunks)
+        # one-token chunk cut from a prompt or a recompute samples nothing), all of them text
+        decode = all(c.num_tokens == 1 and c.samples for c in chunks) and not packed.images
+        decode = decode and not packed.explicit_rope
         size = next((b for b in sorted(self.graphs) if b >= len(chunks)), None)
         sampling = [c.request for c in chunks if c.samples]
         masks = self._start_masks(sampling)  # on the host, while the device runs the forward
@@ -212,8 +215,7 @@ class GPURunner(ModelRunner):
             logits = self._replay(packed, size)[: len(chunks)]
         else:
             logits = self.model(self._to_batch(packed, tile_tokens=1 if decode else None))
-        for chunk in chunks:
-            self.caches[chunk.request.request_id].advance(chunk.num_tokens)
+        self._advance(chunks)
         masked, failed = self._apply_masks(masks, logits)
         results = self._sample_batch(sampling, logits, masked)
         return self._accept(results, failed) + [
@@ -237,6 +239,13 @@ class GPURunner(ModelRunner):
             p.ids.extend(_pending_ids(request, n))
             p.positions.extend(range(cache.offset, cache.offset + n))
             p.chunk_ends.extend([cache.offset + n - 1] * n)
+            if request.multimodal is not None:  # encodes the images at the first chunk
+                rope, images = self._image_inputs(request, cache, n)
+                if rope is not None:
+                    p.explicit_rope.append((start, rope))
+                p.images.append((start, images))
+            first_id = cache.offset + cache.rope_delta
+            p.rope_ids.extend(range(first_id, first_id + n))
             p.slots.extend(cache.slots(cache.offset, n))
             blocks, n_sink, main_start = cache.table()
             p.seqs.append((blocks, n_sink, main_start, cache.live_start, cache.keep))
@@ -257,8 +266,9 @@ class GPURunner(ModelRunner):
             sizes.append(self.max_num_seqs)
         big = sizes[-1]
         zeros = lambda *shape: torch.zeros(shape, dtype=torch.long, device=self.device)  # noqa: E731
-        # one flat buffer: ids, positions, slots, tile_len, num_blocks, n_sink, main, live, keep
-        self.static = zeros(9, big)
+        # one flat buffer: ids, positions, slots, tile_len, num_blocks, n_sink, main, live, keep,
+        # RoPE ids
+        self.static = zeros(10, big)
         self.static_table = zeros(big, self.table_width)
         self.arange = torch.arange(big, device=self.device)
         self.graph_pool = torch.cuda.graph_pool_handle()
@@ -276,7 +286,9 @@ class GPURunner(ModelRunner):
         torch.cuda.synchronize()
 
     def _static_batch(self, b: int) -> PagedBatch:
-        ids, pos, slots, t_len, nb, n_sink, main, live, keep = (row[:b] for row in self.static)
+        ids, pos, slots, t_len, nb, n_sink, main, live, keep, rope = (
+            row[:b] for row in self.static
+        )
         seq = self.arange[:b]
         meta = PagedAttention(
             self.pool,
@@ -294,7 +306,7 @@ class GPURunner(ModelRunner):
             1,
             True,
         )
-        return PagedBatch(ids, pos, [], seq, chunk_ends=pos, attention=meta)
+        return PagedBatch(ids, pos, [], seq, rope, chunk_ends=pos, attention=meta)
 
     def _replay(self, p: Packed, size: int) -> torch.Tensor:
         b = len(p.seqs)
@@ -307,12 +319,14 @@ class GPURunner(ModelRunner):
         for k in range(1, 5):  # n_sink, main_start, live_start, keep
             host.extend(s[k] for s in p.seqs)
             host.extend(pad)
+        host.extend(p.rope_ids)
+        host.extend(pad)
         for blocks, *_ in p.seqs:
             host.extend(blocks)
             host.extend([0] * (width - len(blocks)))
         host = torch.frombuffer(host, dtype=torch.long)
-        host_cols, table = host[: 9 * size], host[9 * size :]
-        self.static[:, :size].copy_(host_cols.view(9, size), non_blocking=True)
+        host_cols, table = host[: 10 * size], host[10 * size :]
+        self.static[:, :size].copy_(host_cols.view(10, size), non_blocking=True)
         self.static_table[:b, :width].copy_(table.view(b, width), non_blocking=True)
         graph, logits = self.graphs[size]
         graph.replay()
@@ -357,7 +371,7 @@ def build_batch(p: Packed, pool, tile_tokens: int, device, use_triton: bool) -> 
         for col in zip(*[(len(b), ns, ms, ls, k) for b, ns, ms, ls, k in p.seqs], strict=False)
     ]
     tile_columns = map(list, zip(*tiles, strict=False))
-    flat = [p.ids, p.positions, p.chunk_ends, p.slots, p.rows, *tile_columns, *per_seq]
+    flat = [p.ids, p.positions, p.chunk_ends, p.rope_ids, p.slots, p.rows, *tile_columns, *per_seq]
     # each part starts 16-byte aligned: Triton specializes kernels on pointer alignment
     padded = [part + [0] * (len(part) % 2) for part in flat]
     sizes = [len(x) for x in padded]
@@ -366,7 +380,9 @@ def build_batch(p: Packed, pool, tile_tokens: int, device, use_triton: bool) -> 
         host.extend(row)
     dev = torch.frombuffer(host, dtype=torch.long).to(device, non_blocking=True)
     parts = [t[: len(f)] for t, f in zip(dev[: sum(sizes)].split(sizes), flat, strict=True)]
-    ids, positions, ends, slots, rows, t_seq, t_start, t_len, nb, n_sink, main, live, keep = parts
+    ids, positions, ends, rope, slots, rows, t_seq, t_start, t_len, nb, n_sink, main, live, keep = (
+        parts
+    )
     tables = dev[sum(sizes) :].view(len(p.seqs), width)
     meta = PagedAttention(
         pool,
@@ -384,7 +400,12 @@ def build_batch(p: Packed, pool, tile_tokens: int, device, use_triton: bool) -> 
         tile_tokens,
         use_triton,
     )
-    return PagedBatch(ids, positions, [], rows, chunk_ends=ends, attention=meta)
+    if p.explicit_rope:  # multimodal prompt chunks: (3, T) M-RoPE ids
+        rope = rope.expand(3, -1).clone()
+        for start, chunk_ids in p.explicit_rope:
+            rope[:, start : start + chunk_ids.shape[1]] = chunk_ids
+    images = ImageRows.packed(p.images, device)
+    return PagedBatch(ids, positions, [], rows, rope, images, ends, attention=meta)
 
 
 def _pending_ids(request: Request, n: int) -> list[int]:

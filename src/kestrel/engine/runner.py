@@ -66,10 +66,7 @@ class ModelRunner:
         sampling = [c.request for c in chunks if c.samples]
         masks = self._start_masks(sampling)  # on the host, while the forward runs
         logits = self.model(batch)  # (R, V): one row per sampling chunk
-        for chunk in chunks:
-            self.caches[chunk.request.request_id].advance(chunk.num_tokens)
-            if chunk.request.num_computed + chunk.num_tokens >= len(chunk.request.prompt_ids):
-                self.image_features.pop(chunk.request.request_id, None)  # the prompt is in
+        self._advance(chunks)
         masked, failed = self._apply_masks(masks, logits)
         results = [
             self._sample(request, masked[i], logits[i]) for i, request in enumerate(sampling)
@@ -77,6 +74,13 @@ class ModelRunner:
         return self._accept(results, failed) + [
             StepResult(c.request) for c in chunks if not c.samples
         ]
+
+    def _advance(self, chunks: list[ScheduledChunk]) -> None:
+        """The step ran: each cache holds its chunk's keys."""
+        for chunk in chunks:
+            self.caches[chunk.request.request_id].advance(chunk.num_tokens)
+            if chunk.request.num_computed + chunk.num_tokens >= len(chunk.request.prompt_ids):
+                self.image_features.pop(chunk.request.request_id, None)  # the prompt is in
 
     def _pack(self, chunks: list[ScheduledChunk]) -> ForwardBatch:
         ids, positions, seq_chunks, rows = [], [], [], []

@@ -22,6 +22,19 @@ class ImageRows:
     embeds: torch.Tensor
     deepstack: list[torch.Tensor] = field(default_factory=list)
 
+    @staticmethod
+    def packed(parts: list[tuple[int, "ImageRows"]], device) -> "ImageRows | None":
+        """Chunks' image rows, (chunk start, rows within the chunk), as rows of the packed batch;
+        None when no chunk has an image token."""
+        parts = [(start, im) for start, im in parts if im is not None and im.rows.numel()]
+        if not parts:
+            return None
+        rows = torch.cat([start + im.rows.to(device) for start, im in parts])
+        embeds = torch.cat([im.embeds for _, im in parts])
+        depth = len(parts[0][1].deepstack)
+        deepstack = [torch.cat([im.deepstack[i] for _, im in parts]) for i in range(depth)]
+        return ImageRows(rows, embeds, deepstack)
+
 
 @dataclass
 class SeqChunk:

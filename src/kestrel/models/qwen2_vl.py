@@ -67,15 +67,8 @@ def batch_images(batch: ForwardBatch) -> ImageRows | None:
     """The image rows of all chunks, as rows of the packed batch; None without images."""
     if batch.images is not None:
         return batch.images
-    parts = [(c.start, c.images) for c in batch.chunks if c.images is not None]
-    parts = [(start, im) for start, im in parts if im.rows.numel()]
-    if not parts:
-        return None
-    rows = torch.cat([start + im.rows.to(batch.input_ids.device) for start, im in parts])
-    embeds = torch.cat([im.embeds for _, im in parts])
-    depth = len(parts[0][1].deepstack)
-    deepstack = [torch.cat([im.deepstack[i] for _, im in parts]) for i in range(depth)]
-    return ImageRows(rows, embeds, deepstack)
+    parts = [(c.start, c.images) for c in batch.chunks]
+    return ImageRows.packed(parts, batch.input_ids.device)
 
 
 class Qwen2VLModel(nn.Module):
