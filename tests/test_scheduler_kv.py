@@ -1,7 +1,8 @@
 """The scheduler under a KV capacity (`--kv-cache-tokens`), with a fabricated model: plain Python.
 
-The fake model's next token is a hash of every token its cache holds, so a preempted request that
-is recomputed from the wrong tokens (or in the wrong order) samples a different token. Under any
+The fake model's next token is a hash of every key its cache holds (each key a hash of its token
+and the keys it saw), so a preempted request that is recomputed from the wrong tokens, in the wrong
+order or, under a KV bound, in other chunks samples a different token. Under any
 capacity every request must finish with the tokens it gets when it runs alone.
 """
 
@@ -20,7 +21,8 @@ def make_request(i: int, prompt_len: int, max_tokens: int, max_kv_size=None) -> 
 
 
 class FakeModel:
-    """Per-request caches of fed tokens; the next token hashes the cache (the whole history)."""
+    """Per-request caches of keys (each a hash of its token and the keys before it); the next
+    token hashes the cache (the whole history)."""
 
     def __init__(self):
         self.caches: dict[str, list[int]] = {}
@@ -35,7 +37,10 @@ class FakeModel:
             cache = self.caches.setdefault(r.request_id, [])
             if r.max_kv_size:  # trim the front before the chunk, as SequenceCache.make_room
                 del cache[: max(0, len(cache) + chunk.num_tokens - r.max_kv_size)]
-            cache += r.all_ids[r.num_computed : r.num_computed + chunk.num_tokens]
+            for token in r.all_ids[r.num_computed : r.num_computed + chunk.num_tokens]:
+                # a token's key depends on the keys it sees, as a layer's output does: which
+                # keys a trim left visible inside a chunk changes every later key
+                cache.append(zlib.crc32(bytes([token, *cache])) % 50)
             r.num_computed += chunk.num_tokens
             if samples:
                 r.output_ids.append(zlib.crc32(bytes(cache)) % 50)
@@ -121,3 +126,18 @@ def test_the_newest_running_request_is_preempted_and_queued_first():
     assert [r.request_id for r in s.running] == ["r0"]
     assert s.waiting[0].request_id == "r1" and s.waiting[0].num_computed == 0
     assert s.waiting[0].output_ids  # kept: recomputed, not sampled again
+
+
+def test_a_kv_bounded_recompute_feeds_its_prompt_in_its_chunks_then_one_token_at_a_time():
+    # under a KV bound the keys a chunk's tokens see depend on its boundaries: a request
+    # preempted after decoding 3 tokens is recomputed exactly as it was first computed
+    request = make_request(0, 10, 5, max_kv_size=8)
+    request.output_ids = [1, 2, 3]
+    scheduler = Scheduler(SchedulerConfig(prefill_chunk_size=4))
+    scheduler.add(request)
+    sizes = []
+    while request.num_computed < 13:
+        (chunk,) = scheduler.schedule().chunks
+        sizes.append(chunk.num_tokens)
+        request.num_computed += chunk.num_tokens
+    assert sizes == [4, 4, 2, 1, 1, 1]

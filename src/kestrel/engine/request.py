@@ -52,9 +52,15 @@ class Request:
         return self.status is Status.FINISHED
 
     def max_chunk(self, chunk_size: int) -> int:
-        """Largest chunk this request may take: at most max_kv_size - keep under a KV bound."""
+        """Largest chunk this request may take. Under a KV bound at most max_kv_size - keep, and
+        since chunk boundaries decide which keys stay visible, a recompute (after preemption)
+        feeds its prompt in the chunks it first had and its output one token at a time, as it was
+        first computed, so it ends with the same output."""
         if self.max_kv_size:
-            return min(chunk_size, self.max_kv_size - self.keep)
+            prompt_left = len(self.prompt_ids) - self.num_computed
+            if prompt_left <= 0:
+                return 1
+            return min(chunk_size, self.max_kv_size - self.keep, prompt_left)
         return chunk_size
 
     def finish(self, reason: str) -> None:
