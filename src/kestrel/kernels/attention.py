@@ -73,7 +73,10 @@ def paged_attention_triton(q, k_cache, v_cache, meta, scale, window=None, value_
     group = hq // hkv
     dv_pad, esize = _pow2(dv), q.element_size()
     # query heads of a group per program: a tile's tokens times these fill at most tile_rows
-    fit = max(1, tile_rows(dv, esize) // meta.tile_tokens)
+    # decode tiles split wide groups (MLA's 20-128 heads) over several programs: one sequence's
+    # decode is latency-bound, and more programs read its keys in parallel
+    rows_per_program = min(tile_rows(dv, esize), 16 if meta.tile_tokens == 1 else 64)
+    fit = max(1, rows_per_program // meta.tile_tokens)
     heads = min(1 << (group - 1).bit_length(), 1 << (fit.bit_length() - 1))
     splits = -(-group // heads)
     rows = max(16, meta.tile_tokens * heads)
