@@ -7,10 +7,9 @@ weights and a routed scaling factor; then shared experts that every token passes
 
 Expert weights are stacked as transformers >= 5 keeps them, `experts.gate_up_proj` (E, 2I, H) and
 `experts.down_proj` (E, H, I); checkpoints that store one tensor per expert load through
-`expert_slot`. The expert computation is batched: (token, expert) pairs sorted by expert, one grouped
-GEMM per projection over every expert's contiguous slice (`grouped_matmul`); where PyTorch's grouped
-GEMM does not run (the CPU, older GPUs) a decode-sized batch gathers the chosen experts' weights
-and runs one bmm instead. Neither loops over
+`expert_slot`. The expert computation is batched: a decode-sized batch gathers the chosen experts'
+weights and runs one bmm; a larger one sorts (token, expert) pairs by expert and runs one grouped
+GEMM per projection over every expert's contiguous slice (`grouped_matmul`). Neither loops over
 tokens in Python, and neither reads a count back to the host.
 """
 
@@ -101,9 +100,7 @@ class Experts(nn.Module):
         """x (T, H), weights/ids (T, k) -> (T, H): sum over k of weight * expert_id(x)."""
         T, k = ids.shape
         flat = ids.reshape(-1)  # (P,) one (token, expert) pair per row, P = T * k
-        # a grouped GEMM reads each chosen expert's weights in place; the gather copies them first
-        grouped = x.is_cuda and _grouped_mm_applies(x, self.down_proj)
-        if flat.numel() <= self.num_experts and not grouped:
+        if flat.numel() <= self.num_experts:
             out = self._gathered(x.repeat_interleave(k, 0), flat)
         else:
             out = self._grouped(x, flat, k)
