@@ -243,7 +243,8 @@ class GPURunner(ModelRunner):
                 rope, images = self._image_inputs(request, cache, n)
                 if rope is not None:
                     p.explicit_rope.append((start, rope))
-                p.images.append((start, images))
+                if images is not None:
+                    p.images.append((start, images))
             first_id = cache.offset + cache.rope_delta
             p.rope_ids.extend(range(first_id, first_id + n))
             p.slots.extend(cache.slots(cache.offset, n))
