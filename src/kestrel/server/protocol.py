@@ -7,7 +7,6 @@ default gets 400 naming it, never an answer that silently ignored it. Types are 
 ranges are checked once, by SamplingParams, whose InvalidRequestError names the parameter.
 """
 
-import json
 import re
 import time
 from typing import Annotated, ClassVar, Literal
@@ -17,6 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from kestrel import structured
 from kestrel.errors import InvalidRequestError
 from kestrel.sampling import SamplingParams
+from kestrel.server.tools.turns import arguments_object, template_call
 from kestrel.structured import StructuredOutput
 
 # -- not supported ----------------------------------------------------------------------------
@@ -394,15 +394,10 @@ class ChatMessage(_CheckedRequest):
 
 def _template_call(call: ToolCallParam, prefix: str, j: int) -> dict:
     """A call as transformers' chat templates take it: `arguments` a dict, not JSON text."""
-    param = f"{prefix}tool_calls[{j}].function.arguments"
-    try:
-        arguments = json.loads(call.function.arguments)
-    except ValueError:
-        arguments = None
-    if not isinstance(arguments, dict):
-        raise InvalidRequestError(f"{param} must be the JSON text of an object", param=param)
-    function = {"name": call.function.name, "arguments": arguments}
-    return {"id": call.id, "type": "function", "function": function}
+    arguments = arguments_object(
+        call.function.arguments, f"{prefix}tool_calls[{j}].function.arguments"
+    )
+    return template_call(call.id, call.function.name, arguments)
 
 
 MAX_MESSAGES = 2048  # more is a 400 (the body size limit bounds the rest)

@@ -1,6 +1,5 @@
 """POST /v1/chat/completions (tool calls: kestrel.server.tools)."""
 
-import dataclasses
 from collections.abc import AsyncIterator
 
 from fastapi import APIRouter, Request
@@ -55,10 +54,9 @@ async def chat_completions(body: ChatCompletionRequest, http: Request):
 
 
 def _sampling_params(state, body: ChatCompletionRequest, tools: ToolUse):
-    params = body.sampling_params(state.config.default_max_tokens, tools.constraints())
-    if tools.offered and tools.parser.special_tokens:  # its markers are special tokens: keep them
-        params = dataclasses.replace(params, skip_special_tokens=False)
-    return params
+    return tools.sampling_params(
+        body.sampling_params(state.config.default_max_tokens, tools.constraints())
+    )
 
 
 def _logprobs(state, body: ChatCompletionRequest, token_ids, entries) -> ChoiceLogprobs | None:
@@ -87,7 +85,7 @@ async def _chunks(
         )
     async for choice, out in generation.outputs():
         stream = streams[choice.index]
-        content, calls = stream.feed(out.new_text, out.finished)
+        content, calls = stream.chat_deltas(out.new_text, out.finished)
         if content or (body.logprobs and out.new_token_ids):
             logprobs = _logprobs(state, body, out.new_token_ids, out.new_logprobs)
             delta = Delta(content=content)
