@@ -40,7 +40,7 @@ class ToolParam(StrictBody):
         if kind not in (None, "custom"):
             raise PydanticCustomError(
                 "unsupported_tool",
-                "tool type {kind!r} is not supported: this server runs no server tools, only "
+                "tool type '{kind}' is not supported: this server runs no server tools, only "
                 "client tools (name, description, input_schema) that the client calls",
                 {"kind": kind},
             )

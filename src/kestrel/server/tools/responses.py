@@ -37,7 +37,7 @@ class FunctionToolParam(StrictBody):
         if kind != "function":
             raise PydanticCustomError(
                 "unsupported_tool",
-                "tool type {kind!r} is not supported: this server runs no hosted tools, only "
+                "tool type '{kind}' is not supported: this server runs no hosted tools, only "
                 "function tools (type function) that the client calls",
                 {"kind": kind},
             )
