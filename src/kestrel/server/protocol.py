@@ -24,8 +24,6 @@ from kestrel.structured import StructuredOutput
 # "off" values, why). Set to anything else, the request gets 400 naming the field; unknown fields
 # in no table are ignored. README.md's "Request fields" lists what is supported.
 
-NO_FUNCTIONS = "the deprecated functions API is not supported: use tools and tool_choice"
-
 # chat and completions
 SAMPLING_UNSUPPORTED = {
     "guided_decoding_backend": ((), "kestrel's one grammar backend is llguidance"),
@@ -39,8 +37,6 @@ SAMPLING_UNSUPPORTED = {
 
 CHAT_UNSUPPORTED = {
     **SAMPLING_UNSUPPORTED,
-    "functions": (([],), NO_FUNCTIONS),
-    "function_call": (("none", "auto"), NO_FUNCTIONS),
     "audio": ((), "audio output is not supported"),
     "modalities": ((["text"],), "only text output is supported"),
     "prediction": ((), "predicted outputs are not supported"),
@@ -57,7 +53,6 @@ CHAT_UNSUPPORTED = {
 }
 
 MESSAGE_UNSUPPORTED = {
-    "function_call": ((), NO_FUNCTIONS),
     "audio": ((), "audio is not supported"),
 }
 
@@ -355,11 +350,12 @@ class NamedToolChoice(_Request):
 class ChatMessage(_CheckedRequest):
     UNSUPPORTED = MESSAGE_UNSUPPORTED
 
-    role: Literal["system", "developer", "user", "assistant", "tool"]
+    role: Literal["system", "developer", "user", "assistant", "tool", "function"]
     content: str | list[ContentPart] | None = None
-    name: str | None = None  # given to the chat template, which may render it
+    name: str | None = None  # given to the chat template; a `function` turn's function
     tool_calls: list[ToolCallParam] | None = None  # assistant turns
     tool_call_id: str | None = None  # tool turns: the call this is the result of
+    function_call: FunctionCallParam | None = None  # the deprecated form of one tool call
 
     def check_supported(self, prefix: str = "") -> None:
         super().check_supported(prefix)
@@ -389,6 +385,10 @@ class ChatMessage(_CheckedRequest):
             ]
         if self.tool_call_id is not None:
             message["tool_call_id"] = self.tool_call_id
+        if self.function_call is not None:  # kestrel.server.tools.legacy makes it a tool call
+            param = f"{prefix}function_call.arguments"
+            arguments = arguments_object(self.function_call.arguments, param)
+            message["function_call"] = {"name": self.function_call.name, "arguments": arguments}
         return message
 
 
@@ -413,6 +413,9 @@ class ChatCompletionRequest(_SamplingRequest):
     tools: list[FunctionTool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool = True
+    # OpenAI's deprecated form of tools (kestrel.server.tools.legacy)
+    functions: list[FunctionDefinition] | None = None
+    function_call: Literal["none", "auto"] | NamedFunction | None = None
 
     def check_supported(self, prefix: str = "") -> None:
         super().check_supported(prefix)
@@ -723,6 +726,7 @@ class AssistantMessage(_Response):
     role: Literal["assistant"] = "assistant"
     content: str | None = None
     tool_calls: list[ToolCallOut] | None = None
+    function_call: FunctionCallOut | None = None  # answers to the deprecated `functions`
 
 
 class ChatChoice(_Response):
@@ -759,6 +763,7 @@ class Delta(_Response):
     role: Literal["assistant"] | None = None
     content: str | None = None
     tool_calls: list[DeltaToolCall] | None = None
+    function_call: DeltaFunction | None = None  # answers to the deprecated `functions`
 
 
 class ChatChunkChoice(_Response):

@@ -8,7 +8,6 @@ through the structured-output machinery (kestrel.structured, a Lark grammar for 
 """
 
 import dataclasses
-import json
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -127,8 +126,9 @@ def _choice(name: str | None, functions: list[dict]) -> str:
     if name in ("auto", "none"):
         return name
     if not functions:
+        what = "forces a call" if name == "required" else f"names {name!r}"
         raise InvalidRequestError(
-            f"tool_choice {json.dumps(name)} needs tools to call", param="tool_choice"
+            f"tool_choice {what}, but no tools are offered", param="tool_choice"
         )
     if name != "required" and name not in {f["name"] for f in functions}:
         offered = ", ".join(f["name"] for f in functions)

@@ -49,8 +49,9 @@ class Turns:
         self.call_ids.add(call_id)
         if not self.messages or self.messages[-1]["role"] != "assistant":
             self.add({"role": "assistant", "content": ""}, source)
-        last = self.messages[-1]
-        last["tool_calls"] = [*last.get("tool_calls", ()), template_call(call_id, name, arguments)]
+        last = self.messages[-1]  # a copy: it may be a kept response's message
+        calls = [*last.get("tool_calls", ()), template_call(call_id, name, arguments)]
+        self.messages[-1] = last | {"tool_calls": calls}
 
     def result(self, call_id: str, content: str, source: str, param: str) -> None:
         """A call's result; `param` names its call id in errors."""
