@@ -86,7 +86,9 @@ def function_reason(reason: str | None) -> str | None:
 
 
 def function_delta(deltas: list) -> DeltaFunction | None:
-    """Chat's `delta.tool_calls` pieces (of the one call) as a `delta.function_call` piece."""
+    """Chat's `delta.tool_calls` pieces as a `delta.function_call` piece: the first call's, as
+    `as_function_call` keeps (the old shape holds one)."""
+    deltas = [d for d in deltas if d.index == 0]
     if not deltas:
         return None
     name = next((d.function.name for d in deltas if d.function.name is not None), None)
