@@ -28,7 +28,6 @@ def client(server):
 # (keyword arguments of chat.completions.create, the param the 400 names)
 UNSUPPORTED_CHAT = [
     ({"tool_choice": "required"}, "tool_choice"),  # without tools (test_server_tools.py)
-    ({"functions": [TOOL["function"]]}, "functions"),
     ({"modalities": ["text", "audio"]}, "modalities"),
     ({"audio": {"voice": "alloy", "format": "wav"}}, "audio"),
     ({"store": True}, "store"),

@@ -165,9 +165,13 @@ BAD = {
         {"tools": [{"type": "function", "function": {"name": "no spaces"}}]},
         "tools[0].function.name",
     ),
-    "the deprecated functions": (
-        {"extra_body": {"functions": [TOOLS[0]["function"]]}},
+    "tools and the deprecated functions together": (
+        {"functions": [TOOLS[0]["function"]]},
         "functions",
+    ),
+    "a function_call naming a function not among the functions": (
+        {"tools": None, "functions": [TOOLS[0]["function"]], "function_call": {"name": "get_mood"}},
+        "function_call",
     ),
 }
 
@@ -194,6 +198,10 @@ BAD_MESSAGES = {
         [{"role": "assistant", "tool_calls": [{"id": "c", "type": "function"}]}],
         "messages[1].tool_calls[0].function",
     ),
+    "a function message answering no function_call": (
+        [{"role": "function", "name": "get_time", "content": "12:00"}],
+        "messages[1].name",
+    ),
 }
 
 
@@ -207,8 +215,43 @@ def test_bad_tools_and_choices_are_400_naming_the_field(client, kwargs, param):
 @pytest.mark.parametrize(("turns", "param"), BAD_MESSAGES.values(), ids=BAD_MESSAGES.keys())
 def test_bad_tool_messages_are_400_naming_the_field(client, turns, param):
     history = [{"role": "assistant", "content": None, "tool_calls": [CALL]}]
-    if turns[0]["role"] == "assistant":
+    if turns[0]["role"] in ("assistant", "function"):
         history = []
     with pytest.raises(openai.BadRequestError) as error:
         _chat(client, [*QUESTION, *history, *turns], tool_choice="none")
     assert error.value.param == param, error.value.message
+
+
+# -- the deprecated functions and function_call -------------------------------------------------
+
+
+def _legacy(client, messages=QUESTION, **kwargs):
+    kwargs = {"temperature": 0, "max_tokens": MAX_TOKENS, **kwargs}
+    functions = [t["function"] for t in TOOLS]
+    return client.chat.completions.create(
+        model="smollm2", messages=messages, functions=functions, **kwargs
+    )
+
+
+def test_deprecated_functions_answer_with_a_function_call(client):
+    choice = _legacy(client, function_call={"name": "get_weather"}).choices[0]
+    assert choice.finish_reason == "function_call" and choice.message.tool_calls is None
+    call = choice.message.function_call
+    assert call.name == "get_weather"
+    jsonschema.validate(json.loads(call.arguments), WEATHER)
+    # streamed: delta.function_call pieces, the name first, the arguments in several pieces
+    pieces = [
+        c.choices[0].delta.function_call
+        for c in _legacy(client, function_call={"name": "get_weather"}, stream=True)
+        if c.choices and c.choices[0].delta.function_call
+    ]
+    assert pieces[0].name == "get_weather" and len(pieces) > 2
+    assert "".join(p.arguments or "" for p in pieces) == call.arguments
+    # the call and a function message go back: the result of the call of that name
+    messages = [
+        *QUESTION,
+        {"role": "assistant", "content": None, "function_call": call.model_dump()},
+        {"role": "function", "name": "get_weather", "content": '{"temperature": 21}'},
+    ]
+    final = _legacy(client, messages, function_call="none", max_tokens=8).choices[0]
+    assert final.message.content and final.message.function_call is None

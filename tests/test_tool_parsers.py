@@ -3,6 +3,7 @@ in every chunking tried (the streamed deltas reassemble to the whole answer's pa
 back, the grammars they force (compiled by llguidance, and matching what the parser reads), and the
 parser chosen for a tokenizer."""
 
+import json
 import random
 
 import llguidance
@@ -10,7 +11,7 @@ import pytest
 from llguidance import LLMatcher
 
 from kestrel.server.tools.parsers import PARSERS, ToolCall, choose_parser, parser_name
-from kestrel.server.tools.stream import ToolStream, visible_content
+from kestrel.server.tools.stream import CallDelta, ToolStream, visible_content
 
 WEATHER = ToolCall("get_weather", '{"city": "Paris", "unit": "celsius"}')
 TIME = ToolCall("get_time", '{"zone": "UTC+1"}')
@@ -115,12 +116,17 @@ def _chunkings(text: str, rng: random.Random):
 
 
 def _stream(parser, chunks: list[str]) -> tuple[str | None, list[ToolCall]]:
-    stream, content, calls = ToolStream(parser), "", []
-    for chunk in chunks:
-        text, new = stream.feed(chunk)
-        content, calls = content + text, calls + new
-    text, new = stream.finish()
-    return (content + text) or None, calls + new
+    """The streamed content and calls, each call's name and arguments joined from its pieces
+    (and checked against its last, whole piece)."""
+    stream, content, pieces = ToolStream(parser), "", []
+    for chunk in [*chunks, None]:
+        text, new = stream.feed(chunk) if chunk is not None else stream.finish()
+        content, pieces = content + text, pieces + new
+    names = {p.index: p.name for p in pieces if p.name is not None}
+    joined = {i: "".join(p.arguments for p in pieces if p.index == i and not p.done) for i in names}
+    calls = [ToolCall(names[p.index], p.arguments) for p in pieces if p.done]
+    assert [c.arguments for c in calls] == [joined[i] for i in sorted(names)], pieces
+    return content or None, calls
 
 
 @pytest.mark.parametrize(("name", "answer", "content", "calls"), CASES)
@@ -142,9 +148,35 @@ def test_content_streams_before_the_calls_are_complete():
     stream = ToolStream(_parser("hermes"))
     assert stream.feed("Let me check the weather ") == ("Let me check the weather", [])
     assert stream.feed("<tool") == ("", [])  # may begin a marker: held
-    assert stream.feed('_call>\n{"name": "ping", "arguments": {}}') == ("", [])
-    assert stream.feed("\n</tool_call>") == ("", [NONE_ARGS])
+    assert stream.feed('_call>\n{"name": "ping", "arguments": {}}') == (
+        "",
+        [CallDelta(0, name="ping"), CallDelta(0, "{}")],
+    )
+    assert stream.feed("\n</tool_call>") == ("", [CallDelta(0, "{}", done=True)])
     assert stream.finish() == ("", [])
+
+
+ARGUMENTS_PIECES = {  # (parser, the answer up to the call's arguments, what closes the call)
+    "hermes": ('<tool_call>\n{"name": "get_weather", "arguments": ', "}\n</tool_call>"),
+    "llama3_json": ('<|python_tag|>{"name": "get_weather", "parameters": ', "}"),
+    "mistral": ('[TOOL_CALLS][{"name": "get_weather", "arguments": ', "}]"),
+    "mistral v11": ("[TOOL_CALLS]get_weather[ARGS]", ""),
+    "gemma": ('```tool_code\n{"name": "get_weather", "arguments": ', "}\n```"),
+}
+
+
+@pytest.mark.parametrize("case", ARGUMENTS_PIECES)
+def test_arguments_stream_as_they_are_written(case):
+    head, tail = ARGUMENTS_PIECES[case]
+    stream = ToolStream(_parser(case.split()[0]))
+    assert stream.feed(head) == ("", [])  # no name before its arguments open
+    assert stream.feed('{"city": "Pa') == (
+        "",
+        [CallDelta(0, name="get_weather"), CallDelta(0, '{"city": "Pa')],
+    )
+    assert stream.feed('ris", ') == ("", [CallDelta(0, 'ris", ')])
+    last = stream.feed('"unit": "celsius"}')[1] + stream.feed(tail)[1] + stream.finish()[1]
+    assert last == [CallDelta(0, '"unit": "celsius"}'), CallDelta(0, WEATHER.arguments, done=True)]
 
 
 def test_text_that_only_looked_like_a_marker_is_sent():
@@ -196,10 +228,15 @@ def test_grammar_compiles_and_accepts_what_the_parser_reads(name, parallel):
     answer = _compact_render(parser, calls)
     assert _matches(grammar, answer), answer
     text, found = parser.parse(answer)
-    assert (visible_content(text), found) == (None, calls)
+    assert (visible_content(text), _loaded(found)) == (None, _loaded(calls))
     assert not _matches(grammar, answer.replace("celsius", "warm"))  # not in the enum
     if not parallel:
         assert not _matches(grammar, _compact_render(parser, [WEATHER, TIME]))
+
+
+def _loaded(calls: list[ToolCall]) -> list[tuple[str, dict]]:
+    # the arguments as written (compact here) and as json.dumps writes them are the same object
+    return [(c.name, json.loads(c.arguments)) for c in calls]
 
 
 def _compact_render(parser, calls: list[ToolCall]) -> str:

@@ -13,8 +13,9 @@ class StrictBody(BaseModel):
     model_config = ConfigDict(strict=True, extra="forbid")
 
 
-def by_type(*members: type[BaseModel]) -> Any:
-    """A union of models, each with a `type: Literal[...]` field, picked by the value's `type`.
+def by_type(*members: type[BaseModel], default: str | None = None) -> Any:
+    """A union of models, each with a `type: Literal[...]` field, picked by the value's `type`
+    (`default` when it has none).
 
     Errors inside a member name the field plainly (`content[1].text`, not pydantic's
     `content[1].text.text`): the tags end in `-`, which errors.py reads as a union member's name
@@ -22,7 +23,9 @@ def by_type(*members: type[BaseModel]) -> Any:
     tags = {member.model_fields["type"].annotation.__args__[0]: member for member in members}
 
     def tag(value) -> str | None:
-        kind = value.get("type") if isinstance(value, dict) else getattr(value, "type", None)
+        kind = (
+            value.get("type", default) if isinstance(value, dict) else getattr(value, "type", None)
+        )
         return f"{kind}-" if kind in tags else None
 
     union = Union[tuple(Annotated[member, Tag(f"{kind}-")] for kind, member in tags.items())]  # noqa: UP007

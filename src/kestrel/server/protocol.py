@@ -7,7 +7,6 @@ default gets 400 naming it, never an answer that silently ignored it. Types are 
 ranges are checked once, by SamplingParams, whose InvalidRequestError names the parameter.
 """
 
-import json
 import re
 import time
 from typing import Annotated, ClassVar, Literal
@@ -17,14 +16,13 @@ from pydantic import BaseModel, ConfigDict, Field
 from kestrel import structured
 from kestrel.errors import InvalidRequestError
 from kestrel.sampling import SamplingParams
+from kestrel.server.tools.turns import arguments_object, template_call
 from kestrel.structured import StructuredOutput
 
 # -- not supported ----------------------------------------------------------------------------
 # Named fields (OpenAI's, vLLM's and llama-server's) kestrel does not implement yet: field -> (its
 # "off" values, why). Set to anything else, the request gets 400 naming the field; unknown fields
 # in no table are ignored. README.md's "Request fields" lists what is supported.
-
-NO_FUNCTIONS = "the deprecated functions API is not supported: use tools and tool_choice"
 
 # chat and completions
 SAMPLING_UNSUPPORTED = {
@@ -39,8 +37,6 @@ SAMPLING_UNSUPPORTED = {
 
 CHAT_UNSUPPORTED = {
     **SAMPLING_UNSUPPORTED,
-    "functions": (([],), NO_FUNCTIONS),
-    "function_call": (("none", "auto"), NO_FUNCTIONS),
     "audio": ((), "audio output is not supported"),
     "modalities": ((["text"],), "only text output is supported"),
     "prediction": ((), "predicted outputs are not supported"),
@@ -57,7 +53,6 @@ CHAT_UNSUPPORTED = {
 }
 
 MESSAGE_UNSUPPORTED = {
-    "function_call": ((), NO_FUNCTIONS),
     "audio": ((), "audio is not supported"),
 }
 
@@ -355,11 +350,12 @@ class NamedToolChoice(_Request):
 class ChatMessage(_CheckedRequest):
     UNSUPPORTED = MESSAGE_UNSUPPORTED
 
-    role: Literal["system", "developer", "user", "assistant", "tool"]
+    role: Literal["system", "developer", "user", "assistant", "tool", "function"]
     content: str | list[ContentPart] | None = None
-    name: str | None = None  # given to the chat template, which may render it
+    name: str | None = None  # given to the chat template; a `function` turn's function
     tool_calls: list[ToolCallParam] | None = None  # assistant turns
     tool_call_id: str | None = None  # tool turns: the call this is the result of
+    function_call: FunctionCallParam | None = None  # the deprecated form of one tool call
 
     def check_supported(self, prefix: str = "") -> None:
         super().check_supported(prefix)
@@ -389,20 +385,19 @@ class ChatMessage(_CheckedRequest):
             ]
         if self.tool_call_id is not None:
             message["tool_call_id"] = self.tool_call_id
+        if self.function_call is not None:  # kestrel.server.tools.legacy makes it a tool call
+            param = f"{prefix}function_call.arguments"
+            arguments = arguments_object(self.function_call.arguments, param)
+            message["function_call"] = {"name": self.function_call.name, "arguments": arguments}
         return message
 
 
 def _template_call(call: ToolCallParam, prefix: str, j: int) -> dict:
     """A call as transformers' chat templates take it: `arguments` a dict, not JSON text."""
-    param = f"{prefix}tool_calls[{j}].function.arguments"
-    try:
-        arguments = json.loads(call.function.arguments)
-    except ValueError:
-        arguments = None
-    if not isinstance(arguments, dict):
-        raise InvalidRequestError(f"{param} must be the JSON text of an object", param=param)
-    function = {"name": call.function.name, "arguments": arguments}
-    return {"id": call.id, "type": "function", "function": function}
+    arguments = arguments_object(
+        call.function.arguments, f"{prefix}tool_calls[{j}].function.arguments"
+    )
+    return template_call(call.id, call.function.name, arguments)
 
 
 MAX_MESSAGES = 2048  # more is a 400 (the body size limit bounds the rest)
@@ -418,6 +413,9 @@ class ChatCompletionRequest(_SamplingRequest):
     tools: list[FunctionTool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool = True
+    # OpenAI's deprecated form of tools (kestrel.server.tools.legacy)
+    functions: list[FunctionDefinition] | None = None
+    function_call: Literal["none", "auto"] | NamedFunction | None = None
 
     def check_supported(self, prefix: str = "") -> None:
         super().check_supported(prefix)
@@ -728,6 +726,7 @@ class AssistantMessage(_Response):
     role: Literal["assistant"] = "assistant"
     content: str | None = None
     tool_calls: list[ToolCallOut] | None = None
+    function_call: FunctionCallOut | None = None  # answers to the deprecated `functions`
 
 
 class ChatChoice(_Response):
@@ -764,6 +763,7 @@ class Delta(_Response):
     role: Literal["assistant"] | None = None
     content: str | None = None
     tool_calls: list[DeltaToolCall] | None = None
+    function_call: DeltaFunction | None = None  # answers to the deprecated `functions`
 
 
 class ChatChunkChoice(_Response):

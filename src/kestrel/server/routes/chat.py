@@ -1,6 +1,6 @@
-"""POST /v1/chat/completions (tool calls: kestrel.server.tools)."""
+"""POST /v1/chat/completions (tool calls: kestrel.server.tools; the deprecated functions:
+kestrel.server.tools.legacy)."""
 
-import dataclasses
 from collections.abc import AsyncIterator
 
 from fastapi import APIRouter, Request
@@ -15,9 +15,18 @@ from kestrel.server.protocol import (
     ChatCompletionResponse,
     ChoiceLogprobs,
     Delta,
+    DeltaToolCall,
 )
 from kestrel.server.routes import ERROR_RESPONSES, server_state
 from kestrel.server.routes.models import served_model
+from kestrel.server.tools.legacy import (
+    as_function_call,
+    as_tool_turns,
+    function_delta,
+    function_reason,
+    functions_tool_use,
+    uses_functions,
+)
 from kestrel.server.tools.output import StreamedChoice, assistant_message, finish_reason
 from kestrel.server.tools.request import ToolUse, check_tool_messages, tool_use
 
@@ -31,21 +40,24 @@ async def chat_completions(body: ChatCompletionRequest, http: Request):
     state = server_state(http)
     body.model = served_model(state, body.model)  # omitted: the served name
     engine = state.ready_engine()
-    tools = tool_use(body, state.tool_parser)
+    legacy = uses_functions(body)
+    tools = (functions_tool_use if legacy else tool_use)(body, state.tool_parser)
     params = _sampling_params(state, body, tools)
     messages = [m.as_template_dict(f"messages[{i}].") for i, m in enumerate(body.messages)]
     check_tool_messages(body.messages)
-    prompt = await chat_template_prompt(state, messages, tools)
+    prompt = await chat_template_prompt(state, as_tool_turns(messages), tools)
     generation = Generation(engine, new_id("chatcmpl"), [prompt], params, body.check_kv_size())
     await generation.start()
     if body.stream:
-        return sse_response(_chunks(state, body, generation, tools), generation)
+        return sse_response(_chunks(state, body, generation, tools, legacy), generation)
     await generation.collect(http)
     choices = []
     for c in generation.choices:
         message, calls = assistant_message(c.text, tools)
         logprobs = _logprobs(state, body, c.token_ids, c.logprobs)
         reason = finish_reason(c.finish_reason, calls)
+        if legacy:
+            message, reason = as_function_call(message), function_reason(reason)
         choices.append(
             ChatChoice(index=c.index, message=message, logprobs=logprobs, finish_reason=reason)
         )
@@ -55,10 +67,9 @@ async def chat_completions(body: ChatCompletionRequest, http: Request):
 
 
 def _sampling_params(state, body: ChatCompletionRequest, tools: ToolUse):
-    params = body.sampling_params(state.config.default_max_tokens, tools.constraints())
-    if tools.offered and tools.parser.special_tokens:  # its markers are special tokens: keep them
-        params = dataclasses.replace(params, skip_special_tokens=False)
-    return params
+    return tools.sampling_params(
+        body.sampling_params(state.config.default_max_tokens, tools.constraints())
+    )
 
 
 def _logprobs(state, body: ChatCompletionRequest, token_ids, entries) -> ChoiceLogprobs | None:
@@ -68,7 +79,7 @@ def _logprobs(state, body: ChatCompletionRequest, token_ids, entries) -> ChoiceL
 
 
 async def _chunks(
-    state, body: ChatCompletionRequest, generation: Generation, tools: ToolUse
+    state, body: ChatCompletionRequest, generation: Generation, tools: ToolUse, legacy: bool
 ) -> AsyncIterator[str]:
     """A role chunk per choice, content and tool-call deltas, a final chunk with finish_reason,
     then usage."""
@@ -87,15 +98,22 @@ async def _chunks(
         )
     async for choice, out in generation.outputs():
         stream = streams[choice.index]
-        content, calls = stream.feed(out.new_text, out.finished)
+        content, calls = stream.chat_deltas(out.new_text, out.finished)
         if content or (body.logprobs and out.new_token_ids):
             logprobs = _logprobs(state, body, out.new_token_ids, out.new_logprobs)
             delta = Delta(content=content)
             yield chunk([ChatChunkChoice(index=choice.index, delta=delta, logprobs=logprobs)])
-        for call in calls:
-            yield chunk([ChatChunkChoice(index=choice.index, delta=Delta(tool_calls=[call]))])
+        for delta in _call_deltas(calls, legacy):
+            yield chunk([ChatChunkChoice(index=choice.index, delta=delta)])
         if out.finished:
             reason = finish_reason(out.finish_reason, stream.calls)
+            reason = function_reason(reason) if legacy else reason
             yield chunk([ChatChunkChoice(index=choice.index, delta=Delta(), finish_reason=reason)])
     if body.include_usage:
         yield chunk([], generation.usage())
+
+
+def _call_deltas(calls: list[DeltaToolCall], legacy: bool) -> list[Delta]:
+    if legacy:
+        return [Delta(function_call=piece)] if (piece := function_delta(calls)) else []
+    return [Delta(tool_calls=[call]) for call in calls]

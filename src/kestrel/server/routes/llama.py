@@ -26,6 +26,7 @@ from kestrel.server.protocol import (
 )
 from kestrel.server.routes import ERROR_RESPONSES, server_state
 from kestrel.server.state import ServerState
+from kestrel.server.tools.legacy import as_tool_turns
 from kestrel.server.tools.prompt import template_messages
 from kestrel.server.tools.request import check_tool_messages, tool_use
 from kestrel.tokenizer import encode
@@ -303,7 +304,7 @@ async def apply_template(body: ApplyTemplateRequest, http: Request) -> dict:
     tools = tool_use(body, state.tool_parser)
     messages = [m.as_template_dict(f"messages[{i}].") for i, m in enumerate(body.messages)]
     check_tool_messages(body.messages)
-    messages, kwargs = template_messages(tokenizer, messages, tools)
+    messages, kwargs = template_messages(tokenizer, as_tool_turns(messages), tools)
     try:
         prompt = tokenizer.apply_chat_template(
             messages, add_generation_prompt=True, tokenize=False, **kwargs

@@ -8,8 +8,12 @@ Anthropic's events: message_start, content_block_start, ping, content_block_delt
 content_block_stop, message_delta (stop_reason, usage), message_stop. Errors on this route have
 Anthropic's shape (server/errors.py); `x-api-key` is the key (server/auth.py).
 
-A 400 answers what is not built: tools and tool_choice (no tool_use blocks yet:
-/v1/chat/completions takes tools), image URL sources (nothing is fetched over the network), a
+Tools (kestrel.server.tools.anthropic): `tools` and `tool_choice` work as on chat completions;
+the answer's calls are `tool_use` blocks after its text (stop_reason tool_use), streamed as
+tool_use blocks whose input JSON comes in `input_json_delta`s; `tool_use` and `tool_result`
+blocks in the conversation go back into the template as the assistant's calls and tool results.
+
+A 400 answers what is not built: image URL sources (nothing is fetched over the network), a
 final assistant message (prefilling the answer), and every field not declared below (thinking,
 ...). `cache_control` is accepted: it never changes the answer, and usage reports that nothing
 was cached.
@@ -28,13 +32,25 @@ from kestrel.server.bodies import StrictBody, by_type
 from kestrel.server.errors import anthropic_sse_error
 from kestrel.server.generation import Choice, Generation, new_id, sse_response
 from kestrel.server.prompts import ParamNames, chat_template_prompt
-from kestrel.server.protocol import MAX_MESSAGES
+from kestrel.server.protocol import MAX_MESSAGES, one_structured_output
 from kestrel.server.routes import ERROR_RESPONSES, server_state
+from kestrel.server.tools.anthropic import (
+    TOOL_BLOCKS,
+    ToolChoiceParam,
+    ToolParam,
+    ToolResultBlock,
+    ToolUseBlock,
+    ToolUseBlocks,
+    ToolUseContent,
+    add_calls,
+    add_results,
+    tool_use,
+)
+from kestrel.server.tools.output import StreamedChoice, split_answer
+from kestrel.server.tools.request import ToolUse
+from kestrel.server.tools.turns import Turns
 
 router = APIRouter()
-
-CHAT_TOOLS = "/v1/chat/completions takes them"
-
 
 # -- request ----------------------------------------------------------------------------------
 
@@ -62,16 +78,24 @@ class ImageBlock(StrictBody):
     cache_control: CacheControl | None = None
 
 
-Block = by_type(TextBlock, ImageBlock)
+Block = by_type(TextBlock, ImageBlock, ToolUseBlock, ToolResultBlock)
 
 
 class MessageParam(StrictBody):
     role: Literal["user", "assistant"]
     content: list[Block] | str  # lists first: pydantic's first complaint reaches the block
 
-    def as_chat(self) -> dict:
+    def add_to(self, turns: Turns, source: str) -> None:
+        """The chat messages of this turn: its tool results, its text and images, its calls."""
+        blocks = self.content if isinstance(self.content, list) else []
+        add_results(turns, self.role, blocks, source)
+        rest = [b for b in blocks if not isinstance(b, TOOL_BLOCKS)]
+        if rest or len(rest) == len(blocks):
+            turns.add(self.as_chat(self.content if isinstance(self.content, str) else rest), source)
+        add_calls(turns, self.role, blocks, source)
+
+    def as_chat(self, content: list | str) -> dict:
         """The chat message; image blocks become chat's `image_url` parts, one for one."""
-        content = self.content
         if isinstance(content, list) and any(isinstance(b, ImageBlock) for b in content):
             content = [_chat_part(block) for block in content]
         elif isinstance(content, list):
@@ -102,20 +126,10 @@ class MessagesRequest(StrictBody):
     stream: bool = False
     metadata: Metadata | None = None
     cache_control: CacheControl | None = None
-    tools: list[dict] | None = None
-    tool_choice: dict | None = None
+    tools: list[ToolParam] | None = None
+    tool_choice: ToolChoiceParam | None = None
 
     def check_supported(self) -> None:
-        if self.tools:
-            raise InvalidRequestError(
-                f"tools are not supported on this route yet ({CHAT_TOOLS})", param="tools"
-            )
-        if self.tool_choice is not None and self.tool_choice.get("type") not in ("auto", "none"):
-            raise InvalidRequestError(
-                f"tool_choice needs tools, not supported here yet ({CHAT_TOOLS}); "
-                'use {"type": "none"}',
-                param="tool_choice",
-            )
         last = len(self.messages) - 1
         if self.messages[last].role == "assistant":
             raise InvalidRequestError(
@@ -125,18 +139,17 @@ class MessagesRequest(StrictBody):
 
     def chat_messages(self) -> tuple[list[dict], ParamNames]:
         """The chat messages and the client's name for each."""
-        messages, sources = [], []
+        turns = Turns()
         if self.system:
             system = self.system
             text = system if isinstance(system, str) else "".join(b.text for b in system)
-            messages.append({"role": "system", "content": text})
-            sources.append("system")
-        messages += [message.as_chat() for message in self.messages]
-        sources += [f"messages[{i}]" for i in range(len(self.messages))]
-        return messages, ParamNames({"stop": "stop_sequences"}, sources)
+            turns.add({"role": "system", "content": text}, "system")
+        for i, message in enumerate(self.messages):
+            message.add_to(turns, f"messages[{i}]")
+        return turns.messages, ParamNames({"stop": "stop_sequences"}, turns.sources)
 
-    def sampling_params(self) -> SamplingParams:
-        return SamplingParams(
+    def sampling_params(self, tools: ToolUse) -> SamplingParams:
+        params = SamplingParams(
             max_tokens=self.max_tokens,
             temperature=1.0 if self.temperature is None else self.temperature,
             top_p=1.0 if self.top_p is None else self.top_p,
@@ -144,7 +157,9 @@ class MessagesRequest(StrictBody):
             stop=self.stop_sequences,
             # kept in the engine's text so that the route can tell which one matched; cut here
             include_stop_str_in_output=True,
+            structured_output=one_structured_output(tools.constraints()),
         )
+        return tools.sampling_params(params)
 
 
 # -- response ---------------------------------------------------------------------------------
@@ -162,7 +177,7 @@ class MessagesUsage(BaseModel):
     cache_read_input_tokens: int = 0
 
 
-StopReason = Literal["end_turn", "max_tokens", "stop_sequence"]
+StopReason = Literal["end_turn", "max_tokens", "stop_sequence", "tool_use"]
 
 
 class MessageObject(BaseModel):
@@ -170,7 +185,7 @@ class MessageObject(BaseModel):
     type: Literal["message"] = "message"
     role: Literal["assistant"] = "assistant"
     model: str
-    content: list[TextContent]
+    content: list[TextContent | ToolUseContent]
     stop_reason: StopReason | None = None
     stop_sequence: str | None = None
     usage: MessagesUsage
@@ -198,24 +213,28 @@ ANTHROPIC_ERRORS = {
 async def create_message(body: MessagesRequest, http: Request):
     state = server_state(http)
     state.check_model(body.model)
+    engine = state.ready_engine()
     body.check_supported()
+    tools = tool_use(state.tool_parser, body.tools, body.tool_choice)
     messages, names = body.chat_messages()
     with names.naming():
-        params = body.sampling_params()
-        engine = state.ready_engine()
-        prompt = await chat_template_prompt(state, messages)
+        params = body.sampling_params(tools)
+        prompt = await chat_template_prompt(state, messages, tools)
         generation = Generation(engine, new_id("msg"), [prompt], params)
         await generation.start()
     if body.stream:
-        return sse_response(_events(body, generation), generation, False, anthropic_sse_error)
+        events = _events(body, generation, tools)
+        return sse_response(events, generation, False, anthropic_sse_error)
     await generation.collect(http)
     choice = generation.choices[0]
     stop = _stop_sequence(choice, body.stop_sequences)
+    text, calls = split_answer(_without(choice.text, stop), tools)
+    content = [TextContent(text=text or "")] if text is not None or not calls else []
     return MessageObject(
         id=generation.request_id,
         model=body.model,
-        content=[TextContent(text=_without(choice.text, stop))],
-        stop_reason=_stop_reason(choice, stop),
+        content=[*content, *(ToolUseContent.of(call) for call in calls)],
+        stop_reason=_stop_reason(choice, stop, len(calls)),
         stop_sequence=stop,
         usage=MessagesUsage(
             input_tokens=generation.prompt_tokens, output_tokens=choice.generated_tokens
@@ -231,10 +250,12 @@ def _stop_sequence(choice: Choice, stops: list[str] | None) -> str | None:
     return max((s for s in stops or () if choice.text.endswith(s)), key=len, default=None)
 
 
-def _stop_reason(choice: Choice, stop: str | None) -> StopReason:
+def _stop_reason(choice: Choice, stop: str | None, calls: int = 0) -> StopReason:
     if stop is not None:
         return "stop_sequence"
-    return "max_tokens" if choice.finish_reason == "length" else "end_turn"
+    if choice.finish_reason == "length":
+        return "max_tokens"
+    return "tool_use" if calls else "end_turn"
 
 
 def _without(text: str, stop: str | None) -> str:
@@ -245,7 +266,34 @@ def _event(kind: str, **fields) -> str:
     return f"event: {kind}\ndata: {json.dumps({'type': kind, **fields})}\n\n"
 
 
-async def _events(body: MessagesRequest, generation: Generation) -> AsyncIterator[str]:
+class TextBlocks:
+    """The stream's text blocks: opened when text comes, closed before a tool_use block or at
+    the end. `blocks` counts the message's content blocks so far."""
+
+    def __init__(self, blocks: list):
+        self.blocks, self.at = blocks, None
+
+    def open(self) -> list[str]:
+        self.at = len(self.blocks)
+        self.blocks.append("text")
+        return [_event("content_block_start", index=self.at, content_block=TEXT_START)]
+
+    def add(self, text: str) -> list[str]:
+        opened = self.open() if self.at is None else []
+        delta = {"type": "text_delta", "text": text}
+        return [*opened, _event("content_block_delta", index=self.at, delta=delta)]
+
+    def close(self) -> list[str]:
+        at, self.at = self.at, None
+        return [] if at is None else [_event("content_block_stop", index=at)]
+
+
+TEXT_START = {"type": "text", "text": ""}
+
+
+async def _events(
+    body: MessagesRequest, generation: Generation, tools: ToolUse
+) -> AsyncIterator[str]:
     start = MessageObject(
         id=generation.request_id,
         model=body.model,
@@ -253,22 +301,32 @@ async def _events(body: MessagesRequest, generation: Generation) -> AsyncIterato
         usage=MessagesUsage(input_tokens=generation.prompt_tokens, output_tokens=0),
     )
     yield _event("message_start", message=start.model_dump(mode="json"))
-    yield _event("content_block_start", index=0, content_block={"type": "text", "text": ""})
-    yield _event("ping")
-    stop = None
+    blocks: list[str] = []
+    text, calls = TextBlocks(blocks), ToolUseBlocks(_event, blocks)
+    for event in [*([] if tools.offered else text.open()), _event("ping")]:
+        yield event  # without tools: one text block, opened at once
+    stop, streamed = None, StreamedChoice(tools)
     async for choice, out in generation.outputs():
-        text = out.new_text
+        delta = out.new_text
         if out.finished and (stop := _stop_sequence(choice, body.stop_sequences)):
             # the engine holds back text that may start a stop string: all of it is in this delta
-            assert text.endswith(stop), (text, stop)
-            text = _without(text, stop)
-        if text:
-            yield _event("content_block_delta", index=0, delta={"type": "text_delta", "text": text})
+            assert delta.endswith(stop), (delta, stop)
+            delta = _without(delta, stop)
+        content, pieces = streamed.feed(delta, out.finished)
+        events = text.add(content) if content else []
+        events += text.close() if pieces else []
+        for event in events + [e for piece in pieces for e in calls.events(piece)]:
+            yield event
+    for event in [
+        *text.close(),
+        *calls.close(),
+        *([] if blocks else [*text.open(), *text.close()]),
+    ]:
+        yield event
     choice = generation.choices[0]
-    yield _event("content_block_stop", index=0)
     yield _event(
         "message_delta",
-        delta={"stop_reason": _stop_reason(choice, stop), "stop_sequence": stop},
+        delta={"stop_reason": _stop_reason(choice, stop, streamed.calls), "stop_sequence": stop},
         usage={"input_tokens": generation.prompt_tokens, "output_tokens": choice.generated_tokens},
     )
     yield _event("message_stop")

@@ -10,9 +10,14 @@ max_output_tokens cut the answer), each event with its sequence_number.
 State: the server keeps its last MAX_KEPT finished responses with `store: true` (the default) in
 memory, least recently used dropped first, for `previous_response_id` and GET /v1/responses/{id}.
 Nothing survives a restart; an unknown or dropped id is a 400 naming previous_response_id.
-Unknown fields (reasoning, include, background, ...) are a 400 naming them; so are `tools`
-(function_call output items are not built yet: /v1/chat/completions takes tools). `text.format`
+Unknown fields (reasoning, include, background, ...) are a 400 naming them. `text.format`
 json_schema and json_object constrain the answer.
+
+Function tools (kestrel.server.tools.responses): `tools`, `tool_choice`, `parallel_tool_calls`
+work as on chat completions; the answer's calls are `function_call` output items after the message
+item (which is left out when the answer is only calls), and `function_call` /
+`function_call_output` input items go back into the template as the assistant's calls and tool
+results.
 """
 
 import json
@@ -34,11 +39,22 @@ from kestrel.server.generation import Choice, Generation, new_id, sse_response
 from kestrel.server.prompts import ParamNames, chat_template_prompt
 from kestrel.server.protocol import MAX_MESSAGES, one_structured_output
 from kestrel.server.routes import ERROR_RESPONSES, server_state
+from kestrel.server.tools.output import StreamedChoice, split_answer
+from kestrel.server.tools.parsers import ToolParser
+from kestrel.server.tools.request import ToolUse
+from kestrel.server.tools.responses import (
+    CallItems,
+    FunctionCallItem,
+    FunctionCallOutput,
+    FunctionCallOutputItem,
+    FunctionToolParam,
+    ToolChoice,
+    tool_use,
+)
+from kestrel.server.tools.turns import Turns
 from kestrel.structured import StructuredOutput
 
 router = APIRouter()
-
-CHAT_TOOLS = "/v1/chat/completions takes them"
 
 MAX_KEPT = 128  # finished responses kept for previous_response_id (their images included)
 
@@ -73,6 +89,8 @@ InputPart = by_type(InputTextPart, InputImagePart, OutputTextPart)
 
 
 class InputMessage(StrictBody):
+    """A message (`type` may be left out)."""
+
     type: Literal["message"] = "message"
     role: Literal["user", "assistant", "system", "developer"]
     content: list[InputPart] | str  # list first: see ResponsesRequest.input
@@ -88,6 +106,12 @@ class InputMessage(StrictBody):
         elif isinstance(content, list):
             content = "".join(part.text for part in content)
         return {"role": role, "content": content}
+
+    def add_to(self, turns: Turns, source: str) -> None:
+        turns.add(self.as_chat(), source)
+
+
+InputItem = by_type(InputMessage, FunctionCallItem, FunctionCallOutputItem, default="message")
 
 
 def _chat_part(part: InputTextPart | InputImagePart | OutputTextPart) -> dict:
@@ -124,7 +148,7 @@ class ResponsesRequest(StrictBody):
     model: str
     # lists first: pydantic's first complaint (the one a 400 names) is then the list's, whose
     # path reaches the bad item (`input[2].content[0]`)
-    input: Annotated[list[InputMessage], Field(min_length=1, max_length=MAX_MESSAGES)] | str
+    input: Annotated[list[InputItem], Field(min_length=1, max_length=MAX_MESSAGES)] | str
     instructions: str | None = None
     max_output_tokens: int | None = None
     temperature: float | None = None
@@ -135,32 +159,24 @@ class ResponsesRequest(StrictBody):
     metadata: dict[str, str] | None = None
     text: TextConfig | None = None
     truncation: Literal["disabled"] | None = None
-    tools: list[dict] | None = None
-    tool_choice: str | dict | None = None
+    tools: list[FunctionToolParam] | None = None
+    tool_choice: ToolChoice | None = None
+    parallel_tool_calls: bool = True
 
-    def check_supported(self) -> None:
-        """Tools are not built on this route yet: a request that offers them is refused, not
-        ignored."""
-        if self.tools:
-            raise InvalidRequestError(
-                f"tools are not supported on this route yet ({CHAT_TOOLS})", param="tools"
-            )
-        if self.tool_choice not in (None, "none", "auto"):
-            raise InvalidRequestError(
-                f"tool_choice needs tools, not supported here yet ({CHAT_TOOLS}); "
-                'use "none" or "auto"',
-                param="tool_choice",
-            )
+    def tool_use(self, parser: ToolParser) -> ToolUse:
+        return tool_use(parser, self.tools, self.tool_choice, self.parallel_tool_calls)
 
-    def sampling_params(self, default_max_tokens: int | None) -> SamplingParams:
-        return SamplingParams(
+    def sampling_params(self, default_max_tokens: int | None, tools: ToolUse) -> SamplingParams:
+        constraints = [*self._constraints(), *tools.constraints()]
+        params = SamplingParams(
             max_tokens=(
                 default_max_tokens if self.max_output_tokens is None else self.max_output_tokens
             ),
             temperature=1.0 if self.temperature is None else self.temperature,
             top_p=1.0 if self.top_p is None else self.top_p,
-            structured_output=one_structured_output(self._constraints()),
+            structured_output=one_structured_output(constraints),
         )
+        return tools.sampling_params(params)
 
     def _constraints(self) -> list[StructuredOutput]:
         text_format = self.text and self.text.format
@@ -203,8 +219,8 @@ class ResponseObject(BaseModel):
     instructions: str | None = None
     max_output_tokens: int | None = None
     model: str
-    output: list[OutputMessage]
-    parallel_tool_calls: bool = False
+    output: list[OutputMessage | FunctionCallOutput]
+    parallel_tool_calls: bool = True
     previous_response_id: str | None = None
     store: bool
     temperature: float | None = None
@@ -270,20 +286,22 @@ def response_store(http: Request) -> ResponseStore:
 async def create_response(body: ResponsesRequest, http: Request):
     state = server_state(http)
     state.check_model(body.model)
-    body.check_supported()
+    engine = state.ready_engine()
+    tools = body.tool_use(state.tool_parser)
     store = response_store(http)
     history = _history(store, body.previous_response_id)
     messages, names = _conversation(body, history)
     with names.naming():
-        params = body.sampling_params(state.config.default_max_tokens)
-        engine = state.ready_engine()
-        prompt = await chat_template_prompt(state, messages)
+        params = body.sampling_params(state.config.default_max_tokens, tools)
+        prompt = await chat_template_prompt(state, messages, tools)
         generation = Generation(engine, new_id("resp"), [prompt], params)
         await generation.start()
-    answer = Answer(body, generation, messages[1:] if body.instructions is not None else messages)
+    conversation = messages[1:] if body.instructions is not None else messages
+    answer = Answer(body, generation, conversation, tools)
     if body.stream:
         return sse_response(_events(answer, store), generation, False, answer.events.error)
     await generation.collect(http)
+    answer.collected()
     return answer.finish(store)
 
 
@@ -327,19 +345,17 @@ def _history(store: ResponseStore, previous_id: str | None) -> list[dict]:
 def _conversation(body: ResponsesRequest, history: list[dict]) -> tuple[list[dict], ParamNames]:
     """The chat messages (instructions, the previous conversation, the input) and the client's
     name for each. As OpenAI's, a previous response's instructions are not carried over."""
-    messages, sources = [], []
+    turns = Turns()
     if body.instructions is not None:
-        messages.append({"role": "system", "content": body.instructions})
-        sources.append("instructions")
-    messages += history
-    sources += ["previous_response_id"] * len(history)
+        turns.add({"role": "system", "content": body.instructions}, "instructions")
+    for message in history:
+        turns.add(message, "previous_response_id")
     if isinstance(body.input, str):
-        messages.append({"role": "user", "content": body.input})
-        sources.append("input")
+        turns.add({"role": "user", "content": body.input}, "input")
     else:
-        messages += [item.as_chat() for item in body.input]
-        sources += [f"input[{i}]" for i in range(len(body.input))]
-    return messages, ParamNames(RENAMES, sources)
+        for i, item in enumerate(body.input):
+            item.add_to(turns, f"input[{i}]")
+    return turns.messages, ParamNames(RENAMES, turns.sources)
 
 
 # -- the answer -------------------------------------------------------------------------------
@@ -363,24 +379,20 @@ class Events:
 
 @dataclass
 class Answer:
-    """One response as it is generated: its objects at each stage, and keeping it at the end."""
+    """One response as it is generated: its output items, its objects at each stage, and keeping
+    it at the end."""
 
     body: ResponsesRequest
     generation: Generation
     conversation: list[dict]  # the chat messages this response continues, instructions not
-    item_id: str = field(default_factory=lambda: new_id("msg"))
+    tools: ToolUse
     created_at: int = field(default_factory=lambda: int(time.time()))
     events: Events = field(default_factory=Events)
+    output: list[OutputMessage | FunctionCallOutput] = field(default_factory=list)
 
     @property
     def choice(self) -> Choice:
         return self.generation.choices[0]
-
-    def message(self, status: str) -> OutputMessage:
-        return OutputMessage(id=self.item_id, status=status, content=[self.part()])
-
-    def part(self) -> OutputText:
-        return OutputText(text=self.choice.text)
 
     def response(self, status: str = "in_progress", output=(), usage=None) -> ResponseObject:
         body = self.body
@@ -393,11 +405,13 @@ class Answer:
             max_output_tokens=body.max_output_tokens,
             model=body.model,
             output=list(output),
+            parallel_tool_calls=body.parallel_tool_calls,
             previous_response_id=body.previous_response_id,
             store=body.store,
             temperature=body.temperature,
             top_p=body.top_p,
-            tool_choice=body.tool_choice or "auto",
+            tool_choice=_choice_echo(body.tool_choice),
+            tools=[_dump(tool) for tool in body.tools or ()],
             metadata=body.metadata or {},
             usage=usage,
             **(
@@ -410,12 +424,20 @@ class Answer:
     def status(self) -> str:
         return "incomplete" if self.choice.finish_reason == "length" else "completed"
 
+    def collected(self) -> None:
+        """The output items of the whole answer: its text (none beside calls only), its calls."""
+        content, calls = split_answer(self.choice.text, self.tools)
+        if content is not None or not calls:
+            text = [OutputText(text=content or "")]
+            self.output.append(OutputMessage(id=new_id("msg"), status=self.status(), content=text))
+        self.output += [FunctionCallOutput.of(call) for call in calls]
+
     def finish(self, store: ResponseStore) -> ResponseObject:
         """The finished response, kept when the request asked for it."""
         usage = self.generation.usage()
         response = self.response(
             self.status(),
-            [self.message(self.status())],
+            self.output,
             ResponseUsage(
                 input_tokens=usage.prompt_tokens,
                 output_tokens=usage.completion_tokens,
@@ -423,27 +445,91 @@ class Answer:
             ),
         )
         if self.body.store:
-            answer = {"role": "assistant", "content": self.choice.text}
-            store.put(Kept(response, [*self.conversation, answer]))
+            store.put(Kept(response, [*self.conversation, self.chat_message()]))
         return response
+
+    def chat_message(self) -> dict:
+        """The answer as the next turn's template sees it (whole calls only)."""
+        items = self.output
+        text = "".join(p.text for i in items if isinstance(i, OutputMessage) for p in i.content)
+        calls = [
+            i.as_template_call()
+            for i in items
+            if isinstance(i, FunctionCallOutput) and i.status == "completed"
+        ]
+        return {"role": "assistant", "content": text} | ({"tool_calls": calls} if calls else {})
+
+
+def _choice_echo(choice) -> str | dict:
+    return _dump(choice) if isinstance(choice, BaseModel) else choice or "auto"
+
+
+class TextItem:
+    """The stream's message items: opened when text comes, closed before a call or at the end."""
+
+    def __init__(self, event: Events, output: list):
+        self.event, self.output = event, output
+        self.item: OutputMessage | None = None
+
+    def open(self) -> list[str]:
+        self.item = OutputMessage(id=new_id("msg"), status="in_progress", content=[])
+        self.output.append(self.item)
+        ids = self._ids()
+        added = self.event(
+            "response.output_item.added", output_index=ids["output_index"], item=_dump(self.item)
+        )
+        self.item.content.append(OutputText(text=""))
+        part = self.event("response.content_part.added", **ids, part=_dump(OutputText(text="")))
+        return [added, part]
+
+    def add(self, delta: str) -> list[str]:
+        opened = self.open() if self.item is None else []
+        self.item.content[0].text += delta
+        more = self.event("response.output_text.delta", **self._ids(), delta=delta, logprobs=[])
+        return [*opened, more]
+
+    def close(self, status: str) -> list[str]:
+        if self.item is None:
+            return []
+        ids, part = self._ids(), self.item.content[0]
+        self.item.status = status
+        events = [
+            self.event("response.output_text.done", **ids, text=part.text, logprobs=[]),
+            self.event("response.content_part.done", **ids, part=_dump(part)),
+            self.event(
+                "response.output_item.done", output_index=ids["output_index"], item=_dump(self.item)
+            ),
+        ]
+        self.item = None
+        return events
+
+    def _ids(self) -> dict:
+        at = self.output.index(self.item)
+        return {"item_id": self.item.id, "output_index": at, "content_index": 0}
 
 
 async def _events(answer: Answer, store: ResponseStore) -> AsyncIterator[str]:
-    event, ids = answer.events, {"item_id": answer.item_id, "output_index": 0}
+    """created, in_progress, the output items' events as the answer is generated, then
+    completed (or incomplete)."""
+    event = answer.events
     yield event("response.created", response=_dump(answer.response()))
     yield event("response.in_progress", response=_dump(answer.response()))
-    item = OutputMessage(id=answer.item_id, status="in_progress", content=[])
-    yield event("response.output_item.added", output_index=0, item=_dump(item))
-    part = ids | {"content_index": 0}
-    yield event("response.content_part.added", **part, part=_dump(OutputText(text="")))
+    choice = StreamedChoice(answer.tools)
+    text, calls = TextItem(event, answer.output), CallItems(event, answer.output)
+    for e in [] if answer.tools.offered else text.open():  # no tools: always one message
+        yield e
     async for _, out in answer.generation.outputs():
-        if out.new_text:
-            yield event("response.output_text.delta", **part, delta=out.new_text, logprobs=[])
+        content, pieces = choice.feed(out.new_text, out.finished)
+        events = text.add(content) if content else []
+        events += text.close("completed") if pieces else []
+        for e in events + [e for piece in pieces for e in calls.events(piece)]:
+            yield e
+    for e in [*text.close(answer.status()), *calls.close()]:
+        yield e
+    if not answer.output:  # neither text nor calls: one empty message, as when not streamed
+        for e in [*text.open(), *text.close(answer.status())]:
+            yield e
     response = answer.finish(store)
-    yield event("response.output_text.done", **part, text=answer.choice.text, logprobs=[])
-    yield event("response.content_part.done", **part, part=_dump(answer.part()))
-    item = response.output[0]
-    yield event("response.output_item.done", output_index=0, item=_dump(item))
     yield event(f"response.{response.status}", response=_dump(response))
 
 

@@ -1,6 +1,7 @@
 """A chat answer's tool calls in OpenAI's shapes: `message.tool_calls` (ids `call_...`) and
-`finish_reason` "tool_calls"; streamed, each call as two `delta.tool_calls` pieces, the first with
-its index, id and name, the second with its arguments (clients join pieces by index)."""
+`finish_reason` "tool_calls"; streamed, each call as `delta.tool_calls` pieces, the first with its
+index, id and name, the next with its arguments as they are generated (clients join pieces by
+index)."""
 
 import uuid
 
@@ -13,7 +14,7 @@ from kestrel.server.protocol import (
 )
 from kestrel.server.tools.parsers import ToolCall
 from kestrel.server.tools.request import ToolUse
-from kestrel.server.tools.stream import ToolStream, visible_content
+from kestrel.server.tools.stream import CallDelta, ToolStream, visible_content
 
 
 def new_call_id() -> str:
@@ -25,26 +26,42 @@ def finish_reason(reason: str | None, calls: int) -> str | None:
     return "tool_calls" if calls and reason == "stop" else reason
 
 
-def assistant_message(text: str, tools: ToolUse) -> tuple[AssistantMessage, int]:
-    """(the message, how many calls it makes). Without tools offered the text is the content."""
+def split_answer(text: str, tools: ToolUse) -> tuple[str | None, list[ToolCall]]:
+    """(content, calls) of a whole answer. Without tools offered the text is the content."""
     if not tools.offered:
-        return AssistantMessage(content=text), 0
+        return text, []
     content, calls = tools.parser.parse(text)
     if tools.forced:  # the grammar allows only calls: anything else is one cut by max_tokens
         content = ""
+    return visible_content(content), calls
+
+
+def assistant_message(text: str, tools: ToolUse) -> tuple[AssistantMessage, int]:
+    """(the message, how many calls it makes)."""
+    content, calls = split_answer(text, tools)
     out = [
         ToolCallOut(id=new_call_id(), function=FunctionCallOut(name=c.name, arguments=c.arguments))
         for c in calls
     ]
-    return AssistantMessage(content=visible_content(content), tool_calls=out or None), len(out)
+    return AssistantMessage(content=content, tool_calls=out or None), len(out)
 
 
-def call_deltas(calls: list[ToolCall], first_index: int) -> list[DeltaToolCall]:
+def call_deltas(pieces: list[CallDelta], ids: dict[int, str]) -> list[DeltaToolCall]:
+    """Chat's `delta.tool_calls` of call pieces: the first of a call has its index, id (kept in
+    `ids`) and name, the next add arguments; a call's last piece adds nothing."""
     deltas = []
-    for index, call in enumerate(calls, first_index):
-        named = DeltaFunction(name=call.name, arguments="")
-        deltas.append(DeltaToolCall(index=index, id=new_call_id(), type="function", function=named))
-        deltas.append(DeltaToolCall(index=index, function=DeltaFunction(arguments=call.arguments)))
+    for piece in pieces:
+        if piece.name is not None:
+            ids[piece.index] = new_call_id()
+            named = DeltaFunction(name=piece.name, arguments="")
+            deltas.append(
+                DeltaToolCall(
+                    index=piece.index, id=ids[piece.index], type="function", function=named
+                )
+            )
+        elif piece.arguments and not piece.done:
+            more = DeltaFunction(arguments=piece.arguments)
+            deltas.append(DeltaToolCall(index=piece.index, function=more))
     return deltas
 
 
@@ -54,17 +71,22 @@ class StreamedChoice:
     def __init__(self, tools: ToolUse):
         self.stream = ToolStream(tools.parser) if tools.offered else None
         self.forced = tools.forced
+        self.ids: dict[int, str] = {}
 
-    def feed(self, text: str, finished: bool) -> tuple[str, list[DeltaToolCall]]:
+    def feed(self, text: str, finished: bool) -> tuple[str, list[CallDelta]]:
+        """(content, call pieces) of the next text."""
         if self.stream is None:
             return text, []
-        sent = self.stream.sent
-        content, calls = self.stream.feed(text)
+        content, pieces = self.stream.feed(text)
         if finished:
             rest, more = self.stream.finish()
-            content, calls = content + rest, calls + more
-        return ("" if self.forced else content), call_deltas(calls, sent)
+            content, pieces = content + rest, pieces + more
+        return ("" if self.forced else content), pieces
+
+    def chat_deltas(self, text: str, finished: bool) -> tuple[str, list[DeltaToolCall]]:
+        content, pieces = self.feed(text, finished)
+        return content, call_deltas(pieces, self.ids)
 
     @property
     def calls(self) -> int:
-        return self.stream.sent if self.stream else 0
+        return self.stream.begun if self.stream else 0

@@ -39,11 +39,85 @@ def call_of(name, arguments) -> ToolCall | None:
     return ToolCall(name, json.dumps(arguments, ensure_ascii=False))
 
 
-def _json_call(value, arguments_key: str = "arguments") -> ToolCall | None:
+def _json_call(value, arguments_key: str = "arguments", written: str = "") -> ToolCall | None:
+    """The call of a decoded JSON object; `written`, the object's text, keeps the arguments as
+    the model wrote them (what streaming sent) where they are an object after the name."""
     if not isinstance(value, dict):
         return None
     arguments = value.get(arguments_key, value.get("parameters", value.get("arguments", {})))
-    return call_of(value.get("name"), arguments)
+    call = call_of(value.get("name"), arguments)
+    partial = partial_call(written)
+    if call and partial and partial.done and partial.name == call.name:
+        return ToolCall(call.name, partial.arguments)
+    return call
+
+
+@dataclass(frozen=True)
+class PartialCall:
+    """A JSON call being written: its name, and its arguments object's text so far (`done`: the
+    whole object)."""
+
+    name: str
+    arguments: str
+    done: bool
+
+
+# `{"name": "...", "arguments": ` (or "parameters"), the arguments an object
+_CALL_HEAD = re.compile(
+    r'\s*\{\s*"name"\s*:\s*("(?:[^"\\]|\\.)*")\s*,\s*"(?:arguments|parameters)"\s*:\s*(?=\{)'
+)
+
+
+def partial_call(text: str) -> PartialCall | None:
+    """The call whose JSON object `text` begins, once its name and the `{` of its arguments are
+    written; None for anything else (arguments as a string, keys in another order)."""
+    head = _CALL_HEAD.match(text)
+    try:
+        name = head and json.loads(head[1])
+    except ValueError:
+        return None
+    if not name:
+        return None
+    end = object_end(text, head.end())
+    return PartialCall(name, text[head.end() : len(text) if end is None else end], end is not None)
+
+
+def _brackets(text: str, at: int):
+    """(index, char) of each brace and bracket of `text[at:]` outside JSON strings."""
+    in_string = escaped = False
+    for i in range(at, len(text)):
+        c = text[i]
+        if escaped:
+            escaped = False
+        elif in_string:
+            escaped, in_string = c == "\\", c != '"'
+        elif c == '"':
+            in_string = True
+        elif c in "{}[]":
+            yield i, c
+
+
+def object_end(text: str, at: int) -> int | None:
+    """Just past the `}` that closes the object opening at `text[at]`, or None (not yet)."""
+    depth = 0
+    for i, c in _brackets(text, at):
+        depth += 1 if c in "{[" else -1
+        if depth == 0:
+            return i + 1
+    return None
+
+
+def open_object(text: str, at: int = 0) -> tuple[int, int] | None:
+    """(how many top-level objects of `text[at:]` are closed, where the last one opens) when
+    that last one is not closed yet; else None. Brackets outside objects are not counted."""
+    start, depth, closed = 0, 0, 0
+    for i, c in _brackets(text, at):
+        if c in "{[" and (depth or c == "{"):
+            start, depth = (i if depth == 0 else start), depth + 1
+        elif c in "}]" and depth:
+            depth -= 1
+            closed += depth == 0
+    return (closed, start) if depth else None
 
 
 def _decode(text: str, at: int = 0) -> tuple[object, int] | None:
@@ -88,6 +162,14 @@ class ToolParser:
 
     def parse(self, text: str, final: bool = True) -> tuple[str, list[ToolCall]]:
         raise NotImplementedError
+
+    def pending(self, text: str) -> tuple[int, PartialCall] | None:
+        """The JSON call being written at the end of `text` (arguments not closed, or the call
+        not yet read by `parse`) and how many calls come before it; None if there is none."""
+        begin = self.start(text)
+        found = open_object(text, begin) if begin >= 0 else None
+        call = found and partial_call(text[found[1] :])
+        return (found[0], call) if call else None
 
     def render(self, calls: list[ToolCall]) -> str:
         """The calls as the model writes them (for earlier assistant turns in the prompt)."""
@@ -136,6 +218,13 @@ class Tagged(ToolParser):
         content.append(text[at:])
         return "".join(content), calls
 
+    def pending(self, text: str) -> tuple[int, PartialCall] | None:
+        begin = text.rfind(self.open)
+        if begin < 0 or text.find(self.close, begin) >= 0:
+            return None
+        call = partial_call(text[begin + len(self.open) :])
+        return (len(self.parse(text, final=False)[1]), call) if call else None
+
     def body(self, text: str) -> list[ToolCall]:
         """The calls of one tagged body (none if it does not parse)."""
         raise NotImplementedError
@@ -160,13 +249,19 @@ class Hermes(Tagged):
         return ("<tool_call>",)
 
     def parse(self, text: str, final: bool = True) -> tuple[str, list[ToolCall]]:
+        return super().parse(self._spelled(text), final)
+
+    def pending(self, text: str) -> tuple[int, PartialCall] | None:
+        return super().pending(self._spelled(text))
+
+    def _spelled(self, text: str) -> str:
         # models put any whitespace inside the tags; parse one spelling
         text = re.sub(r"<tool_call>\s*", "<tool_call>\n", text)
-        return super().parse(re.sub(r"\s*</tool_call>", "\n</tool_call>", text), final)
+        return re.sub(r"\s*</tool_call>", "\n</tool_call>", text)
 
     def body(self, text: str) -> list[ToolCall]:
         decoded = _decode(text)
-        call = decoded and not text[decoded[1] :].strip() and _json_call(decoded[0])
+        call = decoded and not text[decoded[1] :].strip() and _json_call(decoded[0], written=text)
         return [call] if call else []
 
     def write(self, call: ToolCall) -> str:
@@ -187,8 +282,10 @@ class Gemma(Tagged):
     def body(self, text: str) -> list[ToolCall]:
         decoded = _decode(text)
         if decoded and not text[decoded[1] :].strip():
-            values = decoded[0] if isinstance(decoded[0], list) else [decoded[0]]
-            calls = [_json_call(v) for v in values]
+            if not isinstance(decoded[0], list):
+                call = _json_call(decoded[0], written=text)
+                return [call] if call else []
+            calls = [_json_call(v) for v in decoded[0]]
             return calls if calls and all(calls) else []
         return python_calls(text)
 
@@ -308,7 +405,9 @@ class Llama3Json(ToolParser):
             return text, []
         at = begin + (len(self.markers[0]) if text.startswith(self.markers[0], begin) else 0)
         calls = []
-        while (decoded := _decode(text, at)) and (call := _json_call(decoded[0], "parameters")):
+        while (decoded := _decode(text, at)) and (
+            call := _json_call(decoded[0], "parameters", text[at : decoded[1]])
+        ):
             rest = text[decoded[1] :].lstrip()
             if not (final or rest.startswith(";")):  # the last call: once the text ends
                 break
@@ -348,12 +447,27 @@ class Mistral(ToolParser):
     def _segment(self, segment: str) -> tuple[list[ToolCall], int]:
         decoded = _decode(segment)
         if decoded and isinstance(decoded[0], list):
-            found = [_json_call(v) for v in decoded[0]]
+            items = _list_items(segment, decoded[1])
+            if len(items) != len(decoded[0]):  # not all objects: no call
+                return [], 0
+            found = [_json_call(v, written=w) for v, w in zip(decoded[0], items, strict=True)]
             return (found, decoded[1]) if found and all(found) else ([], 0)
         name, args, rest = segment.partition("[ARGS]")
         decoded = args and _decode(rest)
         call = decoded and call_of(name.strip(), decoded[0])
+        if call:  # the arguments as written (what streaming sent)
+            call = ToolCall(call.name, rest[: decoded[1]].strip())
         return ([call], len(name) + len(args) + decoded[1]) if call else ([], 0)
+
+    def pending(self, text: str) -> tuple[int, PartialCall] | None:
+        segment = text[text.rfind(self.markers[0]) + len(self.markers[0]) :]
+        name, args, rest = segment.partition("[ARGS]")
+        if self.start(text) < 0 or not args or not rest.strip().startswith("{"):
+            return super().pending(text)
+        at = len(rest) - len(rest.lstrip())
+        if object_end(rest, at) is not None:  # whole: `parse` reads it
+            return None
+        return len(self.parse(text)[1]), PartialCall(name.strip(), rest[at:], False)
 
     def render(self, calls: list[ToolCall]) -> str:
         values = [{"name": c.name, "arguments": json.loads(c.arguments)} for c in calls]
@@ -363,6 +477,20 @@ class Mistral(ToolParser):
         repeat = ' ("," obj)*' if parallel else ""
         open_ = self.literal(self.markers[0])
         return f'start: {open_} "[" obj{repeat} "]"\n' + _json_rule(call_schema)
+
+
+def _list_items(text: str, end: int) -> list[str]:
+    """The text of each object directly inside the JSON list of `text` that ends at `end`."""
+    items, depth, start = [], 0, 0
+    for i, c in _brackets(text, 0):
+        if i >= end:
+            break
+        depth += 1 if c in "{[" else -1
+        if c == "{" and depth == 2:
+            start = i
+        elif c == "}" and depth == 1:
+            items.append(text[start : i + 1])
+    return items
 
 
 PARSERS: dict[str, type[ToolParser]] = {

@@ -7,12 +7,14 @@ template and parses nothing; `required` and a named function force an answer mad
 through the structured-output machinery (kestrel.structured, a Lark grammar for llguidance).
 """
 
-import json
+import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from kestrel import structured
 from kestrel.errors import InvalidRequestError
-from kestrel.server.protocol import ChatMessage, FunctionTool, NamedToolChoice
+from kestrel.sampling import SamplingParams
+from kestrel.server.protocol import ChatMessage, NamedToolChoice
 from kestrel.server.tools.parsers import ToolParser
 from kestrel.structured import StructuredOutput
 
@@ -34,6 +36,13 @@ class ToolUse:
     @property
     def forced(self) -> bool:
         return self.offered and self.choice != "auto"
+
+    def sampling_params(self, params: SamplingParams) -> SamplingParams:
+        """`params` for an answer that may call: markers that are special tokens stay in the
+        text (the parser reads them)."""
+        if self.offered and self.parser.special_tokens:
+            return dataclasses.replace(params, skip_special_tokens=False)
+        return params
 
     def constraints(self) -> list[StructuredOutput]:
         """The grammar of an answer made of calls, when the choice forces one."""
@@ -64,48 +73,65 @@ def _parameters(function: dict) -> dict:
     return function.get("parameters") or NO_ARGUMENTS
 
 
+# tool i's field -> the client's name for it (`tools[1].function.parameters` on chat)
+ParamOf = Callable[[int, str], str]
+
+
+def chat_param(i: int, name: str) -> str:
+    return f"tools[{i}].function.{name}"
+
+
 def tool_use(body, parser: ToolParser) -> ToolUse:
-    """The ToolUse of a chat request (`tools`, `tool_choice`, `parallel_tool_calls`, messages);
+    """The ToolUse of a chat request (`tools`, `tool_choice`, `parallel_tool_calls`);
     InvalidRequestError naming the field that is wrong."""
-    tools = body.tools or []
-    check_tools(tools)
-    choice = _choice(body.tool_choice, tools)
-    return ToolUse(
-        parser,
-        [t.model_dump(exclude_none=True) for t in tools],
-        choice,
-        body.parallel_tool_calls,
-    )
+    choice = body.tool_choice
+    name = choice.function.name if isinstance(choice, NamedToolChoice) else choice
+    functions = [t.function.model_dump(exclude_none=True) for t in body.tools or ()]
+    return offer(parser, functions, name, body.parallel_tool_calls)
 
 
-def check_tools(tools: list[FunctionTool]) -> None:
+def offer(
+    parser: ToolParser,
+    functions: list[dict],
+    choice: str | None,
+    parallel: bool = True,
+    param: ParamOf = chat_param,
+) -> ToolUse:
+    """The ToolUse of functions (OpenAI's `{"name", "description", "parameters"}`, from any
+    route), a choice (None, auto, none, required or a function's name) and whether calls may
+    be parallel; `param` names a tool's fields in errors."""
+    check_functions(functions, param)
+    tools = [{"type": "function", "function": f} for f in functions]
+    return ToolUse(parser, tools, _choice(choice, functions), parallel)
+
+
+def check_functions(functions: list[dict], param: ParamOf = chat_param) -> None:
     """Unique names, and parameters that are a JSON schema llguidance compiles."""
     seen = set()
-    for i, tool in enumerate(tools):
-        name = tool.function.name
+    for i, function in enumerate(functions):
+        name = function["name"]
         if name in seen:
             raise InvalidRequestError(
-                f"tools[{i}].function.name: {name!r} is offered twice",
-                param=f"tools[{i}].function.name",
+                f"{param(i, 'name')}: {name!r} is offered twice", param=param(i, "name")
             )
         seen.add(name)
-        parameters = tool.function.parameters
+        parameters = function.get("parameters")
         if parameters is not None:
-            structured.json_schema(parameters, f"tools[{i}].function.parameters").check()
+            structured.json_schema(parameters, param(i, "parameters")).check()
 
 
-def _choice(choice: str | NamedToolChoice | None, tools: list[FunctionTool]) -> str:
-    if choice is None:
+def _choice(name: str | None, functions: list[dict]) -> str:
+    if name is None:
         return "auto"  # OpenAI's default with tools (and nothing to choose without)
-    name = choice.function.name if isinstance(choice, NamedToolChoice) else choice
     if name in ("auto", "none"):
         return name
-    if not tools:
+    if not functions:
+        what = "forces a call" if name == "required" else f"names {name!r}"
         raise InvalidRequestError(
-            f"tool_choice {json.dumps(name)} needs tools to call", param="tool_choice"
+            f"tool_choice {what}, but no tools are offered", param="tool_choice"
         )
-    if name != "required" and name not in {t.function.name for t in tools}:
-        offered = ", ".join(t.function.name for t in tools)
+    if name != "required" and name not in {f["name"] for f in functions}:
+        offered = ", ".join(f["name"] for f in functions)
         raise InvalidRequestError(
             f"tool_choice names {name!r}, which is not among the tools ({offered})",
             param="tool_choice",
