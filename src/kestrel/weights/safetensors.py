@@ -25,14 +25,6 @@ def shard_files(folder: Path) -> list[Path]:
     return files
 
 
-def count_tensors(folder: Path) -> int:
-    total = 0
-    for f in shard_files(folder):
-        with safe_open(str(f), "pt") as shard:
-            total += len(shard.keys())
-    return total
-
-
 def read_tensors(folder: Path) -> Iterator[tuple[str, torch.Tensor]]:
     for f in shard_files(folder):
         try:
@@ -41,3 +33,13 @@ def read_tensors(folder: Path) -> Iterator[tuple[str, torch.Tensor]]:
                     yield name, shard.get_tensor(name)
         except SafetensorError as e:
             raise ModelLoadError(f"{f}: truncated or corrupt safetensors file ({e})") from e
+
+
+def tensor_bytes(folder: Path) -> int:
+    """Bytes of tensor data in the folder's shards: each file less its 8-byte length and header."""
+    total = 0
+    for f in shard_files(folder):
+        with open(f, "rb") as shard:
+            header = int.from_bytes(shard.read(8), "little")
+        total += f.stat().st_size - 8 - header
+    return total
