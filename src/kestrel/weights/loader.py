@@ -279,7 +279,7 @@ class _Target:
     def why_dense(self, slot: Slot, qtype: str) -> str | None:
         """None when the tensor can stay packed; else why it is dequantized at load."""
         if not self.packed:
-            return f"weights are dequantized at load on {self.device.type}"
+            return f"packed weights are off ({self.device.type}; see keep_packed)"
         if qtype not in quant_kernels.BLOCKS:
             return f"no packed kernel for {qtype}"
         if slot.index or slot.transpose or not all(map(self._packable, self.tied[slot.name])):
@@ -350,6 +350,29 @@ def _packed_rows(model: CausalLM, name: str, blocks: torch.Tensor) -> torch.Tens
     if out.shape != ids.shape or not torch.equal(out.sort(dim=0).values, ids):
         return None
     return blocks if torch.equal(out, ids) else blocks[out[:, 0].long()]
+
+
+def checkpoint_summary(model: CausalLM, source: ModelSource, device: torch.device, dtype) -> dict:
+    """For `kestrel inspect`: the checkpoint's tensors by type, and the bytes its weights take once
+    loaded on `device` in `dtype` (packed GGUF blocks as they are, the rest dense). `model` may be
+    on the meta device."""
+    dense = torch.finfo(dtype).bits // 8
+    if not source.is_gguf:
+        unique = {id(p): p.numel() for p in model.parameters()}
+        return {
+            "types": st_weights.tensor_dtypes(source.path),
+            "resident": sum(unique.values()) * dense,
+        }
+    target = _Target(model, device, keep_packed(device))
+    types: dict[str, int] = {}
+    resident = 0
+    for name, t in _checkpoint_tensors(model, source)[0]:
+        types[t.tensor_type.name] = types.get(t.tensor_type.name, 0) + 1
+        slot = target.slot(name)
+        if slot is not None:
+            packed = target.why_dense(slot, t.tensor_type.name) is None
+            resident += t.n_bytes if packed else t.n_elements * dense
+    return {"types": types, "resident": resident}
 
 
 def _checkpoint_tensors(model, source: ModelSource):

@@ -35,11 +35,26 @@ def read_tensors(folder: Path) -> Iterator[tuple[str, torch.Tensor]]:
             raise ModelLoadError(f"{f}: truncated or corrupt safetensors file ({e})") from e
 
 
+def _header(f: Path) -> tuple[int, dict]:
+    """A shard's header: its length in bytes and its JSON (tensor name -> dtype, shape, offsets)."""
+    with open(f, "rb") as shard:
+        n = int.from_bytes(shard.read(8), "little")
+        try:
+            return n, json.loads(shard.read(n))
+        except ValueError as e:
+            raise ModelLoadError(f"{f}: truncated or corrupt safetensors file ({e})") from e
+
+
 def tensor_bytes(folder: Path) -> int:
     """Bytes of tensor data in the folder's shards: each file less its 8-byte length and header."""
-    total = 0
+    return sum(f.stat().st_size - 8 - _header(f)[0] for f in shard_files(folder))
+
+
+def tensor_dtypes(folder: Path) -> dict[str, int]:
+    """How many tensors of each dtype (F32, BF16, ...) the shards hold."""
+    counts: dict[str, int] = {}
     for f in shard_files(folder):
-        with open(f, "rb") as shard:
-            header = int.from_bytes(shard.read(8), "little")
-        total += f.stat().st_size - 8 - header
-    return total
+        for name, entry in _header(f)[1].items():
+            if name != "__metadata__":
+                counts[entry["dtype"]] = counts.get(entry["dtype"], 0) + 1
+    return counts
