@@ -3,6 +3,8 @@ in that type gives the logits of the same file dequantized at load, from packed 
 the file's bytes; a tied head reads its embedding's bytes; bad quantized files fail naming the
 tensor."""
 
+import logging
+
 import gguf
 import numpy as np
 import pytest
@@ -11,6 +13,7 @@ import transformers
 from tests.family_suite import one_thread  # noqa: F401  (tiny tensors: one thread is faster)
 from tests.gguf_writer import random_blocks, state_dict, write_gguf
 from tests.reference import assert_close, chunked_logits
+from tests.test_models_exaone_moe import CONFIG as EXAONE_CONFIG
 
 from kestrel.errors import ModelLoadError, UnsupportedModelError
 from kestrel.kernels.quant import BLOCKS
@@ -83,6 +86,23 @@ def test_untied_head_is_its_own_packed_tensor(tmp_path):
 def test_loaded_parameters_are_never_left_on_meta(tmp_path):
     model = load(tiny_llama_gguf(tmp_path / "q4.gguf", "Q4_K"), packed=True)
     assert not any(t.is_meta for t in [*model.parameters(), *model.buffers()])
+
+
+def test_moe_experts_are_dequantized_at_load_beside_packed_layers(tmp_path, caplog):
+    # expert stacks are read whole by the MoE layer: dense, with a log line; the rest packed
+    config = transformers.ExaoneMoeConfig(
+        **{**EXAONE_CONFIG, "mlp_layer_types": ["dense", "sparse", "sparse", "sparse", "sparse"]}
+    )
+    torch.manual_seed(0)
+    state = state_dict(transformers.ExaoneMoeForCausalLM(config))
+    path = write_gguf(tmp_path / "exaone.gguf", "exaone-moe", state, config, "Q8_0")
+    with caplog.at_level(logging.INFO, logger="kestrel.weights"):
+        packed = load(path, packed=True)
+    assert "Q8_0 tensors dequantized at load: the model reads it whole" in caplog.text
+    assert "experts" in caplog.text
+    assert isinstance(packed.model.layers[1].self_attn.q_proj, QuantLinear)
+    assert not packed.model.layers[1].mlp.experts.gate_up_proj.is_meta
+    assert_close(chunked_logits(packed, PROMPT, 5), chunked_logits(load(path, False), PROMPT, 5))
 
 
 # --- bad files ----------------------------------------------------------------------------------
