@@ -9,19 +9,26 @@ like real ones. Conventions per architecture, from llama.cpp's conversion code:
   correction bias as exp_probs_b.bias; a sliding-window pattern per layer.
 - deci: llama's Q/K row permutation with each layer's own KV heads; per-layer head counts and MLP
   widths (0 for no-op parts, KV heads 0 for linear attention); llama-3 RoPE as rope_freqs factors.
+- llama: the Q/K row permutation; no output.weight when the embeddings are tied.
+
+Quantized types: those gguf can quantize (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0) are quantized from the
+checkpoint; for the k-quants, which gguf cannot write, each tensor is random valid blocks
+(`random_blocks`) of the checkpoint tensor's shape.
 """
 
 import math
 from pathlib import Path
 
 import gguf
+import numpy as np
 import torch
 
 SLIDING, FULL = "sliding_attention", "full_attention"
 
 
 def write_gguf(path: Path, arch: str, state: dict, config, quant: str = "F32") -> Path:
-    """`state`: HF tensor name -> tensor; `config`: the HF config (object). quant: F32 | Q8_0."""
+    """`state`: HF tensor name -> tensor; `config`: the HF config (object). quant: F32 or a
+    quantized type name (Q8_0, Q4_K, ...) for every matrix whose rows are whole blocks."""
     writer = gguf.GGUFWriter(str(path), arch)
     n = config.num_hidden_layers
     table = gguf.get_tensor_name_map(
@@ -40,12 +47,39 @@ def write_gguf(path: Path, arch: str, state: dict, config, quant: str = "F32") -
 
 def add_tensor(writer, name: str, tensor: torch.Tensor, quant: str) -> None:
     array = tensor.detach().float().numpy()
-    # llama.cpp keeps 1-D tensors (norms, scales) in F32; Q8_0 needs rows of 32
-    if quant == "Q8_0" and array.ndim >= 2 and array.shape[-1] % 32 == 0:
-        qtype = gguf.GGMLQuantizationType.Q8_0
-        writer.add_tensor(name, gguf.quants.quantize(array, qtype), raw_dtype=qtype)
-    else:
+    qtype = gguf.GGMLQuantizationType[quant]
+    # llama.cpp keeps 1-D tensors (norms, scales) in F32; quantized rows are whole blocks
+    if quant == "F32" or array.ndim < 2 or array.shape[-1] % gguf.GGML_QUANT_SIZES[qtype][0]:
         writer.add_tensor(name, array)
+    else:
+        writer.add_tensor(name, quantized_array(array, qtype), raw_dtype=qtype)
+
+
+# where each type keeps its float16 scales (d, and the min or dmin after it), in bytes of a block
+SCALE_BYTES = {"Q4_0": [0], "Q5_0": [0], "Q8_0": [0], "Q4_1": [0, 2], "Q5_1": [0, 2]}
+SCALE_BYTES |= {"Q4_K": [0, 2], "Q5_K": [0, 2], "Q6_K": [208]}
+# a scale that keeps random blocks' weights near +-0.05 (k-quants multiply by 6-bit scales too)
+SCALE_SIZE = {"Q4_K": 1e-4, "Q5_K": 5e-5, "Q6_K": 1e-5}
+
+
+def quantized_array(array: np.ndarray, qtype, seed: int = 0) -> np.ndarray:
+    """`array` quantized by gguf where it can; random valid blocks of its shape otherwise."""
+    try:
+        return gguf.quants.quantize(array, qtype)
+    except NotImplementedError:
+        return random_blocks(array.shape, qtype, np.random.default_rng(seed))
+
+
+def random_blocks(shape: tuple, qtype, rng: np.random.Generator) -> np.ndarray:
+    """Random bytes in `qtype`'s block layout for a tensor of `shape`, with finite float16 scales
+    of a size that keeps the weights small. (rows..., bytes per row) uint8, as gguf stores it."""
+    block, size = gguf.GGML_QUANT_SIZES[qtype]
+    blocks = rng.integers(0, 256, size=(int(np.prod(shape)) // block, size), dtype=np.uint8)
+    scale = SCALE_SIZE.get(qtype.name, 2e-3)
+    for at in SCALE_BYTES[qtype.name]:
+        d = rng.uniform(0.5, 1.5, size=blocks.shape[0]) * scale
+        blocks[:, at : at + 2] = d.astype(np.float16).view(np.uint8).reshape(-1, 2)
+    return blocks.reshape(*shape[:-1], shape[-1] // block * size)
 
 
 def mapped(table, name: str) -> str:
@@ -215,7 +249,34 @@ def deci(writer, state, c, table) -> dict:
     return out
 
 
-CONVERTERS = {"gemma4": gemma4, "exaone-moe": exaone_moe, "deci": deci}
+# --- llama ------------------------------------------------------------------------------------
+
+
+def llama_metadata(writer, c) -> None:
+    common_metadata(writer, c, c.num_hidden_layers)
+    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+    writer.add_feed_forward_length(c.intermediate_size)
+    writer.add_head_count(c.num_attention_heads)
+    writer.add_head_count_kv(c.num_key_value_heads)
+    writer.add_rope_dimension_count(head_dim)
+    writer.add_rope_freq_base(c.rope_parameters["rope_theta"])
+
+
+def llama(writer, state, c, table) -> dict:
+    llama_metadata(writer, c)
+    out = {}
+    for name, t in state.items():
+        if name == "lm_head.weight" and c.tie_word_embeddings:
+            continue
+        if name.endswith("q_proj.weight"):
+            t = permute(t, c.num_attention_heads)
+        elif name.endswith("k_proj.weight"):
+            t = permute(t, c.num_key_value_heads)
+        out[mapped(table, name)] = t
+    return out
+
+
+CONVERTERS = {"gemma4": gemma4, "exaone-moe": exaone_moe, "deci": deci, "llama": llama}
 
 
 # --- vocabulary -----------------------------------------------------------------------------

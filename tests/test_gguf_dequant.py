@@ -1,11 +1,15 @@
-"""GGUF dequantization of every type the issue names, against gguf's quantize round trip, and the
-llama.cpp Q/K permutation undone."""
+"""GGUF dequantization of every type the issue names, against gguf's quantize round trip; the
+packed layers' torch dequantization (kernels/quant.py) against gguf's, bit for bit; the llama.cpp
+Q/K permutation undone."""
 
 import gguf
 import numpy as np
 import pytest
 import torch
+from tests.gguf_writer import random_blocks
 
+from kestrel.kernels.quant import BLOCKS
+from kestrel.kernels.quant import dequantize as torch_dequantize
 from kestrel.models.llama import unpermute_rows
 from kestrel.weights.gguf import dequantize
 
@@ -58,3 +62,22 @@ def test_unpermute_inverts_llama_cpp_permutation():
     # llama.cpp's convert script: reshape(n_head, 2, D/2, ...).swapaxes(1, 2)
     permuted = w.reshape(n_heads, 2, head_dim // 2, hidden).transpose(1, 2).reshape(w.shape)
     assert torch.equal(unpermute_rows(permuted, n_heads), w)
+
+
+@pytest.mark.parametrize("qtype", sorted(BLOCKS))
+def test_torch_dequantize_equals_gguf_bit_for_bit(qtype):
+    # valid blocks (finite scales) and raw random bytes (any float16 scale, NaN and inf included)
+    rng = np.random.default_rng(1)
+    element, size = BLOCKS[qtype]
+    valid = random_blocks((6, 3 * element), T[qtype], rng)
+    raw = rng.integers(0, 256, size=(5, 3 * size), dtype=np.uint8)
+    for blocks in (valid, raw):
+        with np.errstate(invalid="ignore", over="ignore"):
+            expected = gguf.quants.dequantize(blocks, T[qtype])
+        out = torch_dequantize(torch.from_numpy(blocks), qtype, 3 * element).numpy()
+        assert out.dtype == np.float32
+        # NaNs in the same places (their payload bits depend on the vector unit), and every
+        # other value the same bits (the sign of zero included)
+        nan = np.isnan(expected)
+        np.testing.assert_array_equal(np.isnan(out), nan)
+        np.testing.assert_array_equal(out.view(np.uint32)[~nan], expected.view(np.uint32)[~nan])

@@ -96,3 +96,36 @@ def test_gguf_tokenizer_reads_back_from_the_cache_as_converted(alias, tmp_path, 
     if metadata.get("tokenizer.ggml.add_bos_token"):
         assert ids[0] == metadata["tokenizer.ggml.bos_token_id"]
     assert fresh.decode(ids, skip_special_tokens=True) == text
+
+
+def greedy(model, ids: list[int], steps: int) -> list[int]:
+    """kestrel's cached greedy decode on one sequence, straight on the model."""
+    cache = SequenceCache(model.cache_specs())
+    out, piece = [], torch.tensor(ids)
+    with torch.no_grad():
+        for _ in range(steps):
+            logits = model(ForwardBatch.single(cache, piece, all_logits=False))
+            cache.advance(len(piece))
+            out.append(int(logits[-1].argmax()))
+            piece = torch.tensor(out[-1:])
+    return out
+
+
+@pytest.mark.parametrize(
+    "alias, prompt",
+    [
+        ("smollm2", "The three primary colors are"),
+        ("gemma3-270m", "The history of the Roman Empire"),
+    ],
+)
+def test_packed_weights_decode_as_dequantized_at_load(alias, prompt):
+    from kestrel.models.layers.quant import QuantLinear
+    from kestrel.weights.loader import load_model, load_tokenizer
+
+    source = resolve(alias)
+    ids = load_tokenizer(source)(prompt)["input_ids"]
+    cpu = torch.device("cpu")
+    packed = load_model(source, torch.float32, cpu, progress=False)  # the CPU default: packed
+    assert any(isinstance(m, QuantLinear) for m in packed.modules())
+    expected = greedy(load_model(source, torch.float32, cpu, progress=False, packed=False), ids, 32)
+    assert greedy(packed, ids, 32) == expected

@@ -195,11 +195,19 @@ def cmd_bench(args) -> int:
 def cmd_inspect(args) -> int:
     import torch
 
-    from kestrel.weights.loader import build_model, load_config, resolve, text_config
+    from kestrel.weights.loader import (
+        build_model,
+        checkpoint_summary,
+        load_config,
+        resolve,
+        text_config,
+    )
 
     source = resolve(args.model)
     config = text_config(load_config(source))
     model = build_model(config, torch.float32, torch.device("meta"))
+    cpu = checkpoint_summary(model, source, torch.device("cpu"), torch.float32)
+    cuda = checkpoint_summary(model, source, torch.device("cuda"), torch.bfloat16)
     info = {
         "model": str(source.path),
         "architecture": config.model_type,
@@ -211,6 +219,10 @@ def cmd_inspect(args) -> int:
             "float32": model.kv_bytes_per_token(torch.float32),
             "bfloat16": model.kv_bytes_per_token(torch.bfloat16),
         },
+        # tensors by type in the checkpoint, and the bytes its weights take once loaded: on the CPU
+        # (float32; GGUF blocks of the packed types stay as they are) and on CUDA (bfloat16)
+        "tensor_types": cpu["types"],
+        "resident_bytes": {"cpu": cpu["resident"], "cuda": cuda["resident"]},
     }
     print(json.dumps(info, indent=2))
     return 0

@@ -90,7 +90,10 @@ class CausalLM(nn.Module):
         raise NotImplementedError
 
     def gguf_tensor(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
-        """Undo llama.cpp's conversion of one tensor (named with our parameter name)."""
+        """Undo llama.cpp's conversion of one tensor (named with our parameter name). A weight kept
+        packed on the CPU (GGUF blocks) takes only a reorder of its rows: the loader finds it by
+        passing row ids (rows, 1) through this hook; a hook that changes values gets the weight
+        dequantized at load instead."""
         return tensor
 
     def checkpoint_tensor(self, name: str, tensor: torch.Tensor) -> torch.Tensor:

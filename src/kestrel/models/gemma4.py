@@ -206,9 +206,8 @@ class Gemma4Model(nn.Module):
         return (context + tokens.view(T, -1, P)) * 2**-0.5
 
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
-        x = self.embed_tokens(batch.input_ids) * torch.tensor(
-            self.embed_scale, dtype=self.embed_tokens.weight.dtype
-        )
+        x = self.embed_tokens(batch.input_ids)  # a packed embedding has no .weight to ask
+        x = x * torch.tensor(self.embed_scale, dtype=x.dtype)
         per_layer = self.per_layer_inputs(batch.input_ids, x) if self.per_layer_dim else None
         cos_sin = {t: rope(batch.positions) for t, rope in self.rotary.items()}
         for i, layer in enumerate(self.layers):

@@ -1,6 +1,7 @@
-"""GGUF files: tensors read with the `gguf` package and dequantized to float at load."""
+"""GGUF files: tensors read with the `gguf` package. The loader keeps the quantized types of
+`kernels.quant.BLOCKS` as their blocks on the CPU and dequantizes the rest to float at load."""
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import gguf
@@ -12,10 +13,46 @@ from kestrel.errors import ModelLoadError, UnsupportedModelError
 FLOAT_TYPES = {gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16}
 
 
+class _Reader(gguf.GGUFReader):
+    """gguf's reader, with each tensor's record checked first so that a bad one (unknown type,
+    a row that is not whole blocks, data past the end of the file) is named; gguf's own errors
+    do not say which tensor."""
+
+    def _build_tensors(self, start_offs: int, fields: list) -> None:
+        for field in fields:
+            _check_record(field, start_offs, len(self.data))
+        super()._build_tensors(start_offs, fields)
+
+
+def _check_record(field, start: int, file_size: int) -> None:
+    _, name, _, dims, raw_type, offset = field.parts
+    name = bytes(name).decode("utf-8", "replace")
+    try:
+        qtype = gguf.GGMLQuantizationType(int(raw_type[0]))
+    except ValueError:
+        raise UnsupportedModelError(
+            f"tensor {name} has unknown quantization type id {int(raw_type[0])}"
+        ) from None
+    block, size = gguf.GGML_QUANT_SIZES[qtype]
+    row = int(dims[0]) if len(dims) else 1
+    if row % block:
+        raise ModelLoadError(
+            f"tensor {name}: rows of {row} elements are not whole {qtype.name} blocks of {block}"
+        )
+    end = start + int(offset[0]) + int(np.prod(dims)) // block * size
+    if end > file_size:
+        raise ModelLoadError(
+            f"truncated or corrupt GGUF file: tensor {name} ({qtype.name}) needs bytes up to "
+            f"{end}, the file has {file_size}"
+        )
+
+
 def open_gguf(path: Path) -> gguf.GGUFReader:
     """Open and validate a GGUF file, turning the library's errors into one that names the file."""
     try:
-        return gguf.GGUFReader(str(path))
+        return _Reader(str(path))
+    except ModelLoadError as e:
+        raise type(e)(f"{path}: {e}") from e
     except (ValueError, IndexError, OSError, KeyError) as e:
         raise ModelLoadError(f"{path}: truncated or corrupt GGUF file ({e})") from e
 
@@ -36,11 +73,33 @@ def check_quant_types(reader: gguf.GGUFReader, path: Path) -> None:
             )
 
 
+def torch_shape(t) -> tuple[int, ...]:
+    """A GGUF tensor's shape in PyTorch's (out, in) order (GGUF lists the row length first)."""
+    return tuple(int(d) for d in reversed(t.shape))
+
+
 def dequantize(t) -> torch.Tensor:
     """One GGUF tensor as float32, in PyTorch's (out, in) shape order."""
-    shape = tuple(int(d) for d in reversed(t.shape))
     array = gguf.quants.dequantize(t.data, t.tensor_type)
-    return torch.from_numpy(np.array(array, dtype=np.float32).reshape(shape))
+    return torch.from_numpy(np.array(array, dtype=np.float32).reshape(torch_shape(t)))
+
+
+def read_blocks(f, t) -> torch.Tensor:
+    """A tensor's bytes, (rows, bytes per row) uint8, read from the open file `f` rather than
+    through the reader's memory map, whose pages would stay resident beside the copy."""
+    shape = torch_shape(t)
+    out = torch.empty(t.n_bytes, dtype=torch.uint8)
+    f.seek(t.data_offset)
+    if f.readinto(memoryview(out.numpy())) != t.n_bytes:
+        raise ModelLoadError(f"truncated or corrupt GGUF file: tensor {t.name} ends early")
+    return out.view(int(np.prod(shape[:-1], dtype=np.int64)), -1)
+
+
+def dequantize_blocks(blocks: torch.Tensor, t) -> torch.Tensor:
+    """`read_blocks`' bytes of tensor `t` as float32 in its PyTorch shape (gguf's dequantize)."""
+    array = blocks.numpy().view(t.data.dtype).reshape(t.data.shape)
+    array = gguf.quants.dequantize(array, t.tensor_type)
+    return torch.from_numpy(np.array(array, dtype=np.float32).reshape(torch_shape(t)))
 
 
 # llama.cpp architecture -> model_type of the family that builds its config from the file's metadata
@@ -64,7 +123,7 @@ class GGUFMetadata:
         self.arch = architecture(reader)
         self.fields = {k: f.contents() for k, f in reader.fields.items() if k not in _SKIPPED_KEYS}
         # tensor name -> shape in PyTorch's (out, in) order
-        self.shapes = {t.name: tuple(int(d) for d in reversed(t.shape)) for t in reader.tensors}
+        self.shapes = {t.name: torch_shape(t) for t in reader.tensors}
 
     def get(self, key: str, default=None):
         return self.fields.get(f"{self.arch}.{key}", self.fields.get(key, default))
@@ -100,10 +159,7 @@ def name_map(
 
 def read_tensors(
     reader: gguf.GGUFReader, names_for: Callable[[gguf.TensorNameMap], dict[str, str]]
-) -> Iterator[tuple[str, torch.Tensor]]:
-    """(checkpoint name, float32 tensor) for every GGUF tensor the model declares."""
+) -> list[tuple[str, gguf.ReaderTensor]]:
+    """(checkpoint name, gguf's tensor record) for every GGUF tensor the model declares."""
     mapping = name_map(reader, names_for)
-    for t in reader.tensors:
-        name = mapping.get(t.name)
-        if name is not None:
-            yield name, dequantize(t)
+    return [(mapping[t.name], t) for t in reader.tensors if t.name in mapping]

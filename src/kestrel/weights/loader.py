@@ -1,20 +1,27 @@
 """Resolve a model argument (alias, .gguf file, HF folder) and build the model with its weights."""
 
 import json
+import logging
 import os
 import warnings
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from torch import nn
 from tqdm import tqdm
 
 from kestrel.errors import ModelLoadError
+from kestrel.kernels import quant as quant_kernels
 from kestrel.models.base import CausalLM, Slot
+from kestrel.models.layers.quant import DENSE_LINEARS, quantized
 from kestrel.models.registry import ARCHITECTURES, model_class
 from kestrel.weights import gguf as gguf_weights
 from kestrel.weights import safetensors as st_weights
 from kestrel.weights.embedded import EMBEDDED, embedded_path
+
+log = logging.getLogger("kestrel.weights")
 
 
 @dataclass(frozen=True)
@@ -132,74 +139,274 @@ def _save(obj, folder: Path) -> None:
         pass  # a read-only cache only costs the conversion next time
 
 
-def build_model(config, dtype: torch.dtype, device: torch.device) -> CausalLM:
+def keep_packed(device: torch.device) -> bool:
+    """The one place that decides whether GGUF blocks stay quantized in memory. On the CPU they
+    do: memory is what limits a CPU. On CUDA they are dequantized to the model dtype at load for
+    now, so the fused and paged GPU kernels keep today's speed until quantized GPU kernels land
+    (issue 16)."""
+    return device.type == "cpu"
+
+
+def build_model(config, dtype: torch.dtype, device: torch.device, empty: bool = False) -> CausalLM:
+    """The model of `config` with random weights on `device`; with `empty`, its parameters on the
+    meta device (no memory, no initialization) for `load_weights` to materialize."""
     cls = model_class(config.model_type)
     previous = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
-        with torch.device(device):
+        with torch.device(device), _parameters_on_meta() if empty else nullcontext():
             model = cls(config)
     finally:
         torch.set_default_dtype(previous)
     return model.eval().requires_grad_(False)
 
 
-def load_weights(model: CausalLM, source: ModelSource, progress: bool = True) -> None:
-    """Copy every checkpoint tensor into its parameter; fail naming any parameter left unset."""
-    params = dict(model.named_parameters(remove_duplicate=False))
-    tensors, total = _checkpoint_tensors(model, source, list(params))
-    filled: dict[str, int] = {}  # parameter name -> elements copied (several slots may fill one)
-    for name, tensor in tqdm(
-        tensors,
+@contextmanager
+def _parameters_on_meta():
+    """Every parameter registered meanwhile goes to the meta device, so its initialization costs
+    nothing; buffers (RoPE tables, computed from the config) stay where the model is built."""
+    register = nn.Module.register_parameter
+
+    def on_meta(module, name, param):
+        if param is not None and not param.is_meta:
+            param = nn.Parameter(param.to("meta"), requires_grad=param.requires_grad)
+        register(module, name, param)
+
+    nn.Module.register_parameter = on_meta
+    try:
+        yield
+    finally:
+        nn.Module.register_parameter = register
+
+
+def load_weights(
+    model: CausalLM,
+    source: ModelSource,
+    progress: bool = True,
+    device: torch.device | None = None,
+    packed: bool | None = None,
+) -> None:
+    """Fill every parameter from the checkpoint, tensor by tensor, each in its final form: a
+    parameter still on the meta device is materialized on `device` at its first tensor, as
+    packed GGUF blocks (`packed`; default `keep_packed(device)`) or a dense tensor. Fails naming
+    any parameter left unset."""
+    device = device or torch.device("cpu")
+    target = _Target(model, device, keep_packed(device) if packed is None else packed)
+    tensors, total = _checkpoint_tensors(model, source)
+    with _progress(source, total, progress) as bar, _open(source) as f:
+        for name, tensor in tensors:
+            if source.is_gguf:
+                _load_gguf(target, f, name, tensor, source)
+                bar.update(tensor.n_bytes)
+            else:
+                _load_dense(target, name, model.checkpoint_tensor, tensor, source)
+                bar.update(tensor.numel() * tensor.element_size())
+    target.log_dense()
+    _check_all_loaded(model, target.params, target.loaded(), source)
+
+
+def _progress(source: ModelSource, total: int, progress: bool):
+    return tqdm(
         total=total,
         desc=f"loading {source.name}",
-        unit="tensor",
+        unit="B",
+        unit_scale=True,
+        unit_divisor=1024,
         disable=not progress,
         leave=False,
-    ):
-        target = model.checkpoint_name(name)
+    )
+
+
+def _open(source: ModelSource):
+    return open(source.path, "rb") if source.is_gguf else nullcontext()
+
+
+class _Target:
+    """The model's parameters as the loader fills them: meta ones are materialized once, dense
+    or packed, and a tied parameter (a head sharing its embedding) is materialized for all its
+    names at once."""
+
+    def __init__(self, model: CausalLM, device: torch.device, packed: bool):
+        self.model, self.device, self.packed = model, device, packed
+        self.params = dict(model.named_parameters(remove_duplicate=False))
+        by_id: dict[int, list[str]] = {}
+        for name, p in self.params.items():
+            by_id.setdefault(id(p), []).append(name)
+        self.tied = {name: by_id[id(p)] for name, p in self.params.items()}
+        self.filled: dict[str, int] = {}  # parameter -> elements copied (slots may fill one)
+        self.dense_log: dict[tuple[str, str], list[str]] = {}  # (type, reason) -> tensors
+
+    def slot(self, name: str) -> Slot | None:
+        target = self.model.checkpoint_name(name)
         slot = Slot(target) if isinstance(target, str) else target
-        if slot is None or slot.name not in params:
-            continue
-        if source.is_gguf:
-            tensor = model.gguf_tensor(slot.name, tensor)
-        else:
-            tensor = model.checkpoint_tensor(slot.name, tensor)
+        return slot if slot is not None and slot.name in self.params else None
+
+    def dense(self, name: str) -> torch.Tensor:
+        """The parameter's tensor, materialized (empty) on first use."""
+        p = self.params[name]
+        if p.is_meta:
+            p = nn.Parameter(torch.empty_like(p, device=self.device), requires_grad=False)
+            for alias in self.tied[name]:
+                module, attr = self._owner(alias)
+                setattr(module, attr, p)
+                self.params[alias] = p
+        return p
+
+    def copy(self, slot: Slot, tensor: torch.Tensor, name: str, source: ModelSource) -> None:
         if slot.transpose:
             tensor = tensor.transpose(-1, -2)
-        dest = params[slot.name][slot.index]
+        dest = self.dense(slot.name)[slot.index]
         if tuple(tensor.shape) != tuple(dest.shape):
             raise ModelLoadError(
                 f"{source.path}: tensor {name} has shape {tuple(tensor.shape)}, "
                 f"expected {tuple(dest.shape)} for {slot.name}"
             )
         dest.copy_(tensor)
-        filled[slot.name] = filled.get(slot.name, 0) + tensor.numel()
-    loaded = {n for n, count in filled.items() if count >= params[n].numel()}
-    _check_all_loaded(model, params, loaded, source)
+        self.filled[slot.name] = self.filled.get(slot.name, 0) + tensor.numel()
+
+    def pack(self, name: str, blocks: torch.Tensor, qtype: str) -> None:
+        """Replace the Linear / Embedding owning parameter `name` (and its tied twins) with the
+        quantized layer over `blocks`."""
+        dtype = self.params[name].dtype
+        blocks = blocks.to(self.device)
+        for alias in self.tied[name]:
+            module, _ = self._owner(alias)
+            parent, _, child = alias.rpartition(".")[0].rpartition(".")
+            owner = self.model.get_submodule(parent) if parent else self.model
+            setattr(owner, child, quantized(module, blocks, qtype, dtype))
+            self.filled[alias] = self.params[alias].numel()
+
+    def why_dense(self, slot: Slot, qtype: str) -> str | None:
+        """None when the tensor can stay packed; else why it is dequantized at load."""
+        if not self.packed:
+            return f"packed weights are off ({self.device.type}; see keep_packed)"
+        if qtype not in quant_kernels.BLOCKS:
+            return f"no packed kernel for {qtype}"
+        if slot.index or slot.transpose or not all(map(self._packable, self.tied[slot.name])):
+            return "the model reads it whole (not a linear layer's or an embedding's weight)"
+        return None
+
+    def _packable(self, name: str) -> bool:
+        module, attr = self._owner(name)
+        layer = name.rpartition(".")[0].rpartition(".")[2]
+        kinds = (nn.Linear, nn.Embedding)
+        return attr == "weight" and type(module) in kinds and layer not in DENSE_LINEARS
+
+    def _owner(self, name: str) -> tuple[nn.Module, str]:
+        path, _, attr = name.rpartition(".")
+        return (self.model.get_submodule(path) if path else self.model), attr
+
+    def note_dense(self, qtype: str, reason: str, name: str) -> None:
+        self.dense_log.setdefault((qtype, reason), []).append(name)
+
+    def log_dense(self) -> None:
+        for (qtype, reason), names in self.dense_log.items():
+            log.info(
+                "%d %s tensors dequantized at load: %s (e.g. %s)",
+                len(names),
+                qtype,
+                reason,
+                names[0],
+            )
+
+    def loaded(self) -> set[str]:
+        return {n for n, count in self.filled.items() if count >= self.params[n].numel()}
 
 
-def _checkpoint_tensors(model, source: ModelSource, names: list[str]):
+def _load_dense(target: _Target, name: str, fix, tensor: torch.Tensor, source) -> None:
+    slot = target.slot(name)
+    if slot is not None:
+        target.copy(slot, fix(slot.name, tensor), name, source)
+
+
+def _load_gguf(target: _Target, f, name: str, t, source: ModelSource) -> None:
+    """One GGUF tensor: kept as its blocks where it can be, else dequantized to float."""
+    slot = target.slot(name)
+    if slot is None:
+        return
+    qtype = t.tensor_type.name
+    blocks = gguf_weights.read_blocks(f, t)
+    reason = target.why_dense(slot, qtype)
+    rows = None if reason else _packed_rows(target.model, slot.name, blocks)
+    if rows is not None:
+        shape, expected = gguf_weights.torch_shape(t), tuple(target.params[slot.name].shape)
+        if shape != expected:
+            raise ModelLoadError(
+                f"{source.path}: tensor {name} has shape {shape}, expected {expected} for {slot.name}"
+            )
+        target.pack(slot.name, rows, qtype)
+        return
+    if qtype not in ("F32", "F16", "BF16"):
+        target.note_dense(qtype, reason or "its family's gguf_tensor changes its values", name)
+    tensor = target.model.gguf_tensor(slot.name, gguf_weights.dequantize_blocks(blocks, t))
+    target.copy(slot, tensor, name, source)
+
+
+def _packed_rows(model: CausalLM, name: str, blocks: torch.Tensor) -> torch.Tensor | None:
+    """`blocks` in the row order `gguf_tensor` gives `name` (llama's Q/K unpermute), found by
+    passing row ids through it; None when the hook changes values, which blocks cannot take."""
+    ids = torch.arange(blocks.shape[0], dtype=torch.float64).unsqueeze(1)
+    out = model.gguf_tensor(name, ids)
+    if out.shape != ids.shape or not torch.equal(out.sort(dim=0).values, ids):
+        return None
+    return blocks if torch.equal(out, ids) else blocks[out[:, 0].long()]
+
+
+def checkpoint_summary(model: CausalLM, source: ModelSource, device: torch.device, dtype) -> dict:
+    """For `kestrel inspect`: the checkpoint's tensors by type, and the bytes its weights take once
+    loaded on `device` in `dtype` (packed GGUF blocks as they are, the rest dense). `model` may be
+    on the meta device."""
+    dense = torch.finfo(dtype).bits // 8
+    if not source.is_gguf:
+        unique = {id(p): p.numel() for p in model.parameters()}
+        return {
+            "types": st_weights.tensor_dtypes(source.path),
+            "resident": sum(unique.values()) * dense,
+        }
+    target = _Target(model, device, keep_packed(device))
+    types: dict[str, int] = {}
+    resident = 0
+    for name, t in _checkpoint_tensors(model, source)[0]:
+        types[t.tensor_type.name] = types.get(t.tensor_type.name, 0) + 1
+        slot = target.slot(name)
+        if slot is not None:
+            packed = target.why_dense(slot, t.tensor_type.name) is None
+            resident += t.n_bytes if packed else t.n_elements * dense
+    return {"types": types, "resident": resident}
+
+
+def _checkpoint_tensors(model, source: ModelSource):
+    """(checkpoint name, tensor) pairs and their bytes: gguf's records for a GGUF file (read by
+    `_load_gguf`), tensors for safetensors."""
     if source.is_gguf:
         reader = gguf_weights.open_gguf(source.path)
         gguf_weights.check_quant_types(reader, source.path)
-        return gguf_weights.read_tensors(reader, model.gguf_names), len(reader.tensors)
-    return st_weights.read_tensors(source.path), st_weights.count_tensors(source.path)
+        tensors = gguf_weights.read_tensors(reader, model.gguf_names)
+        return tensors, sum(t.n_bytes for _, t in tensors)
+    return st_weights.read_tensors(source.path), st_weights.tensor_bytes(source.path)
 
 
 def _check_all_loaded(model, params: dict, loaded: set, source: ModelSource) -> None:
     tied = {"lm_head.weight"} if getattr(model.config, "tie_word_embeddings", False) else set()
     missing = sorted(set(params) - loaded - tied)
+    missing += [n for n, p in model.named_parameters() if p.is_meta and n not in missing]
     if missing:
         raise ModelLoadError(
             f"{source.path}: checkpoint lacks {len(missing)} tensors, e.g. {missing[:3]}"
         )
 
 
-def load_model(source: ModelSource, dtype: torch.dtype, device: torch.device, progress=True):
+def load_model(
+    source: ModelSource,
+    dtype: torch.dtype,
+    device: torch.device,
+    progress: bool = True,
+    packed: bool | None = None,
+):
+    """The model with its weights; `packed` as `load_weights` (default: `keep_packed(device)`)."""
     config = text_config(load_config(source))
-    model = build_model(config, dtype, device)
-    load_weights(model, source, progress)
+    model = build_model(config, dtype, device, empty=True)
+    load_weights(model, source, progress, device, packed)
     return model
 
 

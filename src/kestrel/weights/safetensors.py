@@ -25,14 +25,6 @@ def shard_files(folder: Path) -> list[Path]:
     return files
 
 
-def count_tensors(folder: Path) -> int:
-    total = 0
-    for f in shard_files(folder):
-        with safe_open(str(f), "pt") as shard:
-            total += len(shard.keys())
-    return total
-
-
 def read_tensors(folder: Path) -> Iterator[tuple[str, torch.Tensor]]:
     for f in shard_files(folder):
         try:
@@ -41,3 +33,28 @@ def read_tensors(folder: Path) -> Iterator[tuple[str, torch.Tensor]]:
                     yield name, shard.get_tensor(name)
         except SafetensorError as e:
             raise ModelLoadError(f"{f}: truncated or corrupt safetensors file ({e})") from e
+
+
+def _header(f: Path) -> tuple[int, dict]:
+    """A shard's header: its length in bytes and its JSON (tensor name -> dtype, shape, offsets)."""
+    with open(f, "rb") as shard:
+        n = int.from_bytes(shard.read(8), "little")
+        try:
+            return n, json.loads(shard.read(n))
+        except ValueError as e:
+            raise ModelLoadError(f"{f}: truncated or corrupt safetensors file ({e})") from e
+
+
+def tensor_bytes(folder: Path) -> int:
+    """Bytes of tensor data in the folder's shards: each file less its 8-byte length and header."""
+    return sum(f.stat().st_size - 8 - _header(f)[0] for f in shard_files(folder))
+
+
+def tensor_dtypes(folder: Path) -> dict[str, int]:
+    """How many tensors of each dtype (F32, BF16, ...) the shards hold."""
+    counts: dict[str, int] = {}
+    for f in shard_files(folder):
+        for name, entry in _header(f)[1].items():
+            if name != "__metadata__":
+                counts[entry["dtype"]] = counts.get(entry["dtype"], 0) + 1
+    return counts

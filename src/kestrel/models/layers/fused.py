@@ -22,7 +22,11 @@ def fuse_model(model: torch.nn.Module) -> None:
     for module in model.modules():
         if isinstance(module, RMSNorm):
             module.forward = types.MethodType(_norm_forward, module)
-        elif isinstance(module, GatedMLP) and module.gate_proj.bias is None:
+        elif (
+            isinstance(module, GatedMLP)
+            and module.gate_proj.bias is None
+            and _dense(module, ["gate_proj", "up_proj"])
+        ):
             module.gate_up = _concat_weights(module, ["gate_proj", "up_proj"])
             module.forward = types.MethodType(_mlp_forward, module)
         elif isinstance(module, Attention) and _fusable(module):
@@ -44,9 +48,16 @@ def _concat_weights(module, names: list[str]) -> torch.Tensor:
     return fused
 
 
+def _dense(module, names: list[str]) -> bool:
+    """Whether the projections are plain Linears: packed (quantized) ones have no weight tensor
+    to concatenate and keep their own forward."""
+    return all(isinstance(getattr(module, n), torch.nn.Linear) for n in names)
+
+
 def _fusable(attn: Attention) -> bool:
     return (
-        attn.q_norm is None
+        _dense(attn, ["q_proj", "k_proj", "v_proj"])
+        and attn.q_norm is None
         and type(attn.rope) is RotaryEmbedding
         and attn.rope.attention_scaling == 1.0
     )

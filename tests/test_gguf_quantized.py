@@ -1,0 +1,152 @@
+"""GGUF weights kept quantized on the CPU (models/layers/quant.py): per type, a tiny llama written
+in that type gives the logits of the same file dequantized at load, from packed layers that hold
+the file's bytes; a tied head reads its embedding's bytes; bad quantized files fail naming the
+tensor."""
+
+import logging
+
+import gguf
+import numpy as np
+import pytest
+import torch
+import transformers
+from tests.family_suite import one_thread  # noqa: F401  (tiny tensors: one thread is faster)
+from tests.gguf_writer import random_blocks, state_dict, write_gguf
+from tests.reference import assert_close, chunked_logits
+from tests.test_models_exaone_moe import CONFIG as EXAONE_CONFIG
+
+from kestrel.errors import ModelLoadError, UnsupportedModelError
+from kestrel.kernels.quant import BLOCKS
+from kestrel.models.layers.quant import QuantEmbedding, QuantLinear
+from kestrel.weights.loader import load_model, resolve
+
+T = gguf.GGMLQuantizationType
+PROMPT = [1, 5, 9, 30, 31, 40, 2, 7, 12, 50, 3, 8]
+# rows of 256: every type's blocks fit (k-quants hold 256 elements a block)
+CONFIG = dict(
+    vocab_size=320,
+    hidden_size=256,
+    intermediate_size=512,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=64,
+    max_position_embeddings=128,
+    rms_norm_eps=1e-5,
+)
+
+
+@pytest.fixture(autouse=True)
+def cache_dir(tmp_path, monkeypatch):
+    monkeypatch.setenv("KESTREL_CACHE_DIR", str(tmp_path / "cache"))
+
+
+def tiny_llama_gguf(path, quant: str, tied: bool = True):
+    config = transformers.LlamaConfig(**CONFIG, tie_word_embeddings=tied)
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(config)
+    return write_gguf(path, "llama", state_dict(model), config, quant)
+
+
+def load(path, packed: bool):
+    return load_model(
+        resolve(str(path)), torch.float32, torch.device("cpu"), progress=False, packed=packed
+    )
+
+
+def resident_bytes(model) -> int:
+    tensors = {id(t): t for t in [*model.parameters(), *model.buffers()]}
+    return sum(t.numel() * t.element_size() for t in tensors.values())
+
+
+@pytest.mark.parametrize("quant", sorted(BLOCKS))
+def test_packed_logits_equal_dequantized_at_load(quant, tmp_path):
+    path = tiny_llama_gguf(tmp_path / f"{quant}.gguf", quant)
+    packed, dense = load(path, packed=True), load(path, packed=False)
+    expected = chunked_logits(dense, PROMPT, len(PROMPT))
+    assert expected.abs().max() > 0.1  # the random blocks give non-trivial logits
+    assert_close(chunked_logits(packed, PROMPT, len(PROMPT)), expected)
+    assert_close(chunked_logits(packed, PROMPT, 5), expected)
+    # every matrix stays in its blocks: q/k rows reordered, embedding and tied head shared
+    layers = [m for m in packed.modules() if isinstance(m, QuantLinear)]
+    assert len(layers) == 2 * 7 + 1 and {m.qtype for m in layers} == {quant}
+    embed = packed.model.embed_tokens
+    assert isinstance(embed, QuantEmbedding) and packed.lm_head.qweight is embed.qweight
+    assert resident_bytes(packed) < resident_bytes(dense) / 3
+
+
+def test_untied_head_is_its_own_packed_tensor(tmp_path):
+    path = tiny_llama_gguf(tmp_path / "q8.gguf", "Q8_0", tied=False)
+    packed, dense = load(path, packed=True), load(path, packed=False)
+    assert isinstance(packed.lm_head, QuantLinear)
+    assert packed.lm_head.qweight is not packed.model.embed_tokens.qweight
+    assert_close(chunked_logits(packed, PROMPT, 4), chunked_logits(dense, PROMPT, 4))
+
+
+def test_loaded_parameters_are_never_left_on_meta(tmp_path):
+    model = load(tiny_llama_gguf(tmp_path / "q4.gguf", "Q4_K"), packed=True)
+    assert not any(t.is_meta for t in [*model.parameters(), *model.buffers()])
+
+
+def test_moe_experts_are_dequantized_at_load_beside_packed_layers(tmp_path, caplog):
+    # expert stacks are read whole by the MoE layer: dense, with a log line; the rest packed
+    config = transformers.ExaoneMoeConfig(
+        **{**EXAONE_CONFIG, "mlp_layer_types": ["dense", "sparse", "sparse", "sparse", "sparse"]}
+    )
+    torch.manual_seed(0)
+    state = state_dict(transformers.ExaoneMoeForCausalLM(config))
+    path = write_gguf(tmp_path / "exaone.gguf", "exaone-moe", state, config, "Q8_0")
+    with caplog.at_level(logging.INFO, logger="kestrel.weights"):
+        packed = load(path, packed=True)
+    assert "Q8_0 tensors dequantized at load: the model reads it whole" in caplog.text
+    assert "experts" in caplog.text
+    assert isinstance(packed.model.layers[1].self_attn.q_proj, QuantLinear)
+    assert not packed.model.layers[1].mlp.experts.gate_up_proj.is_meta
+    assert_close(chunked_logits(packed, PROMPT, 5), chunked_logits(load(path, False), PROMPT, 5))
+
+
+# --- bad files ----------------------------------------------------------------------------------
+
+
+def write_one(path, qtype, data: np.ndarray):
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_block_count(1)
+    writer.add_tensor("token_embd.weight", data, raw_dtype=qtype)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def patch_record(path, offset: int, value: int, size: int) -> None:
+    """Overwrite one field of token_embd.weight's record: `offset` bytes past its name (then come
+    n_dims as 4 bytes, each dim as 8, the type id as 4)."""
+    data = bytearray(path.read_bytes())
+    at = data.index(b"token_embd.weight") + len("token_embd.weight") + offset
+    data[at : at + size] = value.to_bytes(size, "little")
+    path.write_bytes(bytes(data))
+
+
+def test_truncated_block_data_names_the_tensor(tmp_path):
+    blocks = random_blocks((8, 256), T.Q4_K, np.random.default_rng(0))
+    path = write_one(tmp_path / "model.gguf", T.Q4_K, blocks)
+    path.write_bytes(path.read_bytes()[:-100])
+    with pytest.raises(ModelLoadError, match=r"truncated .*tensor token_embd.weight \(Q4_K\)"):
+        load(path, packed=True)
+
+
+def test_unknown_type_id_names_the_tensor(tmp_path):
+    path = write_one(tmp_path / "model.gguf", T.Q8_0, np.zeros((4, 34), dtype=np.uint8))
+    patch_record(path, 4 + 2 * 8, 250, 4)
+    with pytest.raises(UnsupportedModelError, match="token_embd.weight has unknown .* id 250"):
+        load(path, packed=True)
+
+
+def test_rows_not_whole_blocks_name_the_tensor(tmp_path):
+    # four Q8_0 rows of 32 elements declared as eight rows of 16 (a block holds 32)
+    path = write_one(tmp_path / "model.gguf", T.Q8_0, np.zeros((4, 34), dtype=np.uint8))
+    patch_record(path, 4, 16, 8)
+    patch_record(path, 4 + 8, 8, 8)
+    with pytest.raises(ModelLoadError, match="token_embd.weight: rows of 16 .* Q8_0 blocks of 32"):
+        load(path, packed=True)
