@@ -150,3 +150,12 @@ def test_rows_not_whole_blocks_name_the_tensor(tmp_path):
     patch_record(path, 4 + 8, 8, 8)
     with pytest.raises(ModelLoadError, match="token_embd.weight: rows of 16 .* Q8_0 blocks of 32"):
         load(path, packed=True)
+
+
+def test_blocks_stay_packed_on_the_cpu_only_when_the_dequantized_model_would_not_fit():
+    from kestrel.weights.loader import keep_packed, physical_memory
+
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    assert keep_packed(cpu, physical_memory())  # an 8B Q4_K_M on a laptop: its blocks stay
+    assert not keep_packed(cpu, 300 << 20)  # the embedded models: float32, the fast path today
+    assert not keep_packed(cuda, physical_memory())  # CUDA dequantizes until its kernels land

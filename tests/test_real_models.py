@@ -125,7 +125,7 @@ def test_packed_weights_decode_as_dequantized_at_load(alias, prompt):
     source = resolve(alias)
     ids = load_tokenizer(source)(prompt)["input_ids"]
     cpu = torch.device("cpu")
-    packed = load_model(source, torch.float32, cpu, progress=False)  # the CPU default: packed
+    packed = load_model(source, torch.float32, cpu, progress=False, packed=True)
     assert any(isinstance(m, QuantLinear) for m in packed.modules())
     expected = greedy(load_model(source, torch.float32, cpu, progress=False, packed=False), ids, 32)
     assert greedy(packed, ids, 32) == expected

@@ -139,12 +139,30 @@ def _save(obj, folder: Path) -> None:
         pass  # a read-only cache only costs the conversion next time
 
 
-def keep_packed(device: torch.device) -> bool:
-    """The one place that decides whether GGUF blocks stay quantized in memory. On the CPU they
-    do: memory is what limits a CPU. On CUDA they are dequantized to the model dtype at load for
-    now, so the fused and paged GPU kernels keep today's speed until quantized GPU kernels land
+def keep_packed(device: torch.device, dense_bytes: int) -> bool:
+    """The one place that decides whether GGUF blocks stay quantized in memory.
+
+    On the CPU they do when the model dequantized (`dense_bytes`) would take more than half of
+    the machine's memory: the packed matmul dequantizes in torch per call and runs about 7x
+    slower than float32 today (benchmarks/results/cpu-quantized-speed.jsonl), so a model that
+    fits dequantized (the embedded ones) stays fast, and one that does not (an 8B Q4_K_M on a
+    24 GB laptop) still loads. On CUDA blocks are dequantized to the model dtype at load for
+    now, so the fused and paged GPU kernels keep their speed until quantized GPU kernels land
     (issue 16)."""
-    return device.type == "cpu"
+    return device.type == "cpu" and dense_bytes > physical_memory() // 2
+
+
+def physical_memory() -> int:
+    """Bytes of RAM this machine has (0 where the OS does not say: then blocks stay packed)."""
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (AttributeError, ValueError, OSError):
+        return 0
+
+
+def _dense_bytes(tensors, dtype: torch.dtype) -> int:
+    """Bytes of a GGUF's tensors dequantized to `dtype`."""
+    return sum(t.n_elements for _, t in tensors) * (torch.finfo(dtype).bits // 8)
 
 
 def build_model(config, dtype: torch.dtype, device: torch.device, empty: bool = False) -> CausalLM:
@@ -188,11 +206,15 @@ def load_weights(
 ) -> None:
     """Fill every parameter from the checkpoint, tensor by tensor, each in its final form: a
     parameter still on the meta device is materialized on `device` at its first tensor, as
-    packed GGUF blocks (`packed`; default `keep_packed(device)`) or a dense tensor. Fails naming
+    packed GGUF blocks (`packed`; default `keep_packed`) or a dense tensor. Fails naming
     any parameter left unset."""
     device = device or torch.device("cpu")
-    target = _Target(model, device, keep_packed(device) if packed is None else packed)
     tensors, total = _checkpoint_tensors(model, source)
+    if packed is None:
+        packed = source.is_gguf and keep_packed(
+            device, _dense_bytes(tensors, next(model.parameters()).dtype)
+        )
+    target = _Target(model, device, packed)
     with _progress(source, total, progress) as bar, _open(source) as f:
         for name, tensor in tensors:
             if source.is_gguf:
@@ -279,7 +301,7 @@ class _Target:
     def why_dense(self, slot: Slot, qtype: str) -> str | None:
         """None when the tensor can stay packed; else why it is dequantized at load."""
         if not self.packed:
-            return f"packed weights are off ({self.device.type}; see keep_packed)"
+            return f"packed weights are off ({self.device.type}, or it fits dequantized; see keep_packed)"
         if qtype not in quant_kernels.BLOCKS:
             return f"no packed kernel for {qtype}"
         if slot.index or slot.transpose or not all(map(self._packable, self.tied[slot.name])):
@@ -363,10 +385,11 @@ def checkpoint_summary(model: CausalLM, source: ModelSource, device: torch.devic
             "types": st_weights.tensor_dtypes(source.path),
             "resident": sum(unique.values()) * dense,
         }
-    target = _Target(model, device, keep_packed(device))
+    tensors = _checkpoint_tensors(model, source)[0]
+    target = _Target(model, device, keep_packed(device, _dense_bytes(tensors, dtype)))
     types: dict[str, int] = {}
     resident = 0
-    for name, t in _checkpoint_tensors(model, source)[0]:
+    for name, t in tensors:
         types[t.tensor_type.name] = types.get(t.tensor_type.name, 0) + 1
         slot = target.slot(name)
         if slot is not None:
@@ -403,7 +426,7 @@ def load_model(
     progress: bool = True,
     packed: bool | None = None,
 ):
-    """The model with its weights; `packed` as `load_weights` (default: `keep_packed(device)`)."""
+    """The model with its weights; `packed` as `load_weights` (default: `keep_packed`)."""
     config = text_config(load_config(source))
     model = build_model(config, dtype, device, empty=True)
     load_weights(model, source, progress, device, packed)
