@@ -215,6 +215,10 @@ BAD_BODIES = {
         },
         "messages[0].content[0].source.type",
     ),
+    "a block whose type is a list": (
+        {"messages": _user({"type": ["text"], "text": QUESTION})},
+        "messages[0].content[0]",
+    ),
     # smollm2 takes no images: the error names the block the client sent
     "an image to a text model": (
         {"system": SYSTEM, "messages": _user({"type": "text", "text": "look"}, _image_block())},

@@ -26,7 +26,7 @@ def by_type(*members: type[BaseModel], default: str | None = None) -> Any:
         kind = (
             value.get("type", default) if isinstance(value, dict) else getattr(value, "type", None)
         )
-        return f"{kind}-" if kind in tags else None
+        return f"{kind}-" if isinstance(kind, str) and kind in tags else None  # not a str: a 400
 
     union = Union[tuple(Annotated[member, Tag(f"{kind}-")] for kind, member in tags.items())]  # noqa: UP007
     message = f"unsupported type; supported: {', '.join(tags)}"
