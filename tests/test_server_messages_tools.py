@@ -9,24 +9,10 @@ import jsonschema
 import pytest
 
 from server_fixtures import API_KEY, HANG_S, shared_server
+from tool_schemas import QUESTION, SCHEMAS, TIME, WEATHER
 
 pytestmark = pytest.mark.slow
 
-WEATHER = {
-    "type": "object",
-    "properties": {
-        "city": {"type": "string", "minLength": 1, "maxLength": 20},
-        "unit": {"enum": ["celsius", "fahrenheit"]},
-    },
-    "required": ["city", "unit"],
-    "additionalProperties": False,
-}
-TIME = {
-    "type": "object",
-    "properties": {"zone": {"type": "string", "minLength": 1, "maxLength": 10}},
-    "required": ["zone"],
-    "additionalProperties": False,
-}
 TOOLS = [
     {
         "name": "get_weather",
@@ -35,8 +21,6 @@ TOOLS = [
     },
     {"name": "get_time", "description": "The time in a zone", "input_schema": TIME},
 ]
-SCHEMAS = {"get_weather": WEATHER, "get_time": TIME}
-QUESTION = [{"role": "user", "content": "What is the weather in Paris?"}]
 MAX = 48
 GREEDY = {"temperature": 0}  # this SDK sends sampling parameters as extra body fields
 

@@ -11,24 +11,10 @@ import openai
 import pytest
 
 from server_fixtures import shared_server
+from tool_schemas import QUESTION, SCHEMAS, TIME, WEATHER
 
 pytestmark = pytest.mark.slow
 
-WEATHER = {
-    "type": "object",
-    "properties": {
-        "city": {"type": "string", "minLength": 1, "maxLength": 20},
-        "unit": {"enum": ["celsius", "fahrenheit"]},
-    },
-    "required": ["city", "unit"],
-    "additionalProperties": False,
-}
-TIME = {
-    "type": "object",
-    "properties": {"zone": {"type": "string", "minLength": 1, "maxLength": 10}},
-    "required": ["zone"],
-    "additionalProperties": False,
-}
 TOOLS = [
     {
         "type": "function",
@@ -44,8 +30,6 @@ TOOLS = [
         "parameters": TIME,
     },
 ]
-SCHEMAS = {"get_weather": WEATHER, "get_time": TIME}
-QUESTION = [{"role": "user", "content": "What is the weather in Paris?"}]
 MAX = 48
 
 
