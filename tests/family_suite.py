@@ -28,8 +28,14 @@ from tests.reference import (
 )
 
 from kestrel.cache.sequence import SequenceCache
+from kestrel.config import CacheConfig, SchedulerConfig
+from kestrel.engine.gpu_runner import GPURunner, pool_serves
+from kestrel.engine.request import Request
+from kestrel.engine.runner import run_step
+from kestrel.engine.scheduler import Scheduler
 from kestrel.models.batch import ForwardBatch
 from kestrel.models.registry import model_class
+from kestrel.sampling import SamplingParams
 
 MAX_KV = 12  # --max-kv-size of the dense-reference checks: well under the 30-token prompts
 # every (chunk, keep) allowed: chunks are at most max_kv_size - keep
@@ -309,6 +315,69 @@ def test_restore_after_a_failed_step(tiny):
     assert_differ(unrestored, clean)
 
 
+# --- automatic prefix caching (the paged runner on the CPU) ---------------------------------------
+
+
+def served(model, requests, prefix_caching: bool) -> list[tuple]:
+    """Serve `requests` one after another through the scheduler and the paged runner (blocks of
+    4 tokens), as a server would; each one's (output ids, first-step log-probs, cached tokens)."""
+    cache = CacheConfig(block_size=4, num_blocks=64, prefix_caching=prefix_caching)
+    runner = GPURunner(model, torch.device("cpu"), 4, 12, 256, cache, cuda_graphs=False)
+    scheduler = Scheduler(SchedulerConfig(max_num_seqs=4, prefill_chunk_size=8), runner.blocks)
+    first_logprobs = {}
+    for request in requests:
+        scheduler.add(request)
+        while not request.finished:
+            for result in run_step(scheduler, runner):
+                assert result.error is None, result.error
+                if result.token is None:
+                    continue  # a prefill chunk short of the prompt's end
+                request.output_ids.append(result.token)
+                first_logprobs.setdefault(request.request_id, result.logprobs)
+                if len(request.output_ids) == request.max_tokens:
+                    request.finish("length")
+        scheduler.remove_finished()
+        runner.release(request.request_id)
+    return [(r.output_ids, first_logprobs[r.request_id], r.num_cached_tokens) for r in requests]
+
+
+def greedy(i: int, prompt, max_kv_size: int | None = None, keep: int = 0) -> Request:
+    """Request `i`: 4 greedy tokens of `prompt` (ids, or a MultimodalPrompt) with log-probs."""
+    params = SamplingParams(temperature=0, logprobs=5)
+    images = None if isinstance(prompt, list) else prompt
+    ids = prompt if images is None else prompt.token_ids
+    image_keys = () if images is None else images.image_keys()
+    return Request(f"r{i}", list(ids), params, 4, max_kv_size, keep, images, image_keys)
+
+
+def assert_same_answers(warm: list[tuple], cold: list[tuple]) -> None:
+    """Cache hits (`warm`) answered as the cold server did: tokens, and first-step log-probs
+    within 1e-5 (fp32)."""
+    for (tokens, logprobs, _), (cold_tokens, cold_logprobs, cached) in zip(warm, cold, strict=True):
+        assert cached == 0 and tokens == cold_tokens
+        assert logprobs.keys() == cold_logprobs.keys()
+        for token, logprob in cold_logprobs.items():
+            assert abs(logprobs[token] - logprob) < 1e-5, (token, logprobs[token], logprob)
+
+
+def test_a_prefix_hit_gives_the_tokens_of_a_cold_prompt(tiny):
+    """A prompt served after others left blocks of its prefix cached gives the greedy tokens and
+    first-step log-probs it gives on a cold server: after a sequence trimmed past its first 16
+    tokens (only the blocks before its first trim are cached), then after an untrimmed one."""
+    model, prompt = tiny.model, tiny.family.prompt
+    if not pool_serves(model):
+        pytest.fail("the paged pool does not hold this family's caches: list in OPT_OUTS")
+    other = [(t * 7 + 3) % 50 for t in range(6)]
+    prompts = [prompt, prompt[:28] + other]
+    trimmed = greedy(0, prompt[:20] + other, max_kv_size=16, keep=2)  # 26 > 16: trimmed at 16
+    warm = served(model, [trimmed] + [greedy(i, p) for i, p in enumerate(prompts, 1)], True)
+    cold = served(model, [greedy(i, p) for i, p in enumerate(prompts, 1)], False)
+    # LongRoPE's keys depend on the chunks past its original context: no hit for longer prompts
+    limit = model.chunk_invariant_tokens() or len(prompts[1])
+    assert [cached for *_, cached in warm] == [0, 16, 28 if len(prompts[1]) <= limit else 0]
+    assert_same_answers(warm[1:], cold)
+
+
 # every shared check; tests/test_model_suites.py holds each family file to running them all
 CHECKS = (
     test_serves_the_checkpoint_by_its_model_type,
@@ -322,4 +391,5 @@ CHECKS = (
     test_max_kv_size_chunks_match_dense_reference,
     test_trim_leaves_recurrent_state_untouched,
     test_restore_after_a_failed_step,
+    test_a_prefix_hit_gives_the_tokens_of_a_cold_prompt,
 )

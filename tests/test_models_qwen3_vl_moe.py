@@ -9,6 +9,7 @@ from tests.vl_reference import special_ids, tiny_tokenizer
 from tests.vl_suite import (  # noqa: F401  (the shared tests run here)
     build_tiny,
     one_thread,
+    test_a_prefix_hit_needs_the_same_images,
     test_cli_arch_and_inspect_describe_the_family,
     test_decode_after_image_prompt_matches_transformers,
     test_image_and_text_sequences_batched_match_alone,

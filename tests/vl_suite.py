@@ -247,6 +247,23 @@ def test_paged_runner_matches_the_reference_with_images(tiny, max_kv_size):
     assert len(paged.image_features) == 2  # each image prompt's features, encoded once
 
 
+def test_a_prefix_hit_needs_the_same_images(tiny):
+    """The same image prompt served twice hits all of its full blocks but the last token's; the
+    same text with another image hits only the blocks before that image starts; both answer as
+    a cold server does."""
+    from dataclasses import replace
+
+    from tests.family_suite import assert_same_answers, greedy, served
+
+    prompt = tiny.prompt
+    other = replace(prompt, pixel_values=prompt.pixel_values.flip(0))  # another first image
+    warm = served(tiny.model, [greedy(0, prompt), greedy(1, prompt), greedy(2, other)], True)
+    cold = served(tiny.model, [greedy(1, prompt), greedy(2, other)], False)
+    n, first_image = len(prompt.token_ids), prompt.image_spans[0][0]
+    assert [cached for *_, cached in warm] == [0, (n - 1) // 4 * 4, first_image // 4 * 4]
+    assert_same_answers(warm[1:], cold)
+
+
 # every shared check; tests/test_model_suites.py holds each family file to running them all
 CHECKS = (
     test_loads_by_model_type,
@@ -262,6 +279,7 @@ CHECKS = (
     test_restore_after_a_failed_image_step,
     test_image_and_text_sequences_batched_match_alone,
     test_paged_runner_matches_the_reference_with_images,
+    test_a_prefix_hit_needs_the_same_images,
 )
 
 

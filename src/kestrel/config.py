@@ -31,6 +31,7 @@ class CacheConfig:
     block_size: int = 64  # tokens per block of the paged pool
     gpu_memory_utilization: float = 0.9  # of the card, for weights, activations and the pool
     num_blocks: int | None = None  # a fixed pool size (tests); None: sized from free memory
+    prefix_caching: bool = True  # full KV blocks are kept and reused by later prompts
 
 
 @dataclass

@@ -19,6 +19,12 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         "--max-kv-size", type=int, default=0, help="per-sequence KV bound in tokens (0 = off)"
     )
     p.add_argument("--keep", type=int, default=4, help="sink tokens kept when trimming")
+    p.add_argument(
+        "--no-prefix-caching",
+        dest="prefix_caching",
+        action="store_false",
+        help="recompute every prompt instead of reusing the KV of prefixes seen before",
+    )
     p.add_argument("-c", "--ctx-size", type=int, default=0, help="context length (0 = the model's)")
     p.add_argument(
         "--prefill-chunk-size",

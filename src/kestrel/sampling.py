@@ -39,6 +39,7 @@ class SamplingParams:
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     structured_output: StructuredOutput | None = None  # the grammar every token must follow
+    cache_prompt: bool = True  # may reuse cached prefix KV (llama-server's opt-out: False)
 
     def __post_init__(self):
         if isinstance(self.stop, str):

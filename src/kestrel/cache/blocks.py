@@ -13,9 +13,17 @@ keys elsewhere, and the manager then counts its memory with one-token blocks.
 
 Blocks given back during a step are reusable only after `commit()` (the runner calls it once the
 step ran), so restoring a failed step never finds a trimmed block overwritten.
+
+With prefix caching (cache/prefix.py) a full block may be held by several tables: each block
+counts its holders, is written only by the sequence that allocated it (a hit covers whole blocks,
+and every sequence writes only positions after its hit), and when its last holder lets go stays
+cached, evictable, until the pool needs it. Keys computed after a sequence's first trim saw fewer
+keys than a full prompt would, so only the blocks before its first trim are cached.
 """
 
 from dataclasses import dataclass, field
+
+from kestrel.cache.prefix import Hit, PrefixCache, chain
 
 
 class KVPoolExhaustedError(RuntimeError):
@@ -59,6 +67,8 @@ class BlockTable:
     live_start: int = 0
     keep: int = 0
     held: tuple[tuple[int, int], ...] = ()
+    keys: tuple[bytes, ...] = ()  # prefix-cache keys of its logical blocks 0, 1, ... so far
+    full_view_until: int | None = None  # tokens computed before its first trim (None: none yet)
     _table: tuple | None = field(default=None, repr=False)  # (held, its table), cached
 
     def live_tokens(self, offset: int) -> int:
@@ -74,6 +84,8 @@ class BlockTable:
         """Drop the `n` oldest tokens after the `keep` sinks; blocks left with no live key go."""
         if n <= 0:
             return
+        if self.full_view_until is None:
+            self.full_view_until = offset
         self.keep = keep
         self.live_start = trimmed_live_start(offset, self.live_start, keep, n)
         self._give_back_dead(offset)
@@ -89,33 +101,40 @@ class BlockTable:
 
     def blocks_needed(self, offset: int, m: int, max_kv_size: int | None, keep: int) -> int:
         """New blocks that `make_room` and `reserve` of m tokens would take (nothing changes)."""
-        saved = (self.live_start, self.keep, self.held, self.manager.tokens_trimmed)
-        pending = set(self.manager.pending)
+        saved = (self.live_start, self.keep, self.held)
         try:
-            self.make_room(offset, m, max_kv_size, keep)
-            if self.manager.evict_window is not None:
-                self._give_back_dead(offset)
+            n = tokens_to_trim(self.live_tokens(offset), m, max_kv_size, keep)
+            if n > 0:
+                self.keep = keep
+                self.live_start = trimmed_live_start(offset, self.live_start, keep, n)
+            if n > 0 or self.manager.evict_window is not None:
+                self.held = self._alive(offset)
             return len(self._new_logical(offset, m))
         finally:
-            self.live_start, self.keep, self.held, self.manager.tokens_trimmed = saved
-            self.manager.pending = pending
+            self.live_start, self.keep, self.held = saved
 
     def _new_logical(self, offset: int, m: int) -> range:
         size = self.manager.block_size
         have = self.held[-1][0] + 1 if self.held else 0
         return range(have, (offset + m + size - 1) // size)
 
-    def _give_back_dead(self, next_position: int) -> None:
+    def _alive(self, next_position: int) -> tuple[tuple[int, int], ...]:
+        """The held blocks that still hold a key the query at `next_position` may see."""
         size, sinks = self.manager.block_size, min(self.keep, self.live_start)
         first_live = self.live_start
         window = self.manager.evict_window
         if window is not None:  # the next query sees keys > next_position - window
             first_live = max(first_live, next_position - window + 1)
-        alive = lambda b: b * size < sinks or (b + 1) * size > first_live  # noqa: E731
-        dead = [phys for logical, phys in self.held if not alive(logical)]
-        if dead:
-            self.held = tuple((lg, ph) for lg, ph in self.held if alive(lg))
-            self.manager.pending.update(dead)
+        return tuple(
+            (lg, ph) for lg, ph in self.held if lg * size < sinks or (lg + 1) * size > first_live
+        )
+
+    def _give_back_dead(self, next_position: int) -> None:
+        alive = self._alive(next_position)
+        if len(alive) < len(self.held):
+            for _, phys in set(self.held) - set(alive):
+                self.manager.drop(phys, at_commit=True)
+            self.held = alive
 
     def table(self) -> tuple[list[int], int, int]:
         """(physical blocks in order, n_sink, main_start): entry j holds logical block j for
@@ -142,21 +161,24 @@ class BlockTable:
         return [block_of[q // size] * size + q % size for q in range(start, start + n)]
 
     def checkpoint(self) -> tuple:
-        return (self.live_start, self.keep, self.held)
+        return (self.live_start, self.keep, self.held, self.full_view_until)
 
     def restore(self, state: tuple) -> None:
-        self.live_start, self.keep, held = state
+        self.live_start, self.keep, held, self.full_view_until = state
         before = {phys for _, phys in held}
         now = {phys for _, phys in self.held}
-        self.manager.free.extend(now - before)  # allocated since: never visible
-        self.manager.pending -= before - now  # given back since: take back
+        for phys in now - before:  # allocated since: never visible
+            self.manager.drop(phys)
+        for phys in before - now:  # given back since (not yet reusable): take back
+            self.manager.take(phys)
         self.held = held
 
 
 class BlockManager:
     """The KV blocks of every sequence: `num_blocks` ids from `first_id` (None: unlimited, only
     counted), `block_size` tokens each. `evict_window`: blocks behind it are dead (only when every
-    layer slides; None otherwise)."""
+    layer slides; None otherwise). `prefix_caching`: full blocks are kept and shared by key, for
+    sequences of at most `prefix_tokens` (None: any; the model's `chunk_invariant_tokens`)."""
 
     def __init__(
         self,
@@ -164,12 +186,17 @@ class BlockManager:
         block_size: int = 1,
         evict_window: int | None = None,
         first_id: int = 0,
+        prefix_caching: bool = False,
+        prefix_tokens: int | None = None,
     ):
         self.num_blocks, self.block_size, self.evict_window = num_blocks, block_size, evict_window
         end = first_id + (num_blocks or 0)
         self.free: list[int] = list(range(end - 1, first_id - 1, -1))  # pop() gives low ids first
         self._next_id = end  # ids past the pool, for an unlimited manager
-        self.pending: set[int] = set()  # given back this step; reusable after commit()
+        self.refs: dict[int, int] = {}  # block -> tables holding it (held blocks only)
+        self.pending: set[int] = set()  # let go of this step; reusable after commit()
+        self.prefix = PrefixCache() if prefix_caching else None
+        self.prefix_tokens = prefix_tokens
         self.tables: dict[str, BlockTable] = {}
         self.tokens_trimmed = 0  # over the manager's life (a metric)
 
@@ -183,11 +210,14 @@ class BlockManager:
 
     @property
     def num_free(self) -> int | None:
-        return len(self.free) if self.limited else None
+        """Blocks a sequence may take now: free ones and cached ones no sequence holds."""
+        if not self.limited:
+            return None
+        return len(self.free) + (len(self.prefix.idle) if self.prefix is not None else 0)
 
     @property
     def num_used(self) -> int:
-        return sum(len(t.held) for t in self.tables.values())
+        return len(self.refs)
 
     def table(self, request_id: str) -> BlockTable:
         if request_id not in self.tables:
@@ -196,27 +226,52 @@ class BlockManager:
 
     def fits(self, blocks: int) -> bool:
         """Whether `blocks` more are free now."""
-        return not self.limited or blocks <= len(self.free)
+        return not self.limited or blocks <= self.num_free
 
     def fits_alone(self, blocks: int) -> bool:
         """Whether one sequence may ever hold `blocks` (the whole pool free)."""
         return not self.limited or blocks <= self.num_blocks
 
     def allocate(self) -> int:
-        if self.free:
-            return self.free.pop()
-        if not self.limited:
+        """A block for new keys: a free one, else the least recently used cached one."""
+        block = self.free.pop() if self.free else None
+        if block is None and self.prefix is not None:
+            block = self.prefix.evict()
+        if block is None and not self.limited:
             self._next_id += 1
-            return self._next_id - 1
-        raise KVPoolExhaustedError(
-            f"KV pool exhausted ({self.num_blocks} blocks of {self.block_size} tokens)"
-        )
+            block = self._next_id - 1
+        if block is None:
+            raise KVPoolExhaustedError(
+                f"KV pool exhausted ({self.num_blocks} blocks of {self.block_size} tokens)"
+            )
+        self.refs[block] = 1
+        return block
+
+    def take(self, block: int) -> None:
+        """One more table holds `block` (a prefix hit, or a failed step's restore)."""
+        if block not in self.refs:
+            self.pending.discard(block)
+            if self.prefix is not None:
+                self.prefix.take(block)
+        self.refs[block] = self.refs.get(block, 0) + 1
+
+    def drop(self, block: int, at_commit: bool = False) -> None:
+        """One table fewer holds `block`; with the last, it goes back (after the step if
+        `at_commit`)."""
+        self.refs[block] -= 1
+        if self.refs[block] == 0:
+            del self.refs[block]
+            if at_commit:
+                self.pending.add(block)
+            else:
+                self._give_back([block])
 
     def release(self, request_id: str) -> None:
         """Give back a sequence's blocks now (it finished, failed or was preempted)."""
         table = self.tables.pop(request_id, None)
         if table is not None:
-            self._give_back(phys for _, phys in table.held)
+            for _, phys in table.held:
+                self.drop(phys)
 
     def commit(self) -> None:
         """The step ran: blocks given back during it may be handed out again."""
@@ -224,8 +279,49 @@ class BlockManager:
         self.pending = set()
 
     def _give_back(self, blocks) -> None:
-        if self.limited:
-            self.free.extend(blocks)
+        for block in blocks:
+            if block in self.refs or (self.prefix is not None and self.prefix.park(block)):
+                continue  # held again, or cached until evicted
+            if self.limited:
+                self.free.append(block)
+
+    # -- prefix caching ---------------------------------------------------------------------
+
+    def lookup(self, tokens: list[int], limit: int, images=()) -> Hit:
+        """The cached prefix of `tokens[:limit]` (nothing changes; see `attach`). `images`:
+        (first token, digest) of each image in them."""
+        if self.prefix is None or (self.prefix_tokens and len(tokens) > self.prefix_tokens):
+            return Hit()
+        size = self.block_size
+        keys = chain(tokens[: limit - limit % size], size, images)
+        window = None if self.evict_window is None else -(-(self.evict_window - 1) // size)
+        n = self.prefix.find(keys, window)
+        first = 0 if window is None else max(0, n - window)
+        blocks = tuple((b, self.prefix.block_of[keys[b]]) for b in range(first, n))
+        return Hit(n * size, blocks, tuple(keys[:n]))
+
+    def attach(self, table: BlockTable, hit: Hit) -> None:
+        """An empty table starts from a hit: it holds the hit's blocks."""
+        for _, block in hit.blocks:
+            self.take(block)
+        table.held, table.keys = hit.blocks, hit.keys
+
+    def publish(self, table: BlockTable, tokens: list[int], computed: int, images=()) -> None:
+        """After a step ran: cache the table's blocks that its `computed` tokens filled, up to
+        its first trim (`tokens`: the sequence's ids; `images` as in `lookup`)."""
+        if self.prefix is None or (self.prefix_tokens and computed > self.prefix_tokens):
+            return  # keys computed past `prefix_tokens` depend on the chunks: never shared
+        until = computed if table.full_view_until is None else min(computed, table.full_view_until)
+        first, size = len(table.keys), self.block_size
+        if until // size <= first:
+            return
+        parent = table.keys[-1] if table.keys else b""
+        keys = chain(tokens[: until - until % size], size, images, first, parent)
+        block_of = dict(table.held)
+        for logical, key in enumerate(keys, first):
+            if logical in block_of:
+                self.prefix.add(key, block_of[logical])
+        table.keys += tuple(keys)
 
     def peak_blocks(self, total_tokens: int, max_kv_size: int | None, keep: int) -> int:
         """The most blocks a sequence of `total_tokens` may need at once (under its KV bound: the

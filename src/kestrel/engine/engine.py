@@ -32,6 +32,7 @@ class RequestOutput:
     error: BaseException | None = None
     num_prompt_tokens: int = 0
     num_generated_tokens: int = 0
+    num_cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
 
 
 @dataclass
@@ -43,6 +44,10 @@ class EngineLoad:
     kv_tokens_in_use: int = 0
     kv_tokens_trimmed: int = 0
     preemptions: int = 0
+    prefix_queried_tokens: int = 0  # prompt tokens looked up in the prefix cache
+    prefix_hit_tokens: int = 0  # of which were found
+    prefix_cached_blocks: int = 0
+    prefix_evictions: int = 0
 
 
 class _TextState:
@@ -181,6 +186,7 @@ class Engine:
             error,
             len(request.prompt_ids),
             len(request.output_ids),
+            request.num_cached_tokens or 0,
         )
 
     def abort(self, request_id: str) -> bool:
@@ -198,13 +204,17 @@ class Engine:
         return self.scheduler.has_work()
 
     def snapshot(self) -> EngineLoad:
-        scheduler = self.scheduler
+        scheduler, prefix = self.scheduler, self.scheduler.blocks.prefix
+        cache = () if prefix is None else (
+            prefix.queried_tokens, prefix.hit_tokens, len(prefix.block_of), prefix.evictions
+        )
         return EngineLoad(
             len(scheduler.waiting),
             len(scheduler.running),
             self.runner.kv_tokens_in_use(),
             scheduler.blocks.tokens_trimmed,
             scheduler.num_preempted,
+            *cache,
         )
 
 
@@ -241,6 +251,7 @@ class RequestFactory:
             max_kv_size=kv_bound,
             keep=self.config.cache.keep,
             multimodal=multimodal,
+            image_keys=multimodal.image_keys() if multimodal is not None else (),
         )
 
     def _validate(self, prompt_ids: list[int], params: SamplingParams) -> None:

@@ -125,7 +125,14 @@ class GPURunner(ModelRunner):
         """A pool of `num_blocks` (block 0: scratch) and the manager of its blocks."""
         bs = self.cache_config.block_size
         self.pool = BlockPool(self.layout, num_blocks, bs, self.dtype, self.device)
-        self.blocks = BlockManager(num_blocks - 1, bs, evict_window(self.specs), first_id=1)
+        self.blocks = BlockManager(
+            num_blocks - 1,
+            bs,
+            evict_window(self.specs),
+            first_id=1,
+            prefix_caching=self.cache_config.prefix_caching,
+            prefix_tokens=self.model.chunk_invariant_tokens(),
+        )
 
     def block_manager(self, kv_capacity: int | None) -> BlockManager:
         """The pool's blocks (already bounded by `kv_capacity`): the scheduler plans with them."""
@@ -182,10 +189,13 @@ class GPURunner(ModelRunner):
     # -- the step -----------------------------------------------------------------------------
 
     def _cache(self, request: Request) -> PagedSequenceCache:
-        """The request's cache over the pool, placed by its block table (the scheduler's)."""
+        """The request's cache over the pool, placed by its block table (the scheduler's), from
+        where its prefix hit left it."""
         if request.request_id not in self.caches:
             table = self.blocks.table(request.request_id)
-            self.caches[request.request_id] = PagedSequenceCache(self.specs, table)
+            cache = PagedSequenceCache(self.specs, table)
+            cache.offset = request.num_computed
+            self.caches[request.request_id] = cache
         return self.caches[request.request_id]
 
     def execute(self, chunks: list[ScheduledChunk]) -> list[StepResult]:

@@ -28,8 +28,11 @@ class Request:
     # a prompt with images (kestrel.models.qwen_vl_processor.MultimodalPrompt, whose token_ids are prompt_ids);
     # opaque here: only the runner reads it. None for text.
     multimodal: object | None = None
+    # (first token, digest) of each image: images join the prefix-cache keys of their blocks
+    image_keys: tuple[tuple[int, bytes], ...] = ()
     output_ids: list[int] = field(default_factory=list)
     num_computed: int = 0  # tokens already written into the cache
+    num_cached_tokens: int | None = None  # prompt tokens a prefix hit gave it (set at admission)
     status: Status = Status.WAITING
     finish_reason: str | None = None
     arrival_time: float = field(default_factory=time.monotonic)
@@ -62,6 +65,23 @@ class Request:
                 return 1
             return min(chunk_size, self.max_kv_size - self.keep, prompt_left)
         return chunk_size
+
+    @property
+    def cache_prompt(self) -> bool:
+        """Whether it may reuse cached prefix blocks (llama-server's per-request opt-out)."""
+        return getattr(self.params, "cache_prompt", True)
+
+    def prefix_limit(self) -> int:
+        """How many leading tokens a prefix hit may cover: all but the last (its logits are
+        needed). Under a KV bound, none unless the prompt fits the bound, and at most the bound:
+        until its first trim a sequence's keys are those of an unbounded one, but chunk
+        boundaries decide which keys survive a trim, and a hit moves them."""
+        limit = len(self.prompt_ids) + len(self.output_ids) - 1
+        if self.max_kv_size:
+            if len(self.prompt_ids) > self.max_kv_size:
+                return 0
+            limit = min(limit, self.max_kv_size)
+        return limit
 
     def finish(self, reason: str) -> None:
         self.status = Status.FINISHED

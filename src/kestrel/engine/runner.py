@@ -209,6 +209,5 @@ def run_step(scheduler: Scheduler, runner: ModelRunner) -> list[StepResult]:
     if not plan.chunks:
         return []
     results = runner.execute(plan.chunks)
-    for chunk in plan.chunks:
-        chunk.request.num_computed += chunk.num_tokens
+    scheduler.computed(plan.chunks, {r.request.request_id for r in results if r.error})
     return results

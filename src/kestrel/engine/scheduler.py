@@ -92,15 +92,57 @@ class Scheduler:
                 budget -= self._prefill(kv, request, budget, chunks)
         while self.waiting and len(self.running) < self.config.max_num_seqs:
             request = self.waiting[0]  # FIFO: starts when its first chunk fits
-            first = min(request.num_pending, request.max_chunk(self.config.prefill_chunk_size))
-            if request in preempted or kv.fit(request, first) < first:
+            if request in preempted:
                 break
+            self._reuse_prefix(request)
+            first = min(request.num_pending, request.max_chunk(self.config.prefill_chunk_size))
+            if kv.fit(request, first) < first:
+                kv.free(request)
+                request.num_computed = 0
+                break
+            self._count_prefix(request)
             self.waiting.popleft()
             request.status = Status.RUNNING
             self.running.append(request)
             if budget > 0:
                 budget -= self._prefill(kv, request, budget, chunks)
         return SchedulerOutput(chunks, preempted)
+
+    def _reuse_prefix(self, request: Request) -> None:
+        """Start a request that holds nothing from the cached blocks of its longest cached
+        prefix (a new request, or a preempted one being recomputed)."""
+        if request.num_computed or not request.cache_prompt:
+            return
+        hit = self.blocks.lookup(request.all_ids, request.prefix_limit(), request.image_keys)
+        if hit.tokens:
+            self.blocks.attach(self.blocks.table(request.request_id), hit)
+            request.num_computed = hit.tokens
+
+    def _count_prefix(self, request: Request) -> None:
+        """A request starts: its prompt's lookup and hit go to the metrics (the first time)."""
+        if request.num_cached_tokens is not None:
+            return
+        request.num_cached_tokens = min(request.num_computed, len(request.prompt_ids))
+        prefix = self.blocks.prefix
+        if prefix is not None and request.cache_prompt:
+            prefix.queried_tokens += len(request.prompt_ids)
+            prefix.hit_tokens += request.num_cached_tokens
+
+    def computed(self, chunks: list[ScheduledChunk], failed: set[str]) -> None:
+        """The step ran: each chunk's tokens are in its cache, and the blocks they filled are
+        cached for later prompts (not those of chunks that failed: their keys were undone)."""
+        for chunk in chunks:
+            request = chunk.request
+            request.num_computed += chunk.num_tokens
+            table = self.blocks.tables.get(request.request_id)
+            if table is None or request.request_id in failed:
+                continue
+            if self.blocks.prefix is not None and request.num_computed >= (
+                len(table.keys) + 1
+            ) * self.blocks.block_size:
+                self.blocks.publish(
+                    table, request.all_ids, request.num_computed, request.image_keys
+                )
 
     def _prefill(self, kv: "_KVPlan", request: Request, budget: int, chunks: list) -> int:
         """Plan the request's next prompt chunk within budget and capacity; tokens planned."""

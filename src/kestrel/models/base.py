@@ -111,6 +111,15 @@ class CausalLM(nn.Module):
         shape = KVShape(self.config.num_key_value_heads, head_dim(self.config))
         return [shape if spec.kind in KV_KINDS else None for spec in self.cache_specs()]
 
+    def chunk_invariant_tokens(self) -> int | None:
+        """Sequences of at most this many tokens get the same keys however their prompt is cut
+        into chunks, so a prefix hit changes nothing (None: any length). Past its original
+        context LongRoPE picks its factors per chunk."""
+        from kestrel.models.layers.rope import LongRotaryEmbedding
+
+        limits = [m.original_max for m in self.modules() if isinstance(m, LongRotaryEmbedding)]
+        return min(limits, default=None)
+
     def kv_bytes_per_token(self, dtype: torch.dtype) -> int:
         """Bytes of KV cache one token costs across all layers (for `inspect` and pool sizing)."""
         return kv_bytes(self.kv_layout(), torch.finfo(dtype).bits // 8)

@@ -14,6 +14,7 @@ and decodes as usual. (Runners that pack without SeqChunks put the same inputs o
 ForwardBatch, with batch rows.)
 """
 
+import hashlib
 import logging
 from dataclasses import dataclass
 
@@ -44,6 +45,19 @@ class MultimodalPrompt:
     def rope_delta(self) -> int:
         """What the text after the prompt adds to its positions for RoPE."""
         return int(self.rope_positions.max()) + 1 - len(self.token_ids)
+
+    def image_keys(self) -> tuple[tuple[int, bytes], ...]:
+        """(first token, digest of its pixels and grid) of each image, for the prefix cache:
+        the same text with another image is another prefix."""
+        keys, row = [], 0
+        for (start, _), grid in zip(self.image_spans, self.image_grid_thw.tolist(), strict=True):
+            n = grid[0] * grid[1] * grid[2]
+            pixels = self.pixel_values[row : row + n].float().contiguous().numpy().tobytes()
+            digest = hashlib.blake2b(pixels, digest_size=16)
+            digest.update(repr(grid).encode())
+            keys.append((start, digest.digest()))
+            row += n
+        return tuple(keys)
 
     def image_rows(self) -> torch.Tensor:
         """(N,) prompt index of each image token, in the order of the encoded features."""

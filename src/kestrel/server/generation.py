@@ -15,7 +15,7 @@ from kestrel.engine.engine import RequestOutput
 from kestrel.models.qwen_vl_processor import MultimodalPrompt
 from kestrel.sampling import SamplingParams
 from kestrel.server.errors import ClientDisconnected, sse_error
-from kestrel.server.protocol import TokenLogprob, TopLogprob, Usage
+from kestrel.server.protocol import PromptTokensDetails, TokenLogprob, TopLogprob, Usage
 
 log = logging.getLogger("kestrel.server")
 
@@ -37,6 +37,7 @@ class Choice:
     finish_reason: str | None = None
     prompt_tokens: int = 0
     generated_tokens: int = 0
+    cached_tokens: int = 0
 
     def add(self, output: RequestOutput) -> None:
         self.text += output.new_text
@@ -45,6 +46,7 @@ class Choice:
         self.finish_reason = output.finish_reason
         self.prompt_tokens = output.num_prompt_tokens
         self.generated_tokens = output.num_generated_tokens
+        self.cached_tokens = output.num_cached_tokens
 
 
 class Generation:
@@ -60,6 +62,7 @@ class Generation:
     ):
         self.engine = engine
         self.request_id = request_id
+        self.n = params.n
         self.prompt_tokens = sum(
             len(p.token_ids if isinstance(p, MultimodalPrompt) else p) for p in prompts
         )
@@ -105,10 +108,13 @@ class Generation:
 
     def usage(self) -> Usage:
         completion = sum(c.generated_tokens for c in self.choices)
+        # each prompt counts once (as prompt_tokens does): its first choice's hit
+        cached = sum(c.cached_tokens for c in self.choices[:: self.n])
         return Usage(
             prompt_tokens=self.prompt_tokens,
             completion_tokens=completion,
             total_tokens=self.prompt_tokens + completion,
+            prompt_tokens_details=PromptTokensDetails(cached_tokens=cached),
         )
 
 

@@ -73,6 +73,22 @@ class EngineCollector:
         yield _counter(
             "kestrel_preemptions", "requests preempted for KV (then recomputed)", load.preemptions
         )
+        yield _counter(
+            "kestrel_prefix_cache_queries",
+            "prompt tokens looked up in the prefix cache",
+            load.prefix_queried_tokens,
+        )
+        yield _counter(
+            "kestrel_prefix_cache_hits",
+            "prompt tokens whose KV the prefix cache held",
+            load.prefix_hit_tokens,
+        )
+        yield _gauge("kestrel_prefix_cache_blocks", "KV blocks cached", load.prefix_cached_blocks)
+        yield _counter(
+            "kestrel_prefix_cache_evictions",
+            "cached KV blocks evicted for new ones",
+            load.prefix_evictions,
+        )
         finished = CounterMetricFamily(
             "kestrel_requests_finished", "engine requests by finish reason", labels=["reason"]
         )

@@ -228,6 +228,7 @@ class _SamplingRequest(_CheckedRequest):
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     max_kv_size: int | None = Field(None, description="a per-request KV bound, below the server's")
+    cache_prompt: bool = True  # llama-server's: False recomputes the prompt (same output)
     # structured output: OpenAI's response_format, vLLM's guided_* and structured_outputs
     response_format: ResponseFormat | None = None
     guided_json: dict | str | None = None
@@ -262,6 +263,7 @@ class _SamplingRequest(_CheckedRequest):
             skip_special_tokens=self.skip_special_tokens,
             include_stop_str_in_output=self.include_stop_str_in_output,
             structured_output=one_structured_output([*self.constraints(), *extra]),
+            cache_prompt=self.cache_prompt,
         )
 
     def constraints(self) -> list[StructuredOutput]:
@@ -504,7 +506,7 @@ class LlamaCompletionRequest(_CheckedRequest):
     return_tokens: bool = False
     timings_per_token: bool = False
     response_fields: list[str] | None = None
-    cache_prompt: bool = True  # a hint: reusing a cached prefix never changes the output
+    cache_prompt: bool = True  # False: recompute the prompt (reusing a prefix changes no output)
     grammar: str = ""  # GBNF
     json_schema: dict | None = None
 
@@ -544,6 +546,7 @@ class LlamaCompletionRequest(_CheckedRequest):
                 stop=self.stop,
                 ignore_eos=self.ignore_eos,
                 logprobs=self.n_probs or None,
+                cache_prompt=self.cache_prompt,
                 structured_output=one_structured_output(
                     _constraints(
                         grammar=(self.grammar or None, "grammar"),
@@ -691,10 +694,15 @@ def _logit_bias(bias: dict[str, float] | None) -> dict[int, float] | None:
 # -- responses --------------------------------------------------------------------------------
 
 
+class PromptTokensDetails(_Response):
+    cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
+
+
 class Usage(_Response):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    prompt_tokens_details: PromptTokensDetails | None = None
 
 
 class TopLogprob(_Response):

@@ -15,8 +15,9 @@ blocks in the conversation go back into the template as the assistant's calls an
 
 A 400 answers what is not built: image URL sources (nothing is fetched over the network), a
 final assistant message (prefilling the answer), and every field not declared below (thinking,
-...). `cache_control` is accepted: it never changes the answer, and usage reports that nothing
-was cached.
+...). `cache_control` is accepted and changes nothing: every prompt's prefix is cached
+automatically, and usage reports what was read from that cache as Anthropic does
+(`cache_read_input_tokens`, beside the uncached `input_tokens`).
 """
 
 import json
@@ -173,8 +174,17 @@ class TextContent(BaseModel):
 class MessagesUsage(BaseModel):
     input_tokens: int
     output_tokens: int
-    cache_creation_input_tokens: int = 0  # nothing is cached (cache_control changes nothing)
+    cache_creation_input_tokens: int = 0  # caching is automatic: nothing is "written" on request
     cache_read_input_tokens: int = 0
+
+    @classmethod
+    def of(cls, generation, choice) -> "MessagesUsage":
+        cached = choice.cached_tokens
+        return cls(
+            input_tokens=generation.prompt_tokens - cached,
+            output_tokens=choice.generated_tokens,
+            cache_read_input_tokens=cached,
+        )
 
 
 StopReason = Literal["end_turn", "max_tokens", "stop_sequence", "tool_use"]
@@ -236,9 +246,7 @@ async def create_message(body: MessagesRequest, http: Request):
         content=[*content, *(ToolUseContent.of(call) for call in calls)],
         stop_reason=_stop_reason(choice, stop, len(calls)),
         stop_sequence=stop,
-        usage=MessagesUsage(
-            input_tokens=generation.prompt_tokens, output_tokens=choice.generated_tokens
-        ),
+        usage=MessagesUsage.of(generation, choice),
     )
 
 
@@ -327,6 +335,6 @@ async def _events(
     yield _event(
         "message_delta",
         delta={"stop_reason": _stop_reason(choice, stop, streamed.calls), "stop_sequence": stop},
-        usage={"input_tokens": generation.prompt_tokens, "output_tokens": choice.generated_tokens},
+        usage=MessagesUsage.of(generation, choice).model_dump(),
     )
     yield _event("message_stop")

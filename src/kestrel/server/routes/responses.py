@@ -440,6 +440,7 @@ class Answer:
             self.output,
             ResponseUsage(
                 input_tokens=usage.prompt_tokens,
+                input_tokens_details={"cached_tokens": usage.prompt_tokens_details.cached_tokens},
                 output_tokens=usage.completion_tokens,
                 total_tokens=usage.total_tokens,
             ),
