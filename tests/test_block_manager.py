@@ -76,3 +76,105 @@ def test_an_empty_pool_raises_and_an_unlimited_one_never_does():
 @pytest.mark.parametrize("total,bound,expected", [(40, None, 10), (40, 16, 1 + 4 + 2), (10, 16, 3)])
 def test_peak_blocks_bound_what_one_sequence_can_hold(total, bound, expected):
     assert BlockManager(100, block_size=4).peak_blocks(total, bound, keep=2) == expected
+
+
+# -- prefix caching ------------------------------------------------------------------------------
+
+
+def cached_manager(num_blocks=8, evict_window=None) -> BlockManager:
+    return BlockManager(num_blocks, 4, evict_window, prefix_caching=True)
+
+
+def run_prompt(blocks: BlockManager, request_id: str, tokens: list[int]) -> None:
+    """A sequence that computed `tokens` (after its hit, if any) and published its full blocks."""
+    table = blocks.table(request_id)
+    hit = blocks.lookup(tokens, len(tokens) - 1)
+    if not table.held and hit.tokens:
+        blocks.attach(table, hit)
+    start = hit.tokens
+    table.reserve(start, len(tokens) - start)
+    blocks.publish(table, tokens, len(tokens))
+    blocks.commit()
+
+
+def test_a_finished_sequence_leaves_its_full_blocks_for_the_same_prefix():
+    blocks = cached_manager()
+    run_prompt(blocks, "a", list(range(10)))  # blocks 0, 1 full; 2 partial
+    first = dict(blocks.table("a").held)
+    blocks.release("a")
+    assert blocks.num_free == 8 and len(blocks.prefix.block_of) == 2  # cached, yet free
+    hit = blocks.lookup(list(range(9)) + [77, 78], 10)
+    assert hit.tokens == 8 and dict(hit.blocks) == {0: first[0], 1: first[1]}
+    assert blocks.lookup([5] + list(range(1, 12)), 11).tokens == 0  # another first block: a miss
+    assert blocks.lookup(list(range(9)), 8).tokens == 8  # may cover at most `limit`
+    assert blocks.lookup(list(range(9)), 7).tokens == 4
+
+
+def test_shared_blocks_are_held_until_their_last_holder_lets_go():
+    blocks = cached_manager()
+    run_prompt(blocks, "a", list(range(9)))
+    run_prompt(blocks, "b", list(range(8)) + [50, 51, 52])
+    a, b = dict(blocks.table("a").held), dict(blocks.table("b").held)
+    assert a[0] == b[0] and a[1] == b[1] and a[2] != b[2]
+    assert blocks.num_used == 4  # two shared, one each
+    blocks.release("a")
+    assert blocks.num_used == 3 and blocks.refs[b[0]] == 1
+    blocks.release("b")
+    assert blocks.num_used == 0 and blocks.num_free == 8
+
+
+def test_the_pool_evicts_the_least_recently_used_cached_block_only_when_it_must():
+    blocks = cached_manager(num_blocks=6)
+    for name, first in (("a", 0), ("b", 100)):  # two cached blocks each, and a partial one
+        run_prompt(blocks, name, list(range(first, first + 9)))
+        blocks.release(name)
+    assert len(blocks.prefix.block_of) == 4 and blocks.num_free == 6
+    table = blocks.table("c")
+    table.reserve(0, 12)  # two free blocks, then the oldest cached one (a's block 0)
+    assert blocks.prefix.evictions == 1
+    assert blocks.lookup(list(range(9)), 8).tokens == 0
+    assert blocks.lookup(list(range(100, 109)), 8).tokens == 8
+    table.reserve(12, 12)
+    assert blocks.prefix.evictions == 4 and not blocks.prefix.block_of
+    with pytest.raises(KVPoolExhaustedError):  # held blocks are never evicted
+        table.reserve(24, 1)
+
+
+def test_a_trimmed_sequence_caches_only_the_blocks_before_its_first_trim():
+    blocks = cached_manager(num_blocks=16)
+    table = blocks.table("a")
+    tokens = list(range(24))
+    table.reserve(0, 8)
+    blocks.publish(table, tokens, 8)
+    table.make_room(8, 8, max_kv_size=12, keep=0)  # 8 + 8 > 12: the first trim
+    table.reserve(8, 8)
+    blocks.publish(table, tokens, 16)
+    assert len(blocks.prefix.block_of) == 2 and table.full_view_until == 8
+    assert blocks.lookup(tokens, 23).tokens == 8
+
+
+def test_where_every_layer_slides_a_hit_needs_only_the_blocks_in_the_window():
+    blocks = cached_manager(num_blocks=16, evict_window=5)
+    tokens = list(range(20))
+    table = blocks.table("a")
+    for start in range(0, 16, 4):  # chunk by chunk: the window drops the oldest blocks
+        table.reserve(start, 4)
+        blocks.publish(table, tokens, start + 4)
+        blocks.commit()
+    blocks.release("a")
+    blocks.prefix.evict(), blocks.prefix.evict()  # the two least recently used: blocks 0 and 1
+    hit = blocks.lookup(tokens, 17)
+    assert hit.tokens == 16 and [lg for lg, _ in hit.blocks] == [3]  # sees keys > 11 only
+    assert len(hit.keys) == 4  # the chain goes on from all four
+
+
+def test_restore_takes_back_a_shared_block_a_failed_trim_let_go():
+    blocks = cached_manager()
+    run_prompt(blocks, "a", list(range(9)))
+    run_prompt(blocks, "b", list(range(9)))
+    table = blocks.table("b")
+    saved = table.checkpoint()
+    table.make_room(9, 3, max_kv_size=8, keep=0)  # lets go of the shared block 0
+    table.restore(saved)
+    assert {blocks.refs[phys] for _, phys in list(table.held)[:2]} == {2}
+    assert not blocks.pending

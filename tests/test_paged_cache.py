@@ -377,9 +377,10 @@ def test_seeded_sampling_continues_exactly_across_preemption(paged):
 
 
 def test_pool_sized_by_a_probe_step_then_generates_as_reference():
-    """With no fixed `num_blocks` the runner sizes its pool by running the largest step first
-    (on CUDA from the memory it measures; here the same probe step, then a fixed pool). A probe
-    that the runner cannot run breaks every GPU user at start (issue 13), so CI runs it too."""
+    """With no fixed `num_blocks` the runner sizes its pool: on CUDA from the memory it measures
+    around a probe of the largest step, on the CPU for every running sequence's whole context.
+    A probe that the runner cannot run breaks every GPU user at start (issue 13), so CI runs it
+    too."""
     model, cpu = tiny_model("llama"), torch.device("cpu")
     seqs = prompts(5, 8)
 
@@ -389,8 +390,11 @@ def test_pool_sized_by_a_probe_step_then_generates_as_reference():
         return [r.output_ids for r in reqs]
 
     paged = GPURunner(model, cpu, 4, 16, 256, CacheConfig(block_size=4), cuda_graphs=False)
-    assert paged.pool.num_blocks == 1024 and paged.blocks.num_free == 1023  # block 0: padding
-    assert not paged.caches  # the probe left nothing behind
+    blocks = 4 * (256 // 4 + 1) + 1  # a partial block per context, and block 0 (padding)
+    assert paged.pool.num_blocks == blocks and paged.blocks.num_free == blocks - 1
+    paged._run_probe_step()
+    assert paged.pool is None and not paged.caches  # the probe left nothing behind
+    paged._use_pool(blocks)
     assert greedy(paged) == greedy(ModelRunner(model, cpu))
 
 

@@ -7,7 +7,9 @@ DESIGN.md section 1 (window, sinks, live start) is applied to those positions in
 kernel.
 """
 
-from dataclasses import dataclass
+import math
+import mmap
+from dataclasses import dataclass, field
 
 import torch
 
@@ -27,8 +29,7 @@ class BlockPool:
         def zeros(shape: KVShape | None, values: bool):
             if shape is None or (values and shape.value_dim):
                 return None
-            dims = (num_blocks, block_size, shape.heads, shape.dim)
-            return torch.zeros(dims, dtype=dtype, device=device)
+            return _zeros((num_blocks, block_size, shape.heads, shape.dim), dtype, device)
 
         self.layout = layout
         self.k = [zeros(shape, False) for shape in layout]
@@ -38,6 +39,16 @@ class BlockPool:
     @staticmethod
     def bytes_per_block(layout: list[KVShape | None], block_size: int, dtype) -> int:
         return kv_bytes(layout, torch.finfo(dtype).bits // 8) * block_size
+
+
+def _zeros(dims: tuple[int, ...], dtype, device) -> torch.Tensor:
+    """A zeroed tensor; on the CPU in anonymous memory, whose pages the OS maps (zeroed) as they
+    are first written, so a pool sized for every context costs only what sequences fill."""
+    if torch.device(device).type != "cpu":
+        return torch.zeros(dims, dtype=dtype, device=device)
+    itemsize = torch.finfo(dtype).bits // 8
+    memory = mmap.mmap(-1, max(1, math.prod(dims) * itemsize))
+    return torch.frombuffer(memory, dtype=dtype).view(dims)
 
 
 class PagedSequenceCache(SequenceCache):
@@ -103,6 +114,13 @@ class PagedAttention:
     keep: torch.Tensor
     tile_tokens: int
     use_triton: bool = True
+    _torch_tiles: dict = field(default_factory=dict, repr=False)  # window -> torch_tiles
+
+    def torch_tiles(self, window: int | None) -> list[tuple]:
+        """The PyTorch attention's tiles, built once per batch and window (not per layer)."""
+        if window not in self._torch_tiles:
+            self._torch_tiles[window] = torch_tiles(self, window)
+        return self._torch_tiles[window]
 
     def __call__(self, q, k, v, layer_idx, scale, window=None, cache_layer_idx=None):
         """q: (T, Hq, D), k/v: (T, Hkv, D) -> (T, Hq, D); writes k/v unless reading another layer."""
@@ -144,22 +162,31 @@ def paged_attention_torch(q, k_cache, v_cache, meta, scale, window=None, value_d
     bs, hkv, d = k_cache.shape[1:]
     dv = value_dim or v_cache.shape[-1]
     out = q.new_zeros(*q.shape[:2], dv)
-    host = lambda t: t.tolist()  # noqa: E731
-    seqs, starts, lens = host(meta.tile_seq), host(meta.tile_start), host(meta.tile_len)
-    for s, start, n in zip(seqs, starts, lens, strict=True):
-        if n == 0:
-            continue
-        nb = int(meta.num_blocks[s])
-        blocks = meta.block_tables[s, :nb].long()
+    for start, n, blocks, mask in meta.torch_tiles(window):
+        nb = len(blocks)
         keys = k_cache[blocks].reshape(nb * bs, hkv, d).transpose(0, 1)  # (Hkv, L, D)
         if v_cache is None:
             values = keys[..., :dv]
         else:
             values = v_cache[blocks].reshape(nb * bs, hkv, dv).transpose(0, 1)
-        k_pos = key_positions(bs, nb, int(meta.n_sink[s]), int(meta.main_start[s]), q.device)
-        q_pos = meta.positions[start : start + n]
-        live = (k_pos < meta.keep[s]) | (k_pos >= meta.live_start[s])
-        mask = visible_mask(q_pos, k_pos, window) & live[None, :]
         rows = q[start : start + n].transpose(0, 1)  # (Hq, n, D)
         out[start : start + n] = attend(rows, keys, values, mask, scale).transpose(0, 1)
     return out
+
+
+def torch_tiles(meta: "PagedAttention", window: int | None) -> list[tuple]:
+    """Per non-empty query tile: (first row, rows, its sequence's blocks, (rows, keys) mask)."""
+    host = lambda t: t.tolist()  # noqa: E731
+    seqs, starts, lens = host(meta.tile_seq), host(meta.tile_start), host(meta.tile_len)
+    tiles = []
+    for s, start, n in zip(seqs, starts, lens, strict=True):
+        if n == 0:
+            continue
+        nb = int(meta.num_blocks[s])
+        blocks = meta.block_tables[s, :nb].long()
+        bs = meta.pool.block_size
+        k_pos = key_positions(bs, nb, int(meta.n_sink[s]), int(meta.main_start[s]), blocks.device)
+        q_pos = meta.positions[start : start + n]
+        live = (k_pos < meta.keep[s]) | (k_pos >= meta.live_start[s])
+        tiles.append((start, n, blocks, visible_mask(q_pos, k_pos, window) & live[None, :]))
+    return tiles

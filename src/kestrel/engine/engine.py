@@ -205,8 +205,10 @@ class Engine:
 
     def snapshot(self) -> EngineLoad:
         scheduler, prefix = self.scheduler, self.scheduler.blocks.prefix
-        cache = () if prefix is None else (
-            prefix.queried_tokens, prefix.hit_tokens, len(prefix.block_of), prefix.evictions
+        cache = (
+            ()
+            if prefix is None
+            else (prefix.queried_tokens, prefix.hit_tokens, len(prefix.block_of), prefix.evictions)
         )
         return EngineLoad(
             len(scheduler.waiting),

@@ -8,6 +8,7 @@ tested against the reference runner without a GPU.
 
 import logging
 import math
+import os
 from array import array
 from dataclasses import dataclass, field
 
@@ -58,8 +59,9 @@ def pool_serves(model) -> bool:
 
 
 def make_runner(model, device: torch.device, config: Config, max_model_len: int) -> ModelRunner:
-    """The paged runner on CUDA for models the pool serves; the reference runner otherwise."""
-    if device.type == "cuda" and pool_serves(model):
+    """The paged runner for models the pool serves, on CUDA and the CPU (its KV written in place,
+    prefixes cached); the reference runner otherwise (recurrent state)."""
+    if pool_serves(model):
         sched = config.scheduler
         return GPURunner(
             model,
@@ -96,8 +98,10 @@ class GPURunner(ModelRunner):
         bs = self.cache_config.block_size
         self.table_width = (max_model_len + bs - 1) // bs + 2
         self.dtype = next(model.parameters()).dtype
-        self.tile_tokens = self._tile_tokens(model.config.get_text_config().num_attention_heads)
         self.use_triton = device.type == "cuda"
+        # the PyTorch attention gathers a sequence's keys once per tile: one tile per chunk
+        heads = model.config.get_text_config().num_attention_heads
+        self.tile_tokens = self._tile_tokens(heads) if self.use_triton else token_budget
         if self.use_triton:  # fused Triton norms/RoPE/MLP
             from kestrel.models.layers.fused import fuse_model
 
@@ -140,9 +144,12 @@ class GPURunner(ModelRunner):
 
     def _profile_num_blocks(self) -> int:
         """Blocks that fit in --gpu-memory-utilization of the card after the weights and the
-        activations of the largest step (measured by running one). The CPU (tests) runs the
-        same probe step and gets a fixed pool."""
+        activations of the largest step (measured by running one). On the CPU, room for every
+        running sequence's whole context within a quarter of the machine's memory (the pool's
+        pages are mapped as they are first written)."""
         cuda = self.device.type == "cuda"
+        if not cuda:
+            return self._cpu_num_blocks()
         if cuda:
             torch.cuda.synchronize()
             # weights replaced at load (fused copies) stay reserved by PyTorch's cache and would
@@ -152,8 +159,6 @@ class GPURunner(ModelRunner):
             before = torch.cuda.memory_allocated(self.device)
             torch.cuda.reset_peak_memory_stats(self.device)
         self._run_probe_step()
-        if not cuda:
-            return 1024
         torch.cuda.synchronize()
         activations = torch.cuda.max_memory_allocated(self.device) - before
         torch.cuda.empty_cache()
@@ -174,6 +179,13 @@ class GPURunner(ModelRunner):
             blocks * per_block / 2**30,
         )
         return blocks
+
+    def _cpu_num_blocks(self) -> int:
+        bs = self.cache_config.block_size
+        per_block = BlockPool.bytes_per_block(self.layout, bs, self.dtype)
+        memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        wanted = self.max_num_seqs * (self.table_width - 1)
+        return max(2, min(wanted, memory // 4 // per_block)) + 1  # + the scratch block
 
     def _run_probe_step(self) -> None:
         """One forward of the largest step (token_budget prompt tokens) over a pool just big

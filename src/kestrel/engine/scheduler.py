@@ -137,9 +137,10 @@ class Scheduler:
             table = self.blocks.tables.get(request.request_id)
             if table is None or request.request_id in failed:
                 continue
-            if self.blocks.prefix is not None and request.num_computed >= (
-                len(table.keys) + 1
-            ) * self.blocks.block_size:
+            if (
+                self.blocks.prefix is not None
+                and request.num_computed >= (len(table.keys) + 1) * self.blocks.block_size
+            ):
                 self.blocks.publish(
                     table, request.all_ids, request.num_computed, request.image_keys
                 )
