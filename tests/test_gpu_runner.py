@@ -121,3 +121,23 @@ def test_gpu_image_prompts_generate_as_cpu(graphs):
     cache = CacheConfig(block_size=16, num_blocks=64)
     runner = GPURunner(copy.deepcopy(model).cuda(), torch.device("cuda"), 4, 21, 256, cache, graphs)
     assert generate(runner, seqs, 24, 40, 2, chunk=7, images=images) == expected
+
+
+@pytest.mark.parametrize(
+    "kind,window", [("llama", None), ("llama", 7), ("gemma3", 6), ("minicpm3", None)]
+)
+def test_gpu_prefix_hits_give_the_tokens_of_cold_prompts(kind, window):
+    """On CUDA (Triton attention over shared blocks, graphs for decode) a prompt served after
+    another left its prefix cached gives the tokens it gives cold."""
+    from tests.family_suite import greedy, served
+
+    model = copy.deepcopy(tiny_model(kind, window)).cuda()
+    first, second = prompts(30, 30)
+    second = first[:22] + second[:8]
+
+    def run(cache: bool):
+        return served(model, [greedy(0, first), greedy(1, second)], cache, "cuda")
+
+    warm, cold = run(True), run(False)
+    assert [cached for *_, cached in warm] == [0, 20] and [c for *_, c in cold] == [0, 0]
+    assert [tokens for tokens, *_ in warm] == [tokens for tokens, *_ in cold]

@@ -32,7 +32,10 @@ def _chat(client, messages, **extra):
 def test_a_later_turn_reuses_the_earlier_turns_and_answers_as_a_recomputed_prompt(server):
     client = server.client()
     before = server.metrics()
-    messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Hi, who are you?"}]
+    messages = [
+        {"role": "system", "content": SYSTEM},
+        {"role": "user", "content": "Hi, who are you?"},
+    ]
     first = _chat(client, messages)
     assert first.usage.prompt_tokens > 300
     assert first.usage.prompt_tokens_details.cached_tokens == 0

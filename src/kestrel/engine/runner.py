@@ -112,7 +112,8 @@ class ModelRunner:
         if first >= prompt_len:
             return None, None
         features = self.image_features.get(request.request_id)
-        if features is None:  # once per request, at its first prefill chunk
+        images_left = any(end > first for _, end in prompt.image_spans)  # not in a prefix hit
+        if features is None and images_left:  # once per request, at its first prefill chunk
             dtype = next(self.model.parameters()).dtype
             pixels = prompt.pixel_values.to(self.device, dtype)
             features = self.model.encode_images(pixels, prompt.image_grid_thw)
