@@ -249,3 +249,21 @@ def test_roofline_reads_kv_bytes_from_the_family_not_the_config():
     work = Workload(num_requests=1, prompt_tokens=100, output_tokens=8)
     ceiling = ceilings(args, model, kv, torch.float32, work, 1)["ceiling_decode_tok_s"]
     assert ceiling == pytest.approx(1e12 / (active_weight_bytes(model) + kv * 100))
+
+
+def test_bench_serve_multi_turn_resends_the_history_and_compares_without_the_cache(
+    server, tmp_path
+):
+    flags = ["--multi-turn", "--conversations", "2", "--turns", "3", "--concurrency", "2"]
+    sizes = ["--system-tokens", "40", "--turn-tokens", "10", "--output-tokens", "4"]
+    no_cache, cache, summary = _bench_serve(server, tmp_path, *flags, *sizes, "--compare-no-cache")
+    assert (no_cache["prefix_caching"], cache["prefix_caching"]) == (False, True)
+    for r in (no_cache, cache):
+        assert (r["mode"], r["completed"], r["failed"]) == ("serve-multi-turn", 6, 0)
+        prompts = [t["mean_prompt_tokens"] for t in r["per_turn"]]
+        # each turn resends the last: its user message, the 4-token answer and this message
+        assert all(b >= a + 2 * 10 + 4 for a, b in zip(prompts, prompts[1:]))
+        assert all(0 < t["ttft_p50_s"] <= t["ttft_p99_s"] for t in r["per_turn"])
+    assert no_cache["cached_tokens"] == 0 and cache["cached_tokens"] >= 2 * 64  # turns 2 and 3
+    assert summary["mode"] == "serve-multi-turn-ratios"
+    assert summary["total_tok_s_ratio"] > 0 and summary["later_turns_ttft_p50_ratio"] > 0

@@ -28,9 +28,11 @@ class Result:
     error: str | None = None
     prompt_tokens: int = 0
     output_tokens: int = 0
+    cached_tokens: int | None = None  # usage.prompt_tokens_details.cached_tokens, if reported
     ttft: float = 0.0
     latency: float = 0.0
     itl: list[float] = field(default_factory=list)
+    text: str = ""  # what the server streamed (multi-turn sends it back as the history)
 
 
 def make_prompts(args) -> list:
@@ -51,7 +53,9 @@ def make_prompts(args) -> list:
     return prompts
 
 
-def request_body(args, model: str, prompt, max_tokens: int) -> tuple[str, dict]:
+def request_body(args, model: str, prompt, max_tokens: int, **extra) -> tuple[str, dict]:
+    """The streamed request of one prompt: token ids or text (completions), a text or a list of
+    chat messages (chat); `extra` joins the body."""
     body = {
         "model": model,
         "max_tokens": max_tokens,
@@ -59,28 +63,32 @@ def request_body(args, model: str, prompt, max_tokens: int) -> tuple[str, dict]:
         "ignore_eos": True,  # vLLM, SGLang and kestrel honour it; others stop at EOS
         "stream": True,
         "stream_options": {"include_usage": True},
+        **extra,
     }
+    if prompt and isinstance(prompt[0], dict):
+        return "/v1/chat/completions", {**body, "messages": prompt}
     if args.endpoint == "chat":
         text = prompt if isinstance(prompt, str) else " ".join(map(str, prompt))
         return "/v1/chat/completions", {**body, "messages": [{"role": "user", "content": text}]}
     return "/v1/completions", {**body, "prompt": prompt}
 
 
-def _content(chunk: dict) -> bool:
-    """Whether a stream chunk carries generated text or the end of a choice: not a role-only
-    first chat chunk (sent before any token) nor the usage-only last one. A finish chunk
-    counts because a server may hold text back (an incomplete UTF-8 character, a special
+def _content(chunk: dict) -> str | None:
+    """The generated text a stream chunk carries, or "" for the end of a choice; None for a
+    role-only first chat chunk (sent before any token) or the usage-only last one. A finish
+    chunk counts because a server may hold text back (an incomplete UTF-8 character, a special
     token) until then."""
     for choice in chunk.get("choices") or []:
-        if choice.get("text") or (choice.get("delta") or {}).get("content"):
-            return True
+        text = choice.get("text") or (choice.get("delta") or {}).get("content")
+        if text:
+            return text
         if choice.get("finish_reason"):
-            return True
-    return False
+            return ""
+    return None
 
 
-async def one_request(client, args, model: str, prompt, max_tokens: int) -> Result:
-    path, body = request_body(args, model, prompt, max_tokens)
+async def one_request(client, args, model: str, prompt, max_tokens: int, **extra) -> Result:
+    path, body = request_body(args, model, prompt, max_tokens, **extra)
     result, chunks, last = Result(), 0, None
     start = time.perf_counter()
     try:
@@ -100,7 +108,8 @@ async def one_request(client, args, model: str, prompt, max_tokens: int) -> Resu
                     result.error = str(chunk["error"])[:200]
                     return result
                 now = time.perf_counter()
-                if _content(chunk):
+                if (text := _content(chunk)) is not None:
+                    result.text += text
                     chunks += 1
                     if last is None:
                         result.ttft = now - start
@@ -111,6 +120,8 @@ async def one_request(client, args, model: str, prompt, max_tokens: int) -> Resu
                 if usage:
                     result.prompt_tokens = usage.get("prompt_tokens") or 0
                     result.output_tokens = usage.get("completion_tokens") or 0
+                    details = usage.get("prompt_tokens_details") or {}
+                    result.cached_tokens = details.get("cached_tokens")
     except Exception as error:  # a refused or dropped connection counts as a failed request
         result.error = f"{type(error).__name__}: {error}"[:200]
         return result
@@ -197,16 +208,25 @@ async def served_model(client, args) -> str:
         await asyncio.sleep(0.5)
 
 
-async def bench_serve(args, emit_record) -> None:
+def http_client(args):
     import httpx
 
     levels = args.concurrency
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
     limits = httpx.Limits(max_connections=max(levels), max_keepalive_connections=max(levels))
     timeout = httpx.Timeout(args.request_timeout, connect=30)
-    async with httpx.AsyncClient(
+    return httpx.AsyncClient(
         base_url=args.url.rstrip("/"), headers=headers, limits=limits, timeout=timeout
-    ) as client:
+    )
+
+
+async def bench_serve(args, emit_record) -> None:
+    if args.multi_turn:
+        from kestrel.bench.multiturn import bench_multi_turn
+
+        return await bench_multi_turn(args, emit_record)
+    levels = args.concurrency
+    async with http_client(args) as client:
         model = await served_model(client, args)
         prompts = make_prompts(args)
         for _ in range(args.warmup):  # connections and first-request work out of the numbers
@@ -262,4 +282,15 @@ def add_serve_bench_args(p) -> None:
     g.add_argument("--request-timeout", type=float, default=600.0)
     g.add_argument(
         "--wait", type=float, default=0.0, help="seconds to wait for the server to answer"
+    )
+    m = p.add_argument_group("bench serve --multi-turn (chat conversations resending history)")
+    m.add_argument("--multi-turn", action="store_true", help="conversations instead of prompts")
+    m.add_argument("--conversations", type=int, default=16)
+    m.add_argument("--turns", type=int, default=8)
+    m.add_argument("--system-tokens", type=int, default=1000, help="the shared system prompt")
+    m.add_argument("--turn-tokens", type=int, default=200, help="each user message")
+    m.add_argument(
+        "--compare-no-cache",
+        action="store_true",
+        help='first run with "cache_prompt": false (kestrel, llama-server), then cached',
     )
