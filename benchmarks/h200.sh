@@ -4,6 +4,7 @@
 # Usage: benchmarks/h200.sh OUTDIR [tests|quick|bench|seeds|structured|full]   (full = tests, bench)
 # seeds: the seed families' released shapes (benchmarks/README.md), each with the peer
 # structured: batch 64 on llama3-8b through the Engine, free and JSON-schema-constrained
+# multiturn: `kestrel serve` on llama3-8b, 64 conversations x 8 turns with and without prefix caching
 set -uo pipefail
 out=${1:-benchmarks/results}; what=${2:-full}
 export PYTHONUNBUFFERED=1 PYTHONPATH=src${PYTHONPATH:+:$PYTHONPATH}
@@ -35,5 +36,14 @@ if [[ $what == structured ]]; then
   python3 -m kestrel bench engine --shape llama3-8b --num-requests 256 --max-num-seqs 64 \
     --prompt-tokens 512 --output-tokens 256 --temperature 1 --no-progress \
     --json-schema benchmarks/schemas/records.json -o "$out/h200-structured.jsonl" || status=1
+fi
+if [[ $what == multiturn ]]; then
+  python3 -m kestrel serve --shape llama3-8b -np 64 --max-batched-tokens 8192 --port 8400 \
+    > "$out/multiturn-serve.log" 2>&1 &
+  server=$!
+  python3 -m kestrel bench serve --url http://127.0.0.1:8400 --wait 600 --multi-turn \
+    --conversations 64 --turns 8 --system-tokens 1000 --turn-tokens 200 --output-tokens 64 \
+    --concurrency 64 --compare-no-cache --no-progress -o "$out/h200-multiturn.jsonl" || status=1
+  kill $server
 fi
 exit $status
