@@ -318,11 +318,11 @@ def test_restore_after_a_failed_step(tiny):
 # --- automatic prefix caching (the paged runner on the CPU) ---------------------------------------
 
 
-def served(model, requests, prefix_caching: bool, device: str = "cpu") -> list[tuple]:
-    """Serve `requests` one after another through the scheduler and the paged runner (blocks of
-    4 tokens; on CUDA with its graphs), as a server would; each one's (output ids, first-step
-    log-probs, cached tokens)."""
-    cache = CacheConfig(block_size=4, num_blocks=64, prefix_caching=prefix_caching)
+def served(model, requests, prefix_caching: bool, device="cpu", block_size=4) -> list[tuple]:
+    """Serve `requests` one after another through the scheduler and the paged runner (on CUDA
+    with its graphs), as a server would; each one's (output ids, first-step log-probs, cached
+    tokens)."""
+    cache = CacheConfig(block_size=block_size, num_blocks=64, prefix_caching=prefix_caching)
     graphs = device == "cuda"
     runner = GPURunner(model, torch.device(device), 4, 12, 256, cache, cuda_graphs=graphs)
     scheduler = Scheduler(SchedulerConfig(max_num_seqs=4, prefill_chunk_size=8), runner.blocks)

@@ -124,7 +124,7 @@ def test_gpu_image_prompts_generate_as_cpu(graphs):
 
 
 @pytest.mark.parametrize(
-    "kind,window", [("llama", None), ("llama", 7), ("gemma3", 6), ("minicpm3", None)]
+    "kind,window", [("llama", None), ("llama", 7), ("gemma3", 6), ("glm4_moe_lite", None)]
 )
 def test_gpu_prefix_hits_give_the_tokens_of_cold_prompts(kind, window):
     """On CUDA (Triton attention over shared blocks, graphs for decode) a prompt served after
@@ -132,12 +132,12 @@ def test_gpu_prefix_hits_give_the_tokens_of_cold_prompts(kind, window):
     from tests.family_suite import greedy, served
 
     model = copy.deepcopy(tiny_model(kind, window)).cuda()
-    first, second = prompts(30, 30)
-    second = first[:22] + second[:8]
+    first, second = prompts(70, 30)
+    second = first[:40] + second  # blocks of 16: two in common
 
     def run(cache: bool):
-        return served(model, [greedy(0, first), greedy(1, second)], cache, "cuda")
+        return served(model, [greedy(0, first), greedy(1, second)], cache, "cuda", 16)
 
     warm, cold = run(True), run(False)
-    assert [cached for *_, cached in warm] == [0, 20] and [c for *_, c in cold] == [0, 0]
+    assert [cached for *_, cached in warm] == [0, 32] and [c for *_, c in cold] == [0, 0]
     assert [tokens for tokens, *_ in warm] == [tokens for tokens, *_ in cold]
