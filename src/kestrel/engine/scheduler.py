@@ -10,7 +10,9 @@ first chunk's blocks are free, and when the running decodes outgrow the pool the
 requests are preempted: their blocks go back (`SchedulerOutput.preempted`, the runner drops their
 caches) and they wait at the front of the queue to be recomputed from their tokens, prompt and
 output alike, so they finish with the output they would have had (vLLM's recompute preemption).
-A step therefore never runs out of blocks in the middle of a forward. The paged runner's pool is
+A step therefore never runs out of blocks in the middle of a forward. A request that holds nothing
+(new, or preempted) starts from the cached blocks of its longest cached prefix (cache/prefix.py),
+and each step's full blocks are cached once the step ran (`computed`). The paged runner's pool is
 the manager's blocks; the reference runner's memory is counted in one-token blocks
 (`kv_capacity`, or unlimited).
 """
