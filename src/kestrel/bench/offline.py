@@ -517,7 +517,10 @@ def _run_serve(args, device) -> int:
     """`kestrel bench serve`: the client side only; the server is whatever answers at --url."""
     import asyncio
 
-    from kestrel.bench.serve import bench_serve
+    if args.multi_turn:  # chat conversations resending their history
+        from kestrel.bench.multiturn import bench_multi_turn as bench_serve
+    else:
+        from kestrel.bench.serve import bench_serve
 
     if not args.url:
         raise SystemExit("kestrel bench serve needs --url (the server's base URL)")

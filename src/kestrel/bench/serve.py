@@ -221,10 +221,6 @@ def http_client(args):
 
 
 async def bench_serve(args, emit_record) -> None:
-    if args.multi_turn:
-        from kestrel.bench.multiturn import bench_multi_turn
-
-        return await bench_multi_turn(args, emit_record)
     levels = args.concurrency
     async with http_client(args) as client:
         model = await served_model(client, args)
