@@ -28,11 +28,9 @@ from tests.reference import (
 )
 
 from kestrel.cache.sequence import SequenceCache
-from kestrel.config import CacheConfig, SchedulerConfig
+from kestrel.config import CacheConfig
 from kestrel.engine.gpu_runner import GPURunner, pool_serves
 from kestrel.engine.request import Request
-from kestrel.engine.runner import run_step
-from kestrel.engine.scheduler import Scheduler
 from kestrel.models.batch import ForwardBatch
 from kestrel.models.registry import model_class
 from kestrel.sampling import SamplingParams
@@ -322,24 +320,14 @@ def served(model, requests, prefix_caching: bool, device="cpu", block_size=4) ->
     """Serve `requests` one after another through the scheduler and the paged runner (on CUDA
     with its graphs), as a server would; each one's (output ids, first-step log-probs, cached
     tokens)."""
+    from tests.test_paged_cache import run_to_end
+
     cache = CacheConfig(block_size=block_size, num_blocks=64, prefix_caching=prefix_caching)
     graphs = device == "cuda"
     runner = GPURunner(model, torch.device(device), 4, 12, 256, cache, cuda_graphs=graphs)
-    scheduler = Scheduler(SchedulerConfig(max_num_seqs=4, prefill_chunk_size=8), runner.blocks)
     first_logprobs = {}
-    for request in requests:
-        scheduler.add(request)
-        while not request.finished:
-            for result in run_step(scheduler, runner):
-                assert result.error is None, result.error
-                if result.token is None:
-                    continue  # a prefill chunk short of the prompt's end
-                request.output_ids.append(result.token)
-                first_logprobs.setdefault(request.request_id, result.logprobs)
-                if len(request.output_ids) == request.max_tokens:
-                    request.finish("length")
-        scheduler.remove_finished()
-        runner.release(request.request_id)
+    for request in requests:  # the runner (its blocks, their cache) outlives each scheduler
+        run_to_end(runner, [request], first_logprobs, max_num_seqs=4, prefill_chunk_size=8)
     return [(r.output_ids, first_logprobs[r.request_id], r.num_cached_tokens) for r in requests]
 
 

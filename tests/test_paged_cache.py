@@ -330,8 +330,9 @@ def test_runner_generates_same_greedy_tokens_as_reference():
     assert outs[0] == outs[1]
 
 
-def run_to_end(runner, requests, **config) -> int:
-    """Drive scheduler and runner until every request has its max_tokens; the preemptions."""
+def run_to_end(runner, requests, logprobs: dict | None = None, **config) -> int:
+    """Drive scheduler and runner until every request has its max_tokens; the preemptions.
+    `logprobs`, when given, gets each request's first-step log-probs by id."""
     config = SchedulerConfig(**config)
     scheduler = Scheduler(config, runner.block_manager(config.kv_capacity))
     for request in requests:
@@ -340,6 +341,8 @@ def run_to_end(runner, requests, **config) -> int:
         for result in run_step(scheduler, runner):
             assert result.error is None, result.error
             if result.token is not None:
+                if logprobs is not None:
+                    logprobs.setdefault(result.request.request_id, result.logprobs)
                 result.request.output_ids.append(result.token)
                 if len(result.request.output_ids) >= result.request.max_tokens:
                     result.request.finish("length")
