@@ -93,7 +93,7 @@ def run_prompt(blocks: BlockManager, request_id: str, tokens: list[int]) -> None
         blocks.attach(table, hit)
     start = hit.tokens
     table.reserve(start, len(tokens) - start)
-    blocks.publish(table, tokens, len(tokens))
+    blocks.publish(table, len(tokens), tokens, [])
     blocks.commit()
 
 
@@ -145,10 +145,10 @@ def test_a_trimmed_sequence_caches_only_the_blocks_before_its_first_trim():
     table = blocks.table("a")
     tokens = list(range(24))
     table.reserve(0, 8)
-    blocks.publish(table, tokens, 8)
+    blocks.publish(table, 8, tokens, [])
     table.make_room(8, 8, max_kv_size=12, keep=0)  # 8 + 8 > 12: the first trim
     table.reserve(8, 8)
-    blocks.publish(table, tokens, 16)
+    blocks.publish(table, 16, tokens, [])
     assert len(blocks.prefix.block_of) == 2 and table.full_view_until == 8
     assert blocks.lookup(tokens, 23).tokens == 8
 
@@ -159,7 +159,7 @@ def test_where_every_layer_slides_a_hit_needs_only_the_blocks_in_the_window():
     table = blocks.table("a")
     for start in range(0, 16, 4):  # chunk by chunk: the window drops the oldest blocks
         table.reserve(start, 4)
-        blocks.publish(table, tokens, start + 4)
+        blocks.publish(table, start + 4, tokens, [])
         blocks.commit()
     blocks.release("a")
     blocks.prefix.evict(), blocks.prefix.evict()  # the two least recently used: blocks 0 and 1

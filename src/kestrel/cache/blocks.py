@@ -306,9 +306,10 @@ class BlockManager:
             self.take(block)
         table.held, table.keys = hit.blocks, hit.keys
 
-    def publish(self, table: BlockTable, tokens: list[int], computed: int, images=()) -> None:
-        """After a step ran: cache the table's blocks that its `computed` tokens filled, up to
-        its first trim (`tokens`: the sequence's ids; `images` as in `lookup`)."""
+    def publish(self, table: BlockTable, computed: int, prompt, output, images=()) -> None:
+        """After a step ran: cache the table's blocks that its `computed` tokens (of `prompt` +
+        `output`, joined only when a block filled) filled, up to its first trim (`images` as in
+        `lookup`)."""
         if self.prefix is None or (self.prefix_tokens and computed > self.prefix_tokens):
             return  # keys computed past `prefix_tokens` depend on the chunks: never shared
         until = computed if table.full_view_until is None else min(computed, table.full_view_until)
@@ -316,7 +317,8 @@ class BlockManager:
         if until // size <= first:
             return
         parent = table.keys[-1] if table.keys else b""
-        keys = chain(tokens[: until - until % size], size, images, first, parent)
+        tokens = (prompt + output)[: until - until % size]
+        keys = chain(tokens, size, images, first, parent)
         block_of = dict(table.held)
         for logical, key in enumerate(keys, first):
             if logical in block_of:

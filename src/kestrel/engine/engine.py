@@ -205,19 +205,23 @@ class Engine:
 
     def snapshot(self) -> EngineLoad:
         scheduler, prefix = self.scheduler, self.scheduler.blocks.prefix
-        cache = (
-            ()
-            if prefix is None
-            else (prefix.queried_tokens, prefix.hit_tokens, len(prefix.block_of), prefix.evictions)
-        )
-        return EngineLoad(
+        load = EngineLoad(
             len(scheduler.waiting),
             len(scheduler.running),
             self.runner.kv_tokens_in_use(),
             scheduler.blocks.tokens_trimmed,
             scheduler.num_preempted,
-            *cache,
         )
+        if prefix is not None:
+            load.prefix_queried_tokens, load.prefix_hit_tokens = (
+                prefix.queried_tokens,
+                prefix.hit_tokens,
+            )
+            load.prefix_cached_blocks, load.prefix_evictions = (
+                len(prefix.block_of),
+                prefix.evictions,
+            )
+        return load
 
 
 class RequestFactory:

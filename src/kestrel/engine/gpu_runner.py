@@ -147,17 +147,15 @@ class GPURunner(ModelRunner):
         activations of the largest step (measured by running one). On the CPU, room for every
         running sequence's whole context within a quarter of the machine's memory (the pool's
         pages are mapped as they are first written)."""
-        cuda = self.device.type == "cuda"
-        if not cuda:
+        if self.device.type != "cuda":
             return self._cpu_num_blocks()
-        if cuda:
-            torch.cuda.synchronize()
-            # weights replaced at load (fused copies) stay reserved by PyTorch's cache and would
-            # count as used: hand them back before reading what is free
-            torch.cuda.empty_cache()
-            free, total = torch.cuda.mem_get_info(self.device)
-            before = torch.cuda.memory_allocated(self.device)
-            torch.cuda.reset_peak_memory_stats(self.device)
+        torch.cuda.synchronize()
+        # weights replaced at load (fused copies) stay reserved by PyTorch's cache and would
+        # count as used: hand them back before reading what is free
+        torch.cuda.empty_cache()
+        free, total = torch.cuda.mem_get_info(self.device)
+        before = torch.cuda.memory_allocated(self.device)
+        torch.cuda.reset_peak_memory_stats(self.device)
         self._run_probe_step()
         torch.cuda.synchronize()
         activations = torch.cuda.max_memory_allocated(self.device) - before

@@ -137,14 +137,13 @@ class Scheduler:
             request = chunk.request
             request.num_computed += chunk.num_tokens
             table = self.blocks.tables.get(request.request_id)
-            if table is None or request.request_id in failed:
-                continue
-            if (
-                self.blocks.prefix is not None
-                and request.num_computed >= (len(table.keys) + 1) * self.blocks.block_size
-            ):
+            if table is not None and request.request_id not in failed:
                 self.blocks.publish(
-                    table, request.all_ids, request.num_computed, request.image_keys
+                    table,
+                    request.num_computed,
+                    request.prompt_ids,
+                    request.output_ids,
+                    request.image_keys,
                 )
 
     def _prefill(self, kv: "_KVPlan", request: Request, budget: int, chunks: list) -> int:

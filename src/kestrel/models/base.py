@@ -7,6 +7,7 @@ from torch import nn
 
 from kestrel.cache.sequence import CacheSpec, KVShape, kv_bytes
 from kestrel.models.batch import ForwardBatch
+from kestrel.models.layers.rope import LongRotaryEmbedding
 
 KV_KINDS = ("full", "sliding")  # cache kinds that store per-token keys and values
 
@@ -115,8 +116,6 @@ class CausalLM(nn.Module):
         """Sequences of at most this many tokens get the same keys however their prompt is cut
         into chunks, so a prefix hit changes nothing (None: any length). Past its original
         context LongRoPE picks its factors per chunk."""
-        from kestrel.models.layers.rope import LongRotaryEmbedding
-
         limits = [m.original_max for m in self.modules() if isinstance(m, LongRotaryEmbedding)]
         return min(limits, default=None)
 
