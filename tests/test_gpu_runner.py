@@ -39,6 +39,8 @@ def generate(runner, seqs, steps, max_kv_size=None, keep=0, max_num_seqs=4, chun
         ("minicpm3", None),
         ("glm4_moe_lite", None),
         ("mistral4", None),
+        ("nemotron_h", None),
+        ("jamba", None),
     ],
 )
 @pytest.mark.parametrize("graphs", [True, False])
@@ -72,6 +74,8 @@ def test_gpu_greedy_tokens_equal_cpu(kind, window, graphs, max_kv_size):
         ("gemma4", 6, 12),
         ("glm4_moe_lite", None, None),
         ("minicpm3", None, 12),
+        ("nemotron_h", None, 12),
+        ("jamba", None, None),
     ],
 )
 def test_gpu_pool_exhaustion_preempts_and_each_request_gets_its_solo_output(

@@ -12,9 +12,11 @@ from transformers import (
     Gemma3TextConfig,
     Gemma4TextConfig,
     Glm4MoeLiteConfig,
+    JambaConfig,
     LlamaConfig,
     MiniCPM3Config,
     Mistral4Config,
+    NemotronHConfig,
 )
 
 from kestrel.cache.blocks import BlockManager
@@ -28,8 +30,10 @@ from kestrel.models.nemotron_nas import NemotronNasConfig
 from kestrel.sampling import SamplingParams
 from kestrel.weights.loader import build_model
 from test_models_glm4_moe_lite import CONFIG as GLM4_MOE_LITE
+from test_models_jamba import CONFIG as JAMBA
 from test_models_minicpm3 import CONFIG as MINICPM3
 from test_models_mistral4 import COMMON as MISTRAL4
+from test_models_nemotron_h import CONFIG as NEMOTRON_H
 
 # the attention dimensions gemma3's and exaone_moe's tiny models share
 SMALL = dict(
@@ -139,6 +143,9 @@ TINY_CONFIGS = {
     "minicpm3": lambda window: MiniCPM3Config(**MINICPM3),
     "glm4_moe_lite": lambda window: Glm4MoeLiteConfig(**GLM4_MOE_LITE),
     "mistral4": lambda window: Mistral4Config(**MISTRAL4, q_lora_rank=12, rope_interleave=True),
+    # hybrids: Mamba2 (every block kind) and Mamba layers keep recurrent state in slots
+    "nemotron_h": lambda window: NemotronHConfig(**NEMOTRON_H),
+    "jamba": lambda window: JambaConfig(**JAMBA),
 }
 
 
@@ -277,6 +284,21 @@ def test_mla_latent_pool_matches_dense(kind):
     assert paged.pool.v == [None] * 3
 
 
+@pytest.mark.parametrize("kind", ["nemotron_h", "jamba"])
+def test_hybrid_recurrent_state_slots_match_dense(kind):
+    """Mamba layers keep each sequence's conv window and SSM state in its slot of the state pool,
+    carried across chunks (longer than the SSD chunk) and batched decode steps, trims included
+    (recurrent state is never trimmed)."""
+    model = tiny_model(kind)
+    schedule = [(9, 4, 0), (12, 1, 3), (13, 1, 1), *[(1, 1, 1)] * 6]
+    paged = run_both(model, prompts(40, 4, 4), schedule, max_kv_size=30, keep=1)
+    slots = [paged.caches[f"r{i}"].state_slot for i in range(3)]
+    assert sorted(slots) == [1, 2, 3]  # one slot each, slot 0 left as scratch
+    layout = model.state_layout()  # recurrent layers hold state and no KV; attention, KV only
+    assert [t is not None for t in paged.states.ssm] == [s is not None for s in layout]
+    assert all(k is None for k, s in zip(paged.pool.k, layout, strict=True) if s)
+
+
 @pytest.mark.parametrize("block_size", [1, 3, 16])
 def test_block_sizes_agree(block_size):
     model = tiny_model("llama")
@@ -412,6 +434,8 @@ def test_pool_sized_by_a_probe_step_then_generates_as_reference():
         ("nemotron_nas", None, None),
         ("glm4_moe_lite", None, 12),
         ("mistral4", None, None),
+        ("nemotron_h", None, 12),
+        ("jamba", None, None),
     ],
 )
 def test_a_pool_too_small_for_the_load_preempts_and_every_request_gets_its_solo_output(

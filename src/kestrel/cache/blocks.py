@@ -178,7 +178,9 @@ class BlockManager:
     """The KV blocks of every sequence: `num_blocks` ids from `first_id` (None: unlimited, only
     counted), `block_size` tokens each. `evict_window`: blocks behind it are dead (only when every
     layer slides; None otherwise). `prefix_caching`: full blocks are kept and shared by key, for
-    sequences of at most `prefix_tokens` (None: any; the model's `chunk_invariant_tokens`)."""
+    sequences of at most `prefix_tokens` (None: any; the model's `chunk_invariant_tokens`).
+    `state_slots`: recurrent-state slots, ids from 1, one per running sequence (0: no recurrent
+    layers)."""
 
     def __init__(
         self,
@@ -188,6 +190,7 @@ class BlockManager:
         first_id: int = 0,
         prefix_caching: bool = False,
         prefix_tokens: int | None = None,
+        state_slots: int = 0,
     ):
         self.num_blocks, self.block_size, self.evict_window = num_blocks, block_size, evict_window
         end = first_id + (num_blocks or 0)
@@ -199,6 +202,8 @@ class BlockManager:
         self.prefix_tokens = prefix_tokens
         self.tables: dict[str, BlockTable] = {}
         self.tokens_trimmed = 0  # over the manager's life (a metric)
+        self.free_states = list(range(state_slots, 0, -1))
+        self.state_slots: dict[str, int] = {}  # request id -> its recurrent-state slot
 
     @property
     def limited(self) -> bool:
@@ -223,6 +228,13 @@ class BlockManager:
         if request_id not in self.tables:
             self.tables[request_id] = BlockTable(self)
         return self.tables[request_id]
+
+    def state_slot(self, request_id: str) -> int:
+        """The sequence's recurrent-state slot, given at its first step (at most one per running
+        sequence, and the scheduler runs at most as many as there are slots)."""
+        if request_id not in self.state_slots:
+            self.state_slots[request_id] = self.free_states.pop()
+        return self.state_slots[request_id]
 
     def fits(self, blocks: int) -> bool:
         """Whether `blocks` more are free now."""
@@ -268,6 +280,9 @@ class BlockManager:
 
     def release(self, request_id: str) -> None:
         """Give back a sequence's blocks now (it finished, failed or was preempted)."""
+        slot = self.state_slots.pop(request_id, None)
+        if slot is not None:
+            self.free_states.append(slot)
         table = self.tables.pop(request_id, None)
         if table is not None:
             for _, phys in table.held:

@@ -15,7 +15,7 @@ import torch
 
 from kestrel.cache.blocks import BlockTable
 from kestrel.cache.mask import visible_mask
-from kestrel.cache.sequence import CacheSpec, KVShape, SequenceCache, kv_bytes
+from kestrel.cache.sequence import CacheSpec, KVShape, SequenceCache, StateShape, kv_bytes
 from kestrel.kernels.attention import attend, paged_attention_triton, triton, write_kv
 
 
@@ -41,6 +41,49 @@ class BlockPool:
         return kv_bytes(layout, torch.finfo(dtype).bits // 8) * block_size
 
 
+class StatePool:
+    """The recurrent state of every running sequence, one slot each: per recurrent layer `conv`
+    (slots, K-1, C) in the model's dtype and `ssm` (slots, ...) in float32 (`layout`: the model's
+    `state_layout()`, None for a layer without state). Slot 0 is scratch (CUDA-graph padding)."""
+
+    def __init__(self, layout: list[StateShape | None], slots: int, dtype, device):
+        def zeros(dims, dtype):
+            return None if dims is None else _zeros((slots, *dims), dtype, device)
+
+        self.conv = [zeros(shape and shape.conv, dtype) for shape in layout]
+        self.ssm = [zeros(shape and shape.ssm, torch.float32) for shape in layout]
+        self.slots = slots
+
+    @staticmethod
+    def bytes_per_slot(layout: list[StateShape | None], dtype) -> int:
+        itemsize = torch.finfo(dtype).bits // 8
+        shapes = [shape for shape in layout if shape]
+        return sum(math.prod(s.conv) * itemsize + math.prod(s.ssm) * 4 for s in shapes)
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [t for t in self.conv + self.ssm if t is not None]
+
+    def zero(self, slot: int) -> None:
+        """A sequence starts from nothing: its state is zeros."""
+        for t in self.tensors():
+            t[slot].zero_()
+
+
+class PoolStates:
+    """The states of a group of sequences in a `StatePool`, by their slots ((b,) on the device),
+    read and written with index ops so that CUDA graphs replay them for any slots."""
+
+    def __init__(self, pool: StatePool, slots: torch.Tensor):
+        self.pool, self.slots = pool, slots
+
+    def read(self, layer_idx: int, attr: str, zeros) -> torch.Tensor:
+        return getattr(self.pool, attr)[layer_idx].index_select(0, self.slots)
+
+    def write(self, layer_idx: int, attr: str, new: torch.Tensor) -> None:
+        store = getattr(self.pool, attr)[layer_idx]
+        store.index_copy_(0, self.slots, new.to(store.dtype))
+
+
 def _zeros(dims: tuple[int, ...], dtype, device) -> torch.Tensor:
     """A zeroed tensor; on the CPU in anonymous memory, whose pages the OS maps (zeroed) as they
     are first written, so a pool sized for every context costs only what sequences fill."""
@@ -61,6 +104,7 @@ class PagedSequenceCache(SequenceCache):
         self.layers = []  # no per-layer objects: the pool holds every layer
         self.offset = 0
         self.rope_delta = 0
+        self.state_slot = 0  # its slot in the runner's StatePool (0: no recurrent layers)
 
     # the live window is the table's (the scheduler trims it)
     live_start = property(lambda self: self.blocks.live_start)

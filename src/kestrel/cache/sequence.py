@@ -37,6 +37,15 @@ class KVShape(NamedTuple):
         return self.heads * self.dim * (1 if self.value_dim else 2)
 
 
+class StateShape(NamedTuple):
+    """What one recurrent layer keeps per sequence: `conv`, the causal conv's window (K-1, C), in
+    the model's dtype, and `ssm`, the state-space state ((H, P, N) for Mamba2, (D, N) for Mamba),
+    in float32."""
+
+    conv: tuple[int, ...]
+    ssm: tuple[int, ...]
+
+
 def kv_bytes(layout: list[KVShape | None], itemsize: int) -> int:
     """Bytes one token costs across the layers of a `kv_layout` (None: the layer stores none)."""
     return sum(shape.elements for shape in layout if shape) * itemsize

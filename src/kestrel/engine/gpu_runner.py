@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 import torch
 
 from kestrel.cache.blocks import BlockManager, evict_window
-from kestrel.cache.paged import BlockPool, PagedAttention, PagedSequenceCache
+from kestrel.cache.paged import BlockPool, PagedAttention, PagedSequenceCache, PoolStates, StatePool
 from kestrel.config import CacheConfig, Config
 from kestrel.engine.request import Request
 from kestrel.engine.runner import ModelRunner, StepResult
@@ -26,8 +26,9 @@ from kestrel.sampling import SamplingParams
 
 log = logging.getLogger("kestrel.gpu_runner")
 
-# cache kinds the paged pool holds: per-token keys (full, sliding, the MLA latent) or nothing
-POOL_KINDS = {"full", "sliding", "latent", "none"}
+# cache kinds the paged pools hold: per-token keys (full, sliding, the MLA latent), recurrent
+# state (a slot per sequence) or nothing
+POOL_KINDS = {"full", "sliding", "latent", "recurrent", "none"}
 GRAPH_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256, 320, 384, 448, 512)
 
 
@@ -47,6 +48,7 @@ class Packed:
     slots: list[int] = field(default_factory=list)
     tiles: list[tuple[int, int, int]] = field(default_factory=list)  # (seq, start, len)
     seqs: list[tuple] = field(default_factory=list)  # (blocks, n_sink, main_start, live, keep)
+    state_slots: list[int] = field(default_factory=list)  # per sequence (0: no recurrent state)
     rows: list[int] = field(default_factory=list)
     # multimodal prompt chunks: (start, (3, len) M-RoPE ids) and (start, ImageRows)
     explicit_rope: list[tuple[int, torch.Tensor]] = field(default_factory=list)
@@ -54,13 +56,13 @@ class Packed:
 
 
 def pool_serves(model) -> bool:
-    """Whether every layer's cache fits the paged pool (recurrent state does not yet)."""
+    """Whether the paged pools hold every layer's cache."""
     return {spec.kind for spec in model.cache_specs()} <= POOL_KINDS
 
 
 def make_runner(model, device: torch.device, config: Config, max_model_len: int) -> ModelRunner:
-    """The paged runner for models the pool serves, on CUDA and the CPU (its KV written in place,
-    prefixes cached); the reference runner otherwise (recurrent state)."""
+    """The paged runner for models the pools serve, on CUDA and the CPU (KV and recurrent state
+    written in place, prefixes cached); the reference runner otherwise."""
     if pool_serves(model):
         sched = config.scheduler
         return GPURunner(
@@ -99,6 +101,7 @@ class GPURunner(ModelRunner):
         self.table_width = (max_model_len + bs - 1) // bs + 2
         self.dtype = next(model.parameters()).dtype
         self.use_triton = device.type == "cuda"
+        self.states = self._state_pool(model)
         # the PyTorch attention gathers a sequence's keys once per tile: one tile per chunk
         heads = model.config.get_text_config().num_attention_heads
         self.tile_tokens = self._tile_tokens(heads) if self.use_triton else token_budget
@@ -117,6 +120,8 @@ class GPURunner(ModelRunner):
     def _tile_tokens(self, num_heads: int) -> int:
         """Prompt tokens per query tile: the widest GQA group times these fill a kernel tile."""
         shapes = [shape for shape in self.layout if shape]
+        if not shapes:
+            return self.token_budget
         group = num_heads // min(shape.heads for shape in shapes)
         group_pad = 1 << math.ceil(math.log2(group))
         width = max(shape.values for shape in shapes)
@@ -124,6 +129,16 @@ class GPURunner(ModelRunner):
         return max(1, tile_rows(width, itemsize) // group_pad)
 
     # -- memory -------------------------------------------------------------------------------
+
+    def _state_pool(self, model) -> StatePool | None:
+        """A recurrent-state slot per running sequence (+ the scratch slot), allocated before the
+        KV pool is sized from what memory is left."""
+        layout = model.state_layout()
+        if not any(layout):
+            return None
+        per_slot = StatePool.bytes_per_slot(layout, self.dtype)
+        log.info("recurrent state: %d slots of %.1f MiB", self.max_num_seqs, per_slot / 2**20)
+        return StatePool(layout, self.max_num_seqs + 1, self.dtype, self.device)
 
     def _use_pool(self, num_blocks: int) -> None:
         """A pool of `num_blocks` (block 0: scratch) and the manager of its blocks."""
@@ -134,8 +149,10 @@ class GPURunner(ModelRunner):
             bs,
             evict_window(self.specs),
             first_id=1,
-            prefix_caching=self.cache_config.prefix_caching,
+            # recurrent state cannot be rebuilt from cached blocks
+            prefix_caching=self.cache_config.prefix_caching and self.states is None,
             prefix_tokens=self.model.chunk_invariant_tokens(),
+            state_slots=self.max_num_seqs if self.states is not None else 0,
         )
 
     def block_manager(self, kv_capacity: int | None) -> BlockManager:
@@ -205,6 +222,9 @@ class GPURunner(ModelRunner):
             table = self.blocks.table(request.request_id)
             cache = PagedSequenceCache(self.specs, table)
             cache.offset = request.num_computed
+            if self.states is not None:
+                cache.state_slot = self.blocks.state_slot(request.request_id)
+                self.states.zero(cache.state_slot)
             self.caches[request.request_id] = cache
         return self.caches[request.request_id]
 
@@ -270,6 +290,7 @@ class GPURunner(ModelRunner):
             p.slots.extend(cache.slots(cache.offset, n))
             blocks, n_sink, main_start = cache.table()
             p.seqs.append((blocks, n_sink, main_start, cache.live_start, cache.keep))
+            p.state_slots.append(cache.state_slot)
             p.tiles.append((s, start, n))
             if chunk.samples:
                 p.rows.append(start + n - 1)
@@ -277,7 +298,7 @@ class GPURunner(ModelRunner):
 
     def _to_batch(self, p: Packed, tile_tokens: int | None) -> PagedBatch:
         tile_tokens = tile_tokens or self.tile_tokens
-        return build_batch(p, self.pool, tile_tokens, self.device, self.use_triton)
+        return build_batch(p, self.pool, tile_tokens, self.device, self.use_triton, self.states)
 
     # -- CUDA graphs (decode steps) -----------------------------------------------------------
 
@@ -288,8 +309,8 @@ class GPURunner(ModelRunner):
         big = sizes[-1]
         zeros = lambda *shape: torch.zeros(shape, dtype=torch.long, device=self.device)  # noqa: E731
         # one flat buffer: ids, positions, slots, tile_len, num_blocks, n_sink, main, live, keep,
-        # RoPE ids
-        self.static = zeros(10, big)
+        # RoPE ids, recurrent-state slots
+        self.static = zeros(11, big)
         self.static_table = zeros(big, self.table_width)
         self.arange = torch.arange(big, device=self.device)
         self.graph_pool = torch.cuda.graph_pool_handle()
@@ -307,7 +328,7 @@ class GPURunner(ModelRunner):
         torch.cuda.synchronize()
 
     def _static_batch(self, b: int) -> PagedBatch:
-        ids, pos, slots, t_len, nb, n_sink, main, live, keep, rope = (
+        ids, pos, slots, t_len, nb, n_sink, main, live, keep, rope, state_slots = (
             row[:b] for row in self.static
         )
         seq = self.arange[:b]
@@ -327,7 +348,12 @@ class GPURunner(ModelRunner):
             1,
             True,
         )
-        return PagedBatch(ids, pos, [], seq, rope, chunk_ends=pos, attention=meta)
+        groups = None
+        if self.states is not None:  # every row a sequence of one token
+            groups = [(seq[:, None], PoolStates(self.states, state_slots))]
+        return PagedBatch(
+            ids, pos, [], seq, rope, chunk_ends=pos, state_groups=groups, attention=meta
+        )
 
     def _replay(self, p: Packed, size: int) -> torch.Tensor:
         b = len(p.seqs)
@@ -340,14 +366,15 @@ class GPURunner(ModelRunner):
         for k in range(1, 5):  # n_sink, main_start, live_start, keep
             host.extend(s[k] for s in p.seqs)
             host.extend(pad)
-        host.extend(p.rope_ids)
-        host.extend(pad)
+        for column in (p.rope_ids, p.state_slots):
+            host.extend(column)
+            host.extend(pad)
         for blocks, *_ in p.seqs:
             host.extend(blocks)
             host.extend([0] * (width - len(blocks)))
         host = torch.frombuffer(host, dtype=torch.long)
-        host_cols, table = host[: 10 * size], host[10 * size :]
-        self.static[:, :size].copy_(host_cols.view(10, size), non_blocking=True)
+        host_cols, table = host[: 11 * size], host[11 * size :]
+        self.static[:, :size].copy_(host_cols.view(11, size), non_blocking=True)
         self.static_table[:b, :width].copy_(table.view(b, width), non_blocking=True)
         graph, logits = self.graphs[size]
         graph.replay()
@@ -378,7 +405,9 @@ class GPURunner(ModelRunner):
         return results
 
 
-def build_batch(p: Packed, pool, tile_tokens: int, device, use_triton: bool) -> PagedBatch:
+def build_batch(
+    p: Packed, pool, tile_tokens: int, device, use_triton: bool, states: StatePool | None = None
+) -> PagedBatch:
     """The device batch of packed host lists, with one host->device copy of every index."""
     tiles = [
         (s, start + i, min(tile_tokens, n - i))
@@ -392,7 +421,11 @@ def build_batch(p: Packed, pool, tile_tokens: int, device, use_triton: bool) -> 
         for col in zip(*[(len(b), ns, ms, ls, k) for b, ns, ms, ls, k in p.seqs], strict=False)
     ]
     tile_columns = map(list, zip(*tiles, strict=False))
+    singles = [s for s, _, n in p.tiles if n == 1]  # sequences of one token: one state group
+    single_rows = [p.tiles[s][1] for s in singles]
+    single_slots = [p.state_slots[s] for s in singles]
     flat = [p.ids, p.positions, p.chunk_ends, p.rope_ids, p.slots, p.rows, *tile_columns, *per_seq]
+    flat += [p.state_slots, single_rows, single_slots]
     # each part starts 16-byte aligned: Triton specializes kernels on pointer alignment
     padded = [part + [0] * (len(part) % 2) for part in flat]
     sizes = [len(x) for x in padded]
@@ -402,8 +435,11 @@ def build_batch(p: Packed, pool, tile_tokens: int, device, use_triton: bool) -> 
     dev = torch.frombuffer(host, dtype=torch.long).to(device, non_blocking=True)
     parts = [t[: len(f)] for t, f in zip(dev[: sum(sizes)].split(sizes), flat, strict=True)]
     ids, positions, ends, rope, slots, rows, t_seq, t_start, t_len, nb, n_sink, main, live, keep = (
-        parts
+        parts[:14]
     )
+    groups = None
+    if states is not None:
+        groups = state_groups(p, states, *parts[14:])
     tables = dev[sum(sizes) :].view(len(p.seqs), width)
     meta = PagedAttention(
         pool,
@@ -426,7 +462,20 @@ def build_batch(p: Packed, pool, tile_tokens: int, device, use_triton: bool) -> 
         for start, chunk_ids in p.explicit_rope:
             rope[:, start : start + chunk_ids.shape[1]] = chunk_ids
     images = ImageRows.packed(p.images, device)
-    return PagedBatch(ids, positions, [], rows, rope, images, ends, attention=meta)
+    return PagedBatch(ids, positions, [], rows, rope, images, ends, groups, attention=meta)
+
+
+def state_groups(p: Packed, states: StatePool, slots, single_rows, single_slots) -> list:
+    """The recurrent layers' groups (layers/mamba.py): each longer chunk alone, then every
+    one-token chunk together; device index tensors sliced from the batch's one copy."""
+    groups = []
+    for s, start, n in p.tiles:
+        if n > 1:
+            rows = torch.arange(start, start + n, device=slots.device)[None]
+            groups.append((rows, PoolStates(states, slots[s : s + 1])))
+    if single_rows.numel():
+        groups.append((single_rows[:, None], PoolStates(states, single_slots)))
+    return groups
 
 
 def _pending_ids(request: Request, n: int) -> list[int]:

@@ -5,7 +5,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from kestrel.cache.sequence import CacheSpec, KVShape, kv_bytes
+from kestrel.cache.sequence import CacheSpec, KVShape, StateShape, kv_bytes
 from kestrel.models.batch import ForwardBatch
 from kestrel.models.layers.rope import LongRotaryEmbedding
 
@@ -111,6 +111,15 @@ class CausalLM(nn.Module):
         allocates each layer by it."""
         shape = KVShape(self.config.num_key_value_heads, head_dim(self.config))
         return [shape if spec.kind in KV_KINDS else None for spec in self.cache_specs()]
+
+    def state_layout(self) -> list[StateShape | None]:
+        """Per layer, the recurrent state it keeps per sequence (None: none); the paged runner's
+        state pool allocates each layer by it."""
+        layout: list[StateShape | None] = [None] * len(self.cache_specs())
+        for module in self.modules():
+            if hasattr(module, "state_shape"):
+                layout[module.layer_idx] = module.state_shape()
+        return layout
 
     def chunk_invariant_tokens(self) -> int | None:
         """Sequences of at most this many tokens get the same keys however their prompt is cut

@@ -75,6 +75,7 @@ class ForwardBatch:
     rope_positions: torch.Tensor | None = None
     images: ImageRows | None = None
     chunk_ends: torch.Tensor | None = None
+    state_groups: list | None = None  # the paged runner's recurrent-state groups (layers/mamba.py)
 
     @classmethod
     def single(

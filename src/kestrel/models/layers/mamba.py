@@ -12,43 +12,61 @@ import torch.nn.functional as F
 from torch import nn
 
 import kestrel.cache.recurrent  # noqa: F401  (registers the "recurrent" and "none" cache kinds)
+from kestrel.cache.sequence import StateShape
 from kestrel.kernels.fused import ACTIVATIONS
 from kestrel.models.batch import ForwardBatch
 from kestrel.models.layers.norm import RMSNorm
 
-# rows (b, m) of the packed batch and the caches of those b sequences
-Group = tuple[torch.Tensor, list]
+# rows (b, m) of the packed batch and the states of those b sequences (CacheStates, or the paged
+# runner's PoolStates: `read(layer_idx, attr, zeros)` -> (b, ...), `write(layer_idx, attr, new)`)
+Group = tuple[torch.Tensor, object]
+
+
+class CacheStates:
+    """The states of b sequences in their SequenceCaches (cache/recurrent.py), as the reference
+    runner holds them; a new sequence's state is `zeros()`."""
+
+    def __init__(self, caches: list):
+        self.caches = caches
+
+    def read(self, layer_idx: int, attr: str, zeros) -> torch.Tensor:
+        saved = [getattr(cache.layers[layer_idx], attr) for cache in self.caches]
+        return torch.stack([zeros() if s is None else s for s in saved])
+
+    def write(self, layer_idx: int, attr: str, new: torch.Tensor) -> None:
+        for cache, s in zip(self.caches, new, strict=True):
+            # a new tensor, never written in place: checkpoints stay valid
+            setattr(cache.layers[layer_idx], attr, s)
 
 
 def sequence_groups(batch: ForwardBatch) -> list[Group]:
-    """Each chunk longer than one token alone (b=1), then every single-token chunk together."""
+    """Each chunk longer than one token alone (b=1), then every single-token chunk together (the
+    paged runner packs its own, `batch.state_groups`)."""
+    if batch.state_groups is not None:
+        return batch.state_groups
     device = batch.input_ids.device
     groups = [
-        (torch.arange(c.start, c.start + c.length, device=device)[None], [c.cache])
+        (torch.arange(c.start, c.start + c.length, device=device)[None], CacheStates([c.cache]))
         for c in batch.chunks
         if c.length > 1
     ]
     singles = [c for c in batch.chunks if c.length == 1]
     if singles:
         rows = torch.tensor([c.start for c in singles], device=device)[:, None]
-        groups.append((rows, [c.cache for c in singles]))
+        groups.append((rows, CacheStates([c.cache for c in singles])))
     return groups
 
 
-def scan_sequences(groups, layer_idx: int, attr: str, zeros: torch.Tensor, fn, *inputs):
+def scan_sequences(groups, layer_idx: int, attr: str, zeros, fn, *inputs):
     """For each group: out[rows], new = fn(*(t[rows] for t in inputs), state) with the stacked
-    `attr` state (b, ...) of its sequences (zeros for a new one); store each new state."""
+    `attr` state (b, ...) of its sequences (`zeros()` for a new one); store each new state."""
     out = None
-    for rows, caches in groups:
-        layers = [cache.layers[layer_idx] for cache in caches]
-        saved = [getattr(layer, attr) for layer in layers]
-        state = torch.stack([zeros if s is None else s for s in saved])
-        y, new = fn(*(t[rows] for t in inputs), state)
+    for rows, states in groups:
+        y, new = fn(*(t[rows] for t in inputs), states.read(layer_idx, attr, zeros))
         if out is None:
             out = y.new_empty(inputs[0].shape[0], *y.shape[2:])
         out[rows] = y
-        for layer, s in zip(layers, new, strict=True):
-            setattr(layer, attr, s)  # a new tensor, never written in place: checkpoints stay valid
+        states.write(layer_idx, attr, new)
     return out
 
 
@@ -62,7 +80,7 @@ def causal_conv(x: torch.Tensor, weight: torch.Tensor, bias, window: torch.Tenso
 
 def conv_pass(x: torch.Tensor, conv: nn.Conv1d, layer_idx: int, groups) -> torch.Tensor:
     """The causal conv of every sequence, carrying its conv window. x: (T, C) -> (T, C)."""
-    zeros = x.new_zeros(conv.kernel_size[0] - 1, x.shape[-1])
+    zeros = lambda: x.new_zeros(conv.kernel_size[0] - 1, x.shape[-1])  # noqa: E731
     return scan_sequences(
         groups,
         layer_idx,
@@ -183,10 +201,14 @@ class Mamba2Mixer(nn.Module):
         # B/C are shared by the H/G heads of a group: (T, H, N)
         B, C = (t.reshape(T, G, N).float().repeat_interleave(H // G, dim=1) for t in (B, C))
         dt = F.softplus(dt.float() + self.dt_bias.float()).clamp(*self.dt_limit)  # (T, H)
-        zeros = x.new_zeros(H, P, N, dtype=torch.float32)
+        zeros = lambda: x.new_zeros(H, P, N, dtype=torch.float32)  # noqa: E731
         y = scan_sequences(groups, self.layer_idx, "ssm", zeros, self._scan, xs, dt, B, C)
         y = y + xs * self.D.float()[:, None]
         return self.out_proj(self.norm(y.reshape(T, -1), gate).to(x.dtype))
+
+    def state_shape(self) -> StateShape:
+        conv = (self.conv1d.kernel_size[0] - 1, self.conv1d.in_channels)
+        return StateShape(conv, (self.num_heads, self.head_dim, self.state_size))
 
     def _scan(self, x, dt, B, C, state):
         A = -torch.exp(self.A_log.float())
@@ -270,12 +292,16 @@ class MambaMixer(nn.Module):
         # the bias joins in fp32, as in transformers' scan
         dt = F.softplus(F.linear(dt, self.dt_proj.weight).float() + self.dt_proj.bias.float())
         xs = xs.float()
-        zeros = x.new_zeros(self.inner, self.state_size, dtype=torch.float32)
+        zeros = lambda: x.new_zeros(self.inner, self.state_size, dtype=torch.float32)  # noqa: E731
         y = scan_sequences(
             groups, self.layer_idx, "ssm", zeros, self._scan, xs, dt, B.float(), C.float()
         )  # (T, D)
         y = (y + xs * self.D.float()) * F.silu(z.float())
         return self.out_proj(y.to(x.dtype))
+
+    def state_shape(self) -> StateShape:
+        conv = (self.conv1d.kernel_size[0] - 1, self.inner)
+        return StateShape(conv, (self.inner, self.state_size))
 
     def _scan(self, x, dt, B, C, state):
         return selective_scan(x, dt, -torch.exp(self.A_log.float()), B, C, state)
