@@ -178,3 +178,43 @@ def test_restore_takes_back_a_shared_block_a_failed_trim_let_go():
     table.restore(saved)
     assert {blocks.refs[phys] for _, phys in list(table.held)[:2]} == {2}
     assert not blocks.pending
+
+
+# -- recurrent state (hybrid models): a hit also needs a snapshot where it ends -----------------
+
+
+def stateful_manager(slots=2) -> BlockManager:
+    return BlockManager(16, 4, prefix_caching=True, state_slots=slots)
+
+
+def test_a_hybrid_hit_ends_where_a_recurrent_state_snapshot_was_kept():
+    blocks = stateful_manager()
+    tokens = list(range(13))
+    table = blocks.table("a")
+    slot = blocks.state_slot("a")
+    table.reserve(0, 8)
+    blocks.publish(table, 8, tokens, [], snapshot=True)  # the state after 8 tokens is kept
+    table.reserve(8, 5)
+    blocks.publish(table, 13, tokens, [])  # block 2 cached, but no state after it
+    (due,) = blocks.take_snapshots()
+    assert due[0] == slot and due[1] > 2  # from its running slot into a snapshot slot
+    assert not blocks.take_snapshots()
+    hit = blocks.lookup(tokens, 12)
+    assert hit.tokens == 8 and hit.state == due[1]  # 12 blocks' keys cached, the state at 8
+    blocks.release("a")
+    assert sorted(blocks.free_states) == [1, 2]  # its running slot came back
+    assert blocks.lookup([9] + tokens[1:], 12).tokens == 0  # other tokens: no snapshot
+
+
+def test_state_snapshots_are_evicted_least_recently_used():
+    blocks = stateful_manager(slots=1)  # one running slot, one snapshot slot
+    for name, first in (("a", 0), ("b", 100)):
+        tokens = list(range(first, first + 9))
+        table = blocks.table(name)
+        blocks.state_slot(name)
+        table.reserve(0, 9)
+        blocks.publish(table, 8, tokens, [], snapshot=True)
+        blocks.release(name)
+    assert len(blocks.take_snapshots()) == 2  # b's snapshot took a's slot
+    assert blocks.lookup(list(range(9)), 8).tokens == 0
+    assert blocks.lookup(list(range(100, 109)), 8).tokens == 8

@@ -145,3 +145,21 @@ def test_gpu_prefix_hits_give_the_tokens_of_cold_prompts(kind, window):
     warm, cold = run(True), run(False)
     assert [cached for *_, cached in warm] == [0, 32] and [c for *_, c in cold] == [0, 0]
     assert [tokens for tokens, *_ in warm] == [tokens for tokens, *_ in cold]
+
+
+@pytest.mark.parametrize("kind", ["nemotron_h", "jamba"])
+def test_gpu_hybrid_prefix_hits_start_from_a_state_snapshot(kind):
+    """A hybrid's next turn (the earlier prompt and more) starts from the recurrent state kept at
+    the earlier prompt's last full block, and gives the tokens it gives cold."""
+    from tests.family_suite import greedy, served
+
+    model = copy.deepcopy(tiny_model(kind)).cuda()
+    first, more = prompts(70, 30)
+    second = first[:66] + more
+
+    def run(cache: bool):
+        return served(model, [greedy(0, first), greedy(1, second)], cache, "cuda", 16)
+
+    warm, cold = run(True), run(False)
+    assert [cached for *_, cached in warm] == [0, 64] and [c for *_, c in cold] == [0, 0]
+    assert [tokens for tokens, *_ in warm] == [tokens for tokens, *_ in cold]

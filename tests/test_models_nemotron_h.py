@@ -9,6 +9,7 @@ from tests.family_suite import (  # noqa: F401  (the shared tests run here)
     build_tiny,
     kv_chunks,
     one_thread,
+    test_a_prefix_hit_gives_the_tokens_of_a_cold_prompt,
     test_batched_sequences_match_each_run_alone,
     test_chunked_prefill_matches_transformers,
     test_four_sequences_decode_batched_equal_each_alone,
@@ -26,9 +27,6 @@ from kestrel.models.nemotron_h import NemotronHForCausalLM
 COVERS = ("nemotron_h",)
 # shared checks that do not apply here, and why
 OPT_OUTS = {
-    "test_a_prefix_hit_gives_the_tokens_of_a_cold_prompt": (
-        "recurrent state stays on the reference runner, which caches no prefix yet"
-    ),
     "test_sliding_window_chunks_match_transformers": "its attention layers attend to every key",
 }
 

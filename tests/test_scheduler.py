@@ -5,6 +5,7 @@ import sys
 
 import pytest
 
+from kestrel.cache.blocks import BlockManager
 from kestrel.config import SchedulerConfig
 from kestrel.engine.request import Request
 from kestrel.engine.scheduler import QueueFullError, Scheduler
@@ -98,3 +99,28 @@ def test_bounded_requests_get_whole_chunks_or_wait():
     while s.running and any(r.is_prefilling for r in s.running):
         sizes |= {c.num_tokens for c in run_step(s).chunks if c.request.request_id == "r1"}
     assert sizes <= {16, 8, 1}  # 40 = 16 + 16 + 8, then decodes
+
+
+def test_a_hybrid_prompt_chunk_ends_where_its_recurrent_state_is_kept():
+    """With recurrent layers and prefix caching, a prompt's chunks end at its last full block
+    (all but its last token: 12 of 14), where the state is kept for later hits; the next
+    request with that prefix starts there."""
+    blocks = BlockManager(64, 4, prefix_caching=True, state_slots=4)
+    s = Scheduler(SchedulerConfig(max_num_seqs=4, prefill_chunk_size=8), blocks)
+    sizes = []
+    for request in (make_request(0, 14), make_request(1, 20)):
+        s.add(request)
+        while not request.output_ids:
+            plan = s.schedule()
+            sizes.append([c.num_tokens for c in plan.chunks if c.request is request])
+            sampled = [c.request for c in plan.chunks if c.samples]
+            s.computed(plan.chunks, set())
+            for r in sampled:
+                r.output_ids.append(0)
+    assert sizes == [[8], [4], [2], [4], [4]]  # r1: from r0's 12 tokens, to its own 16, then 4
+    assert request.num_cached_tokens == 12
+    snapshots = [snapshot for _, snapshot in blocks.take_snapshots()]
+    assert len(set(snapshots)) == 2 and min(snapshots) > 4  # one each, past the running slots
+    plain = Scheduler(SchedulerConfig(max_num_seqs=4, prefill_chunk_size=8), BlockManager(64, 4))
+    plain.add(make_request(2, 14))
+    assert [c.num_tokens for c in plain.schedule().chunks] == [8]

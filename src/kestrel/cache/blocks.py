@@ -69,6 +69,8 @@ class BlockTable:
     held: tuple[tuple[int, int], ...] = ()
     keys: tuple[bytes, ...] = ()  # prefix-cache keys of its logical blocks 0, 1, ... so far
     full_view_until: int | None = None  # tokens computed before its first trim (None: none yet)
+    state_slot: int = 0  # its recurrent-state slot (0: none given)
+    state_from: int = 0  # the snapshot slot its state starts from (a prefix hit; 0: zeros)
     _table: tuple | None = field(default=None, repr=False)  # (held, its table), cached
 
     def live_tokens(self, offset: int) -> int:
@@ -180,7 +182,8 @@ class BlockManager:
     layer slides; None otherwise). `prefix_caching`: full blocks are kept and shared by key, for
     sequences of at most `prefix_tokens` (None: any; the model's `chunk_invariant_tokens`).
     `state_slots`: recurrent-state slots, ids from 1, one per running sequence (0: no recurrent
-    layers)."""
+    layers); with prefix caching as many snapshot slots after them hold the state at the end of
+    cached prompts' last full blocks."""
 
     def __init__(
         self,
@@ -198,12 +201,13 @@ class BlockManager:
         self._next_id = end  # ids past the pool, for an unlimited manager
         self.refs: dict[int, int] = {}  # block -> tables holding it (held blocks only)
         self.pending: set[int] = set()  # let go of this step; reusable after commit()
-        self.prefix = PrefixCache() if prefix_caching else None
+        snapshot_slots = range(2 * state_slots, state_slots, -1)
+        self.prefix = PrefixCache(snapshot_slots) if prefix_caching else None
+        self.snapshots_due: list[tuple[int, int]] = []  # (state slot, snapshot slot) to copy
         self.prefix_tokens = prefix_tokens
         self.tables: dict[str, BlockTable] = {}
         self.tokens_trimmed = 0  # over the manager's life (a metric)
         self.free_states = list(range(state_slots, 0, -1))
-        self.state_slots: dict[str, int] = {}  # request id -> its recurrent-state slot
 
     @property
     def limited(self) -> bool:
@@ -232,9 +236,20 @@ class BlockManager:
     def state_slot(self, request_id: str) -> int:
         """The sequence's recurrent-state slot, given at its first step (at most one per running
         sequence, and the scheduler runs at most as many as there are slots)."""
-        if request_id not in self.state_slots:
-            self.state_slots[request_id] = self.free_states.pop()
-        return self.state_slots[request_id]
+        table = self.table(request_id)
+        if not table.state_slot:
+            table.state_slot = self.free_states.pop()
+        return table.state_slot
+
+    @property
+    def snapshots(self) -> bool:
+        """Whether prefix hits need a snapshot of recurrent state where they end."""
+        return self.prefix is not None and self.prefix.stateful
+
+    def take_snapshots(self) -> list[tuple[int, int]]:
+        """The (state slot, snapshot slot) copies the runner makes before the next step."""
+        due, self.snapshots_due = self.snapshots_due, []
+        return due
 
     def fits(self, blocks: int) -> bool:
         """Whether `blocks` more are free now."""
@@ -280,10 +295,9 @@ class BlockManager:
 
     def release(self, request_id: str) -> None:
         """Give back a sequence's blocks now (it finished, failed or was preempted)."""
-        slot = self.state_slots.pop(request_id, None)
-        if slot is not None:
-            self.free_states.append(slot)
         table = self.tables.pop(request_id, None)
+        if table is not None and table.state_slot:
+            self.free_states.append(table.state_slot)
         if table is not None:
             for _, phys in table.held:
                 self.drop(phys)
@@ -313,18 +327,21 @@ class BlockManager:
         n = self.prefix.find(keys, window)
         first = 0 if window is None else max(0, n - window)
         blocks = tuple((b, self.prefix.block_of[keys[b]]) for b in range(first, n))
-        return Hit(n * size, blocks, tuple(keys[:n]))
+        state = self.prefix.snapshots[keys[n - 1]] if n and self.snapshots else 0
+        return Hit(n * size, blocks, tuple(keys[:n]), state)
 
     def attach(self, table: BlockTable, hit: Hit) -> None:
         """An empty table starts from a hit: it holds the hit's blocks."""
         for _, block in hit.blocks:
             self.take(block)
-        table.held, table.keys = hit.blocks, hit.keys
+        table.held, table.keys, table.state_from = hit.blocks, hit.keys, hit.state
 
-    def publish(self, table: BlockTable, computed: int, prompt, output, images=()) -> None:
+    def publish(
+        self, table: BlockTable, computed: int, prompt, output, images=(), snapshot=False
+    ) -> None:
         """After a step ran: cache the table's blocks that its `computed` tokens (of `prompt` +
         `output`, joined only when a block filled) filled, up to its first trim (`images` as in
-        `lookup`)."""
+        `lookup`); with `snapshot`, and the recurrent state after them too."""
         if self.prefix is None or (self.prefix_tokens and computed > self.prefix_tokens):
             return  # keys computed past `prefix_tokens` depend on the chunks: never shared
         until = computed if table.full_view_until is None else min(computed, table.full_view_until)
@@ -339,6 +356,18 @@ class BlockManager:
             if logical in block_of:
                 self.prefix.add(key, block_of[logical])
         table.keys += tuple(keys)
+        if snapshot:
+            self._snapshot(table, computed)
+
+    def _snapshot(self, table: BlockTable, computed: int) -> None:
+        """Keep the recurrent state after `computed` tokens, a cached block's end, for hits there
+        (copied by the runner before the state moves on)."""
+        n = computed // self.block_size
+        if not self.snapshots or computed % self.block_size or not 0 < n <= len(table.keys):
+            return
+        slot = self.prefix.add_snapshot(table.keys[n - 1])
+        if slot:
+            self.snapshots_due.append((table.state_slot, slot))
 
     def peak_blocks(self, total_tokens: int, max_kv_size: int | None, keep: int) -> int:
         """The most blocks a sequence of `total_tokens` may need at once (under its KV bound: the

@@ -63,10 +63,17 @@ class StatePool:
     def tensors(self) -> list[torch.Tensor]:
         return [t for t in self.conv + self.ssm if t is not None]
 
-    def zero(self, slot: int) -> None:
-        """A sequence starts from nothing: its state is zeros."""
+    def start(self, slot: int, snapshot: int = 0) -> None:
+        """A sequence starts in `slot`: from a snapshot (a prefix hit), else from zeros."""
         for t in self.tensors():
-            t[slot].zero_()
+            if snapshot:
+                t[slot].copy_(t[snapshot])
+            else:
+                t[slot].zero_()
+
+    def copy(self, slot: int, snapshot: int) -> None:
+        for t in self.tensors():
+            t[snapshot].copy_(t[slot])
 
 
 class PoolStates:

@@ -45,12 +45,18 @@ class Hit:
     tokens: int = 0
     blocks: tuple[tuple[int, int], ...] = ()
     keys: tuple[bytes, ...] = ()
+    state: int = 0  # the snapshot slot of the recurrent state after `tokens` (0: none)
 
 
 class PrefixCache:
-    """key <-> physical block, and the cached blocks no sequence holds, oldest first."""
+    """key <-> physical block, and the cached blocks no sequence holds, oldest first. For models
+    with recurrent layers (`snapshot_slots` given) a hit also needs the state after its last
+    block: key -> snapshot slot, least recently used first."""
 
-    def __init__(self):
+    def __init__(self, snapshot_slots: Sequence[int] = ()):
+        self.stateful = bool(snapshot_slots)
+        self.free_snapshots = list(snapshot_slots)
+        self.snapshots: OrderedDict[bytes, int] = OrderedDict()
         self.block_of: dict[bytes, int] = {}
         self.key_of: dict[int, bytes] = {}
         self.idle: OrderedDict[int, None] = OrderedDict()  # evictable, least recently used first
@@ -67,12 +73,32 @@ class PrefixCache:
         cached, or where every layer slides (`window_blocks`: the blocks the next query may see),
         the longest prefix whose last `window_blocks` are."""
         cached = [key in self.block_of for key in keys]
+        if self.stateful:  # recurrent state is rebuilt only from a snapshot where the hit ends
+            n = cached.index(False) if False in cached else len(cached)
+            while n and keys[n - 1] not in self.snapshots:
+                n -= 1
+            if n:
+                self.snapshots.move_to_end(keys[n - 1])
+            return n
         if window_blocks is None:
             return cached.index(False) if False in cached else len(cached)
         for n in range(len(cached), 0, -1):
             if all(cached[max(0, n - window_blocks) : n]):
                 return n
         return 0
+
+    def add_snapshot(self, key: bytes) -> int | None:
+        """A slot for the recurrent state after the block keyed `key`, the least recently used
+        one's if none is free; None if that state is kept already."""
+        if key in self.snapshots:
+            self.snapshots.move_to_end(key)
+            return None
+        if self.free_snapshots:
+            slot = self.free_snapshots.pop()
+        else:
+            _, slot = self.snapshots.popitem(last=False)
+        self.snapshots[key] = slot
+        return slot
 
     def take(self, block: int) -> None:
         """A sequence holds `block` again: it is no longer evictable."""

@@ -138,7 +138,9 @@ class GPURunner(ModelRunner):
             return None
         per_slot = StatePool.bytes_per_slot(layout, self.dtype)
         log.info("recurrent state: %d slots of %.1f MiB", self.max_num_seqs, per_slot / 2**20)
-        return StatePool(layout, self.max_num_seqs + 1, self.dtype, self.device)
+        # + with prefix caching, as many snapshots of cached prompts' state (cache/blocks.py)
+        snapshots = self.max_num_seqs if self.cache_config.prefix_caching else 0
+        return StatePool(layout, 1 + self.max_num_seqs + snapshots, self.dtype, self.device)
 
     def _use_pool(self, num_blocks: int) -> None:
         """A pool of `num_blocks` (block 0: scratch) and the manager of its blocks."""
@@ -149,8 +151,7 @@ class GPURunner(ModelRunner):
             bs,
             evict_window(self.specs),
             first_id=1,
-            # recurrent state cannot be rebuilt from cached blocks
-            prefix_caching=self.cache_config.prefix_caching and self.states is None,
+            prefix_caching=self.cache_config.prefix_caching,
             prefix_tokens=self.model.chunk_invariant_tokens(),
             state_slots=self.max_num_seqs if self.states is not None else 0,
         )
@@ -224,11 +225,13 @@ class GPURunner(ModelRunner):
             cache.offset = request.num_computed
             if self.states is not None:
                 cache.state_slot = self.blocks.state_slot(request.request_id)
-                self.states.zero(cache.state_slot)
+                self.states.start(cache.state_slot, table.state_from)
             self.caches[request.request_id] = cache
         return self.caches[request.request_id]
 
     def execute(self, chunks: list[ScheduledChunk]) -> list[StepResult]:
+        for slot, snapshot in self.blocks.take_snapshots():  # before any state moves on
+            self.states.copy(slot, snapshot)
         results = super().execute(chunks)
         self.blocks.commit()  # blocks trimmed in this step may now be reused
         return results

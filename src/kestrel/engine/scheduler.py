@@ -97,7 +97,7 @@ class Scheduler:
             if request in preempted:
                 break
             self._reuse_prefix(request)
-            first = min(request.num_pending, request.max_chunk(self.config.prefill_chunk_size))
+            first = self._chunk(request)
             if kv.fit(request, first) < first:
                 kv.free(request)
                 request.num_computed = 0
@@ -144,11 +144,29 @@ class Scheduler:
                     request.prompt_ids,
                     request.output_ids,
                     request.image_keys,
+                    snapshot=request.num_computed == self._snapshot_at(request),
                 )
+
+    def _chunk(self, request: Request) -> int:
+        """The request's next prefill chunk; it ends where its recurrent state is to be
+        snapshotted when it would cross that point."""
+        n = min(request.num_pending, request.max_chunk(self.config.prefill_chunk_size))
+        at = self._snapshot_at(request)
+        if request.num_computed < at < request.num_computed + n:
+            return at - request.num_computed
+        return n
+
+    def _snapshot_at(self, request: Request) -> int:
+        """Where a hybrid model's request keeps its recurrent state for later prefix hits: the
+        end of the last full block a hit on its tokens may cover (0: nowhere)."""
+        if not self.blocks.snapshots or not request.cache_prompt:
+            return 0
+        limit = request.prefix_limit()
+        return limit - limit % self.blocks.block_size
 
     def _prefill(self, kv: "_KVPlan", request: Request, budget: int, chunks: list) -> int:
         """Plan the request's next prompt chunk within budget and capacity; tokens planned."""
-        n = min(request.num_pending, request.max_chunk(self.config.prefill_chunk_size))
+        n = self._chunk(request)
         fit = kv.fit(request, min(n, budget))
         if request.max_kv_size and fit < n:
             # under a KV bound chunk boundaries decide which keys stay visible: a chunk cut
