@@ -159,3 +159,70 @@ def test_grouped_expert_matmul_matches_one_matmul_per_expert(dtype):
         captured = grouped_matmul(xs, weights, ends)
     graph.replay()
     torch.testing.assert_close(captured, expected, **tol)
+
+
+# -- Mamba decode steps, states updated in place by slot ---------------------------------------
+
+
+def _states(shape, slots=6):
+    """A state store of `slots` and the slots (b=3, in no order) the step updates."""
+    return torch.randn(slots, *shape, device="cuda"), torch.tensor([4, 1, 2], device="cuda")
+
+
+def _assert_in_place(store, before, slots, expected_new):
+    """The chosen slots hold the fallback's new states; every other slot is untouched."""
+    others = [s for s in range(store.shape[0]) if s not in slots.tolist()]
+    torch.testing.assert_close(store[slots], expected_new, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(store[others], before[others], rtol=0, atol=0)
+
+
+def test_ssd_update_equals_the_mamba2_step():
+    from kestrel.kernels.mamba import ssd_update
+    from kestrel.models.layers.mamba import ssd_step
+
+    H, P, N = 6, 20, 24  # not powers of two: masked lanes
+    store, slots = _states((H, P, N))
+    before = store.clone()
+    x, B, C = (torch.randn(3, 1, H, n, device="cuda") for n in (P, N, N))
+    dt = torch.rand(3, 1, H, device="cuda")
+    A = -torch.rand(H, device="cuda")
+    y_ref, new = ssd_step(x, dt, A, B, C, before[slots])
+    y = ssd_update(store, slots, x[:, 0], dt[:, 0], B[:, 0], C[:, 0], A)
+    torch.testing.assert_close(y, y_ref[:, 0], rtol=1e-5, atol=1e-5)
+    _assert_in_place(store, before, slots, new)
+
+
+def test_selective_update_equals_the_mamba_step():
+    from kestrel.kernels.mamba import selective_update
+    from kestrel.models.layers.mamba import selective_scan
+
+    D, N = 100, 12
+    store, slots = _states((D, N))
+    before = store.clone()
+    x, dt = torch.randn(3, 1, D, device="cuda"), torch.rand(3, 1, D, device="cuda")
+    B, C = torch.randn(3, 1, N, device="cuda"), torch.randn(3, 1, N, device="cuda")
+    A = -torch.rand(D, N, device="cuda")
+    y_ref, new = selective_scan(x, dt, A, B, C, before[slots])
+    y = selective_update(store, slots, x[:, 0], dt[:, 0], B[:, 0], C[:, 0], A)
+    torch.testing.assert_close(y, y_ref[:, 0], rtol=1e-5, atol=1e-5)
+    _assert_in_place(store, before, slots, new)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("bias", [True, False])
+def test_conv_update_equals_the_causal_conv(dtype, bias):
+    from kestrel.kernels.mamba import conv_update
+    from kestrel.models.layers.mamba import causal_conv
+
+    K, channels = 4, 300
+    store, slots = _states((K - 1, channels))
+    store = store.to(dtype)
+    before = store.clone()
+    x = torch.randn(3, 1, channels, device="cuda", dtype=dtype)
+    weight = torch.randn(channels, 1, K, device="cuda", dtype=dtype)
+    b = torch.randn(channels, device="cuda", dtype=dtype) if bias else None
+    y_ref, new = causal_conv(x, weight, b, before[slots])
+    y = conv_update(store, slots, x[:, 0], weight, b)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(y, y_ref[:, 0], rtol=tol, atol=tol)
+    _assert_in_place(store, before, slots, new)  # the window moves exactly, in any dtype

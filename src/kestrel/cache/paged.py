@@ -16,6 +16,7 @@ import torch
 from kestrel.cache.blocks import BlockTable
 from kestrel.cache.mask import visible_mask
 from kestrel.cache.sequence import CacheSpec, KVShape, SequenceCache, StateShape, kv_bytes
+from kestrel.kernels import mamba as mamba_kernels
 from kestrel.kernels.attention import attend, paged_attention_triton, triton, write_kv
 
 
@@ -82,6 +83,11 @@ class PoolStates:
 
     def __init__(self, pool: StatePool, slots: torch.Tensor):
         self.pool, self.slots = pool, slots
+
+    def in_place(self, layer_idx: int, attr: str) -> torch.Tensor | None:
+        """The store that kernels/mamba.py updates in place (None: read, step and write)."""
+        store = getattr(self.pool, attr)[layer_idx]
+        return store if mamba_kernels.available(store) else None
 
     def read(self, layer_idx: int, attr: str, zeros) -> torch.Tensor:
         return getattr(self.pool, attr)[layer_idx].index_select(0, self.slots)

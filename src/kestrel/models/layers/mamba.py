@@ -7,12 +7,15 @@ prefill chunks and decode steps: a prefill chunk is scanned in chunks (no Python
 tokens), and every single-token chunk of the batch is decoded in one batched recurrent step.
 """
 
+from functools import partial
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 import kestrel.cache.recurrent  # noqa: F401  (registers the "recurrent" and "none" cache kinds)
 from kestrel.cache.sequence import StateShape
+from kestrel.kernels import mamba as kernels
 from kestrel.kernels.fused import ACTIVATIONS
 from kestrel.models.batch import ForwardBatch
 from kestrel.models.layers.norm import RMSNorm
@@ -28,6 +31,9 @@ class CacheStates:
 
     def __init__(self, caches: list):
         self.caches = caches
+
+    def in_place(self, layer_idx: int, attr: str) -> None:
+        return None  # states are tensors of their own: read, step and write
 
     def read(self, layer_idx: int, attr: str, zeros) -> torch.Tensor:
         saved = [getattr(cache.layers[layer_idx], attr) for cache in self.caches]
@@ -57,16 +63,23 @@ def sequence_groups(batch: ForwardBatch) -> list[Group]:
     return groups
 
 
-def scan_sequences(groups, layer_idx: int, attr: str, zeros, fn, *inputs):
+def scan_sequences(groups, layer_idx: int, attr: str, zeros, fn, *inputs, step=None):
     """For each group: out[rows], new = fn(*(t[rows] for t in inputs), state) with the stacked
-    `attr` state (b, ...) of its sequences (`zeros()` for a new one); store each new state."""
+    `attr` state (b, ...) of its sequences (`zeros()` for a new one); store each new state. A
+    group of one-token sequences whose states a kernel updates in place (the paged runner on
+    CUDA) runs `step(store, slots, *rows' inputs)` instead."""
     out = None
     for rows, states in groups:
-        y, new = fn(*(t[rows] for t in inputs), states.read(layer_idx, attr, zeros))
+        xs = [t[rows] for t in inputs]
+        store = states.in_place(layer_idx, attr) if step and rows.shape[1] == 1 else None
+        if store is not None:
+            y = step(store, states.slots, *(t[:, 0] for t in xs))[:, None]
+        else:
+            y, new = fn(*xs, states.read(layer_idx, attr, zeros))
+            states.write(layer_idx, attr, new)
         if out is None:
             out = y.new_empty(inputs[0].shape[0], *y.shape[2:])
         out[rows] = y
-        states.write(layer_idx, attr, new)
     return out
 
 
@@ -88,6 +101,9 @@ def conv_pass(x: torch.Tensor, conv: nn.Conv1d, layer_idx: int, groups) -> torch
         zeros,
         lambda xs, window: causal_conv(xs, conv.weight, conv.bias, window),
         x,
+        step=lambda window, slots, xs: kernels.conv_update(
+            window, slots, xs, conv.weight, conv.bias
+        ),
     )
 
 
@@ -202,7 +218,11 @@ class Mamba2Mixer(nn.Module):
         B, C = (t.reshape(T, G, N).float().repeat_interleave(H // G, dim=1) for t in (B, C))
         dt = F.softplus(dt.float() + self.dt_bias.float()).clamp(*self.dt_limit)  # (T, H)
         zeros = lambda: x.new_zeros(H, P, N, dtype=torch.float32)  # noqa: E731
-        y = scan_sequences(groups, self.layer_idx, "ssm", zeros, self._scan, xs, dt, B, C)
+        A = -torch.exp(self.A_log.float())
+        step = partial(kernels.ssd_update, A=A)
+        y = scan_sequences(
+            groups, self.layer_idx, "ssm", zeros, self._scan, xs, dt, B, C, step=step
+        )
         y = y + xs * self.D.float()[:, None]
         return self.out_proj(self.norm(y.reshape(T, -1), gate).to(x.dtype))
 
@@ -293,8 +313,19 @@ class MambaMixer(nn.Module):
         dt = F.softplus(F.linear(dt, self.dt_proj.weight).float() + self.dt_proj.bias.float())
         xs = xs.float()
         zeros = lambda: x.new_zeros(self.inner, self.state_size, dtype=torch.float32)  # noqa: E731
+        A = -torch.exp(self.A_log.float())
+        step = partial(kernels.selective_update, A=A)
         y = scan_sequences(
-            groups, self.layer_idx, "ssm", zeros, self._scan, xs, dt, B.float(), C.float()
+            groups,
+            self.layer_idx,
+            "ssm",
+            zeros,
+            self._scan,
+            xs,
+            dt,
+            B.float(),
+            C.float(),
+            step=step,
         )  # (T, D)
         y = (y + xs * self.D.float()) * F.silu(z.float())
         return self.out_proj(y.to(x.dtype))
