@@ -73,7 +73,10 @@ def main() -> None:
     for kind, steps in times.items():
         total = sum(t for t, _ in steps)
         tokens = sum(k for _, k in steps)
-        print(json.dumps(dict(kind=kind, steps=len(steps), seconds=total, tokens=tokens)))
+        each = [round(t, 3) for t, _ in steps[:12]]  # the first steps pay for compiling
+        print(
+            json.dumps(dict(kind=kind, steps=len(steps), seconds=total, tokens=tokens, each=each))
+        )
     for kind, table in profiled.items():
         print(f"--- {kind} step ---\n{table}")
 

@@ -287,10 +287,11 @@ def test_mla_latent_pool_matches_dense(kind):
 @pytest.mark.parametrize("kind", ["nemotron_h", "jamba"])
 def test_hybrid_recurrent_state_slots_match_dense(kind):
     """Mamba layers keep each sequence's conv window and SSM state in its slot of the state pool,
-    carried across chunks (longer than the SSD chunk) and batched decode steps, trims included
-    (recurrent state is never trimmed)."""
+    carried across chunks (longer than the SSD chunk), chunks of one length scanned together and
+    batched decode steps, trims included (recurrent state is never trimmed)."""
     model = tiny_model(kind)
-    schedule = [(9, 4, 0), (12, 1, 3), (13, 1, 1), *[(1, 1, 1)] * 6]
+    # chunks of one length share a scan (the two 4-token prompts), others go alone
+    schedule = [(9, 4, 4), (12, 1, 1), (13, 1, 1), (6, 1, 1), *[(1, 1, 1)] * 6]
     paged = run_both(model, prompts(40, 4, 4), schedule, max_kv_size=30, keep=1)
     slots = [paged.caches[f"r{i}"].state_slot for i in range(3)]
     assert sorted(slots) == [1, 2, 3]  # one slot each, slot 0 left as scratch

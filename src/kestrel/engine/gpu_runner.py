@@ -6,6 +6,7 @@ It also runs on the CPU (PyTorch fallbacks, no graphs), which is how its packing
 tested against the reference runner without a GPU.
 """
 
+import itertools
 import logging
 import math
 import os
@@ -424,11 +425,11 @@ def build_batch(
         for col in zip(*[(len(b), ns, ms, ls, k) for b, ns, ms, ls, k in p.seqs], strict=False)
     ]
     tile_columns = map(list, zip(*tiles, strict=False))
-    singles = [s for s, _, n in p.tiles if n == 1]  # sequences of one token: one state group
-    single_rows = [p.tiles[s][1] for s in singles]
-    single_slots = [p.state_slots[s] for s in singles]
     flat = [p.ids, p.positions, p.chunk_ends, p.rope_ids, p.slots, p.rows, *tile_columns, *per_seq]
-    flat += [p.state_slots, single_rows, single_slots]
+    # recurrent-state groups: chunks of one length together (one-token chunks first), as (first
+    # row, state slot) runs
+    by_length = sorted(range(len(p.tiles)), key=lambda s: p.tiles[s][2])
+    flat += [[p.tiles[s][1] for s in by_length], [p.state_slots[s] for s in by_length]]
     # each part starts 16-byte aligned: Triton specializes kernels on pointer alignment
     padded = [part + [0] * (len(part) % 2) for part in flat]
     sizes = [len(x) for x in padded]
@@ -442,7 +443,7 @@ def build_batch(
     )
     groups = None
     if states is not None:
-        groups = state_groups(p, states, *parts[14:])
+        groups = state_groups(sorted(n for *_, n in p.tiles), states, *parts[14:])
     tables = dev[sum(sizes) :].view(len(p.seqs), width)
     meta = PagedAttention(
         pool,
@@ -468,16 +469,16 @@ def build_batch(
     return PagedBatch(ids, positions, [], rows, rope, images, ends, groups, attention=meta)
 
 
-def state_groups(p: Packed, states: StatePool, slots, single_rows, single_slots) -> list:
-    """The recurrent layers' groups (layers/mamba.py): each longer chunk alone, then every
-    one-token chunk together; device index tensors sliced from the batch's one copy."""
-    groups = []
-    for s, start, n in p.tiles:
-        if n > 1:
-            rows = torch.arange(start, start + n, device=slots.device)[None]
-            groups.append((rows, PoolStates(states, slots[s : s + 1])))
-    if single_rows.numel():
-        groups.append((single_rows[:, None], PoolStates(states, single_slots)))
+def state_groups(lengths: list[int], states: StatePool, starts, slots) -> list:
+    """The recurrent layers' groups (layers/mamba.py): the chunks of each length together, their
+    (b, m) rows and state slots sliced from the batch's one copy (`starts`, `slots`: per chunk,
+    in the order of `lengths`, ascending)."""
+    groups, i = [], 0
+    for m, run in itertools.groupby(lengths):
+        j = i + len(list(run))
+        rows = starts[i:j, None] + torch.arange(m, device=starts.device)
+        groups.append((rows, PoolStates(states, slots[i:j])))
+        i = j
     return groups
 
 
