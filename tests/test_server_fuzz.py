@@ -25,6 +25,7 @@ ROUTES = [
     ("POST", "/completion", 200, 120),
     ("POST", "/v1/responses", 200, 120),
     ("POST", "/v1/messages", 200, 120),
+    ("POST", "/v1/embeddings", 200, 120),
     ("POST", "/tokenize", 200, 120),
     ("POST", "/detokenize", 200, 120),
     ("GET", "/v1/models", 5, 0),

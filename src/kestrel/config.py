@@ -20,6 +20,7 @@ class ModelConfig:
     device: str = "auto"  # auto, cpu, cuda, cuda:N
     ctx_size: int | None = None  # context length; None: the model's max_position_embeddings
     cuda_graphs: bool = True  # capture decode steps as CUDA graphs
+    pooling: str = "last"  # embeddings pool the final-norm states: "last" token's or "mean"
 
 
 @dataclass

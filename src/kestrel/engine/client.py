@@ -51,6 +51,7 @@ class EngineStats:
     steps: int = 0
     prompt_tokens: int = 0
     generation_tokens: int = 0
+    embeddings: int = 0  # embedding vectors computed
     finished: dict[str, int] = field(default_factory=dict)  # finish_reason -> count
 
     def count_finish(self, reason: str) -> None:
@@ -67,12 +68,14 @@ class LatencyListener:
 
 @dataclass
 class GenerateRequest:
-    """One engine request: n choices of one prompt are n of these."""
+    """One engine request: n choices of one prompt are n of these. `embed`: its output is the
+    prompt's embedding (`RequestOutput.embedding`), nothing is generated."""
 
     request_id: str
     prompt: list[int] | object  # token ids, or a kestrel.models.qwen_vl_processor.MultimodalPrompt
     params: SamplingParams
     max_kv_size: int | None = None
+    embed: bool = False
 
 
 class OutputStream:
@@ -134,6 +137,11 @@ class EngineClient:
         """End the engine (an engine process exits)."""
 
     @property
+    def embedding_size(self) -> int | None:
+        """The length of the model's embedding vectors (its hidden size)."""
+        return self.intake.hidden_size
+
+    @property
     def num_unfinished(self) -> int:
         """Requests accepted and not yet finished (the admission-control count)."""
         return len(self._streams)
@@ -183,7 +191,7 @@ class EngineClient:
     def _build(self, r: GenerateRequest) -> Request:
         if r.request_id in self._streams:
             raise InvalidRequestError(f"duplicate request id {r.request_id!r}")
-        return self.intake.build(r.request_id, r.prompt, r.params, r.max_kv_size)
+        return self.intake.build(r.request_id, r.prompt, r.params, r.max_kv_size, r.embed)
 
     def _check_alive(self) -> None:
         if self.dead is not None:
@@ -212,6 +220,8 @@ class EngineClient:
             else:
                 self.listener.token_gap(now - timing.last_token)
             timing.last_token = now
+        if output.embedding is not None:
+            self.stats.embeddings += 1
         if output.finished:
             self._timing.pop(output.request_id, None)
             self.stats.count_finish(output.finish_reason or "error")

@@ -33,6 +33,7 @@ class RequestOutput:
     num_prompt_tokens: int = 0
     num_generated_tokens: int = 0
     num_cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
+    embedding: list[float] | None = None  # an embedding request's vector (its only output)
 
 
 @dataclass
@@ -84,7 +85,7 @@ class Engine:
         self.scheduler = Scheduler(self.config.scheduler, blocks)
         multimodal = getattr(model, "multimodal", False)
         self.intake = RequestFactory(
-            tokenizer, self.config, self.vocab_size, self.ctx_size, multimodal
+            tokenizer, self.config, self.vocab_size, self.ctx_size, multimodal, text.hidden_size
         )
         self.requests: dict[str, Request] = {}
         self.text: dict[str, _TextState] = {}
@@ -145,6 +146,9 @@ class Engine:
         if result.error is not None:
             request.finish("error")
             return self._output(request, error=result.error)
+        if result.embedding is not None:
+            request.finish("stop")
+            return self._output(request, embedding=result.embedding)
         if result.token is None:
             return None  # a prefill chunk that did not reach the end of the prompt
         request.output_ids.append(result.token)
@@ -175,7 +179,9 @@ class Engine:
         state.emitted = len(visible)
         return new_text
 
-    def _output(self, request: Request, text="", ids=(), logprobs=(), error=None) -> RequestOutput:
+    def _output(
+        self, request: Request, text="", ids=(), logprobs=(), error=None, embedding=None
+    ) -> RequestOutput:
         return RequestOutput(
             request.request_id,
             text,
@@ -187,6 +193,7 @@ class Engine:
             len(request.prompt_ids),
             len(request.output_ids),
             request.num_cached_tokens or 0,
+            embedding,
         )
 
     def abort(self, request_id: str) -> bool:
@@ -228,9 +235,19 @@ class RequestFactory:
     """Validates a prompt and its parameters and builds the Request. It needs no model, so the
     server's process validates with it and only valid requests reach the engine's process."""
 
-    def __init__(self, tokenizer, config: Config, vocab_size: int, ctx_size: int, multimodal: bool):
+    def __init__(
+        self,
+        tokenizer,
+        config: Config,
+        vocab_size: int,
+        ctx_size: int,
+        multimodal: bool,
+        hidden_size: int | None = None,
+    ):
+        """`hidden_size`: the size of the final-norm hidden states (the embeddings' size)."""
         self.tokenizer, self.config = tokenizer, config
         self.vocab_size, self.ctx_size, self.multimodal = vocab_size, ctx_size, multimodal
+        self.hidden_size = hidden_size
 
     def build(
         self,
@@ -238,16 +255,21 @@ class RequestFactory:
         prompt: str | list[int] | MultimodalPrompt,
         params: SamplingParams,
         max_kv_size: int | None = None,
+        embed: bool = False,
     ) -> Request:
-        """The request; raises InvalidRequestError."""
+        """The request (`embed`: an embedding request, pooled as --pooling says); raises
+        InvalidRequestError."""
         multimodal = prompt if isinstance(prompt, MultimodalPrompt) else None
-        if multimodal is not None and not self.multimodal:
-            raise InvalidRequestError("this model does not take images", param="messages")
+        if multimodal is not None and (embed or not self.multimodal):
+            what = "embeddings take text only" if embed else "this model does not take images"
+            raise InvalidRequestError(what, param="input" if embed else "messages")
         if multimodal is not None:
             prompt_ids = list(multimodal.token_ids)
         else:
             prompt_ids = encode(self.tokenizer, prompt)
-        self._validate(prompt_ids, params)
+        self._validate(prompt_ids, params, "input" if embed else "prompt")
+        if embed:
+            return self._embedding(request_id, prompt_ids, params)
         kv_bound = self._kv_bound(max_kv_size)
         return Request(
             request_id,
@@ -260,14 +282,25 @@ class RequestFactory:
             image_keys=multimodal.image_keys() if multimodal is not None else (),
         )
 
-    def _validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
+    def _validate(self, prompt_ids: list[int], params: SamplingParams, param: str) -> None:
         if not prompt_ids:
-            raise InvalidRequestError("the prompt is empty", param="prompt")
+            raise InvalidRequestError("the prompt is empty", param=param)
         if not all(isinstance(t, int) and 0 <= t < self.vocab_size for t in prompt_ids):
             raise InvalidRequestError(
-                f"prompt token ids must be in [0, {self.vocab_size})", param="prompt"
+                f"prompt token ids must be in [0, {self.vocab_size})", param=param
             )
         check_token_ids(params, self.vocab_size)
+
+    def _embedding(self, request_id: str, prompt_ids: list[int], params) -> Request:
+        """An embedding request: no KV bound (a trim would hide tokens from the pooled states),
+        so its whole prompt must fit the context; it generates nothing."""
+        if len(prompt_ids) > self._context():
+            raise InvalidRequestError(
+                f"input has {len(prompt_ids)} tokens; the context holds {self._context()}",
+                param="input",
+                code="context_length_exceeded",
+            )
+        return Request(request_id, prompt_ids, params, 0, pooling=self.config.model.pooling)
 
     def _kv_bound(self, requested: int | None) -> int | None:
         """The request's KV bound: its own if smaller than the server's, else the server's."""

@@ -19,7 +19,7 @@ from kestrel.cache.blocks import BlockManager, evict_window
 from kestrel.cache.paged import BlockPool, PagedAttention, PagedSequenceCache, PoolStates, StatePool
 from kestrel.config import CacheConfig, Config
 from kestrel.engine.request import Request
-from kestrel.engine.runner import ModelRunner, StepResult
+from kestrel.engine.runner import ModelRunner, StepResult, pooled_rows
 from kestrel.engine.scheduler import ScheduledChunk
 from kestrel.kernels.attention import tile_rows
 from kestrel.models.batch import ForwardBatch, ImageRows
@@ -50,7 +50,8 @@ class Packed:
     tiles: list[tuple[int, int, int]] = field(default_factory=list)  # (seq, start, len)
     seqs: list[tuple] = field(default_factory=list)  # (blocks, n_sink, main_start, live, keep)
     state_slots: list[int] = field(default_factory=list)  # per sequence (0: no recurrent state)
-    rows: list[int] = field(default_factory=list)
+    rows: list[int] = field(default_factory=list)  # sampling rows
+    pool_rows: list[int] = field(default_factory=list)  # embedding requests' pooled rows
     # multimodal prompt chunks: (start, (3, len) M-RoPE ids) and (start, ImageRows)
     explicit_rope: list[tuple[int, torch.Tensor]] = field(default_factory=list)
     images: list[tuple[int, ImageRows]] = field(default_factory=list)
@@ -249,22 +250,22 @@ class GPURunner(ModelRunner):
     def _run(self, chunks: list[ScheduledChunk]) -> list[StepResult]:
         packed = self._pack_host(chunks)
         # a graph returns a row per sequence; only steps whose every chunk samples fit it (a
-        # one-token chunk cut from a prompt or a recompute samples nothing), all of them text
+        # one-token chunk cut from a prompt or a recompute, or an embedding prompt, samples
+        # nothing), all of them text
         decode = all(c.num_tokens == 1 and c.samples for c in chunks) and not packed.images
         decode = decode and not packed.explicit_rope
         size = next((b for b in sorted(self.graphs) if b >= len(chunks)), None)
         sampling = [c.request for c in chunks if c.samples]
         masks = self._start_masks(sampling)  # on the host, while the device runs the forward
         if decode and size is not None:
-            logits = self._replay(packed, size)[: len(chunks)]
+            logits, hidden = self._replay(packed, size)[: len(chunks)], None  # nothing pooled
         else:
-            logits = self.model(self._to_batch(packed, tile_tokens=1 if decode else None))
+            batch = self._to_batch(packed, tile_tokens=1 if decode else None)
+            logits, hidden = self._forward(batch, len(sampling))
         self._advance(chunks)
         masked, failed = self._apply_masks(masks, logits)
         results = self._sample_batch(sampling, logits, masked)
-        return self._accept(results, failed) + [
-            StepResult(c.request) for c in chunks if not c.samples
-        ]
+        return self._finish(chunks, self._accept(results, failed), hidden)
 
     def _pack_batch(self, chunks) -> PagedBatch:
         return self._to_batch(self._pack_host(chunks), None)
@@ -298,6 +299,7 @@ class GPURunner(ModelRunner):
             p.tiles.append((s, start, n))
             if chunk.samples:
                 p.rows.append(start + n - 1)
+            p.pool_rows.extend(pooled_rows(chunk, start))
         return p
 
     def _to_batch(self, p: Packed, tile_tokens: int | None) -> PagedBatch:
@@ -425,7 +427,8 @@ def build_batch(
         for col in zip(*[(len(b), ns, ms, ls, k) for b, ns, ms, ls, k in p.seqs], strict=False)
     ]
     tile_columns = map(list, zip(*tiles, strict=False))
-    flat = [p.ids, p.positions, p.chunk_ends, p.rope_ids, p.slots, p.rows, *tile_columns, *per_seq]
+    rows = p.rows + p.pool_rows  # sampling rows first (ModelRunner._forward)
+    flat = [p.ids, p.positions, p.chunk_ends, p.rope_ids, p.slots, rows, *tile_columns, *per_seq]
     # recurrent-state groups: chunks of one length together (one-token chunks first), as (first
     # row, state slot) runs
     by_length = sorted(range(len(p.tiles)), key=lambda s: p.tiles[s][2])

@@ -61,6 +61,7 @@ class _Ready:
     vocab_size: int
     ctx_size: int
     multimodal: bool
+    hidden_size: int | None
 
 
 class EngineProcessClient(EngineClient):
@@ -85,7 +86,12 @@ class EngineProcessClient(EngineClient):
         theirs.close()
         ready = self._load(ours, build)
         intake = RequestFactory(
-            tokenizer, ready.config, ready.vocab_size, ready.ctx_size, ready.multimodal
+            tokenizer,
+            ready.config,
+            ready.vocab_size,
+            ready.ctx_size,
+            ready.multimodal,
+            ready.hidden_size,
         )
         super().__init__(intake, tokenizer, processor, listener, stats)
         self._socket = ours
@@ -167,7 +173,9 @@ def child_main(fd: int) -> None:
         build = _receive(sock)
         engine = build()
         text = engine.intake
-        ready = _Ready(engine.config, text.vocab_size, text.ctx_size, text.multimodal)
+        ready = _Ready(
+            engine.config, text.vocab_size, text.ctx_size, text.multimodal, text.hidden_size
+        )
         _send(sock, ("ready", ready))
     except BaseException as error:
         log.exception("the engine failed to load")

@@ -30,6 +30,9 @@ class Request:
     multimodal: object | None = None
     # (first token, digest) of each image: images join the prefix-cache keys of their blocks
     image_keys: tuple[tuple[int, bytes], ...] = ()
+    # "last" or "mean": an embedding request, whose result is its prompt's pooled hidden states
+    # (prefill only, nothing sampled); None: a generation request
+    pooling: str | None = None
     output_ids: list[int] = field(default_factory=list)
     num_computed: int = 0  # tokens already written into the cache
     num_cached_tokens: int | None = None  # prompt tokens a prefix hit gave it (set at admission)
@@ -68,8 +71,9 @@ class Request:
 
     @property
     def cache_prompt(self) -> bool:
-        """Whether it may reuse cached prefix blocks (llama-server's per-request opt-out)."""
-        return getattr(self.params, "cache_prompt", True)
+        """Whether it may reuse cached prefix blocks (llama-server's per-request opt-out). Mean
+        pooling may not: it needs the hidden state of every prompt token."""
+        return self.pooling != "mean" and getattr(self.params, "cache_prompt", True)
 
     def prefix_limit(self) -> int:
         """How many leading tokens a prefix hit may cover: all but the last (its logits are

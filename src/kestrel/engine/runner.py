@@ -6,6 +6,10 @@ a time, so a fault fails only the request that caused it and the batch goes on.
 A request with images (`Request.multimodal`, a kestrel.models.qwen_vl_processor.MultimodalPrompt) has them
 encoded once, at its first prefill chunk; each prefill chunk then carries its M-RoPE ids and the
 features of its image tokens, and decode needs nothing more (text follows `cache.rope_delta`).
+
+An embedding request (`Request.pooling`) runs its prompt in the same steps and chunks as any
+other, samples nothing, and gets the L2-normalized pool of its final-norm hidden states: the last
+prompt token's, or the mean over its tokens, summed chunk by chunk so that it equals one pass.
 """
 
 import logging
@@ -13,6 +17,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 from kestrel.cache.blocks import BlockManager, evict_window
 from kestrel.cache.sequence import SequenceCache
@@ -28,12 +33,25 @@ log = logging.getLogger("kestrel.runner")
 
 @dataclass
 class StepResult:
-    """What one chunk produced: a sampled token (when the chunk samples) or the error it raised."""
+    """What one chunk produced: a sampled token (when the chunk samples), an embedding request's
+    vector (when its prompt's last chunk ran) or the error it raised."""
 
     request: Request
     token: int | None = None
     logprobs: dict[int, float] | None = None
     error: BaseException | None = None
+    embedding: list[float] | None = None
+
+
+def pooled_rows(chunk: ScheduledChunk, start: int) -> range:
+    """The rows of a chunk packed from `start` whose hidden states its request pools: every row
+    for mean pooling, the prompt's last for last pooling, none for a generation request."""
+    pooling, n = chunk.request.pooling, chunk.num_tokens
+    if pooling == "mean":
+        return range(start, start + n)
+    if pooling == "last" and chunk.completes:
+        return range(start + n - 1, start + n)
+    return range(0)
 
 
 class ModelRunner:
@@ -43,6 +61,8 @@ class ModelRunner:
         self.caches: dict[str, SequenceCache] = {}
         self.generators: dict[str, torch.Generator] = {}
         self.image_features: dict[str, object] = {}  # request id -> VisionFeatures (prefill)
+        # request id -> ((H,) float32 sum of the hidden states pooled so far, how many)
+        self.pooled: dict[str, tuple[torch.Tensor, int]] = {}
         # structured output's masks; the Engine sets it (it has the tokenizer)
         self.grammar: GrammarMasks | None = None
         # test-only fault injection: called as hook(stage, request) at "forward" and "sample"
@@ -65,15 +85,47 @@ class ModelRunner:
         batch = self._pack(chunks)
         sampling = [c.request for c in chunks if c.samples]
         masks = self._start_masks(sampling)  # on the host, while the forward runs
-        logits = self.model(batch)  # (R, V): one row per sampling chunk
+        logits, hidden = self._forward(batch, len(sampling))
         self._advance(chunks)
         masked, failed = self._apply_masks(masks, logits)
         results = [
             self._sample(request, masked[i], logits[i]) for i, request in enumerate(sampling)
         ]
-        return self._accept(results, failed) + [
-            StepResult(c.request) for c in chunks if not c.samples
+        return self._finish(chunks, self._accept(results, failed), hidden)
+
+    def _forward(self, batch: ForwardBatch, num_sampling: int):
+        """(S, V) logits of the sampling rows, which lead `logits_rows`, and (P, H) hidden states
+        of the pooled rows after them: the head runs only where a token is drawn."""
+        hidden = self.model.hidden(batch)
+        return self.model.logits(hidden[:num_sampling]), hidden[num_sampling:]
+
+    def _finish(self, chunks, sampled: list[StepResult], hidden) -> list[StepResult]:
+        """The sampled results, then one per chunk that samples nothing (with its vector when an
+        embedding request's prompt is in)."""
+        vectors = self._pool(chunks, hidden)
+        return sampled + [
+            StepResult(c.request, embedding=vectors.get(c.request.request_id))
+            for c in chunks
+            if not c.samples
         ]
+
+    def _pool(self, chunks: list[ScheduledChunk], hidden) -> dict[str, list[float]]:
+        """Add each chunk's pooled rows of (P, H) `hidden` to its request's sum; the vectors of
+        the requests whose prompt is now in (the mean, L2-normalized)."""
+        sums, at = {}, 0
+        for chunk in chunks:
+            n, request_id = len(pooled_rows(chunk, 0)), chunk.request.request_id
+            if n:
+                total, count = self.pooled.get(request_id, (0.0, 0))
+                sums[request_id] = (total + hidden[at : at + n].float().sum(0), count + n)
+                at += n
+        self.pooled.update(sums)  # all at once: a step that raised before adds nothing
+        vectors = {}
+        for chunk in chunks:
+            if chunk.request.pooling is not None and chunk.completes:
+                total, count = self.pooled.pop(chunk.request.request_id)
+                vectors[chunk.request.request_id] = F.normalize(total / count, dim=0).tolist()
+        return vectors
 
     def _advance(self, chunks: list[ScheduledChunk]) -> None:
         """The step ran: each cache holds its chunk's keys."""
@@ -83,7 +135,7 @@ class ModelRunner:
                 self.image_features.pop(chunk.request.request_id, None)  # the prompt is in
 
     def _pack(self, chunks: list[ScheduledChunk]) -> ForwardBatch:
-        ids, positions, seq_chunks, rows = [], [], [], []
+        ids, positions, seq_chunks, rows, pool_rows = [], [], [], [], []
         start = 0
         for chunk in chunks:
             request, n = chunk.request, chunk.num_tokens
@@ -97,11 +149,13 @@ class ModelRunner:
             if request.multimodal is not None:
                 rope, images = self._image_inputs(request, cache, n)
             seq_chunks.append(SeqChunk(cache, start, n, rope, images))
-            start += n
             if chunk.samples:
-                rows.append(start - 1)
+                rows.append(start + n - 1)
+            pool_rows.extend(pooled_rows(chunk, start))
+            start += n
         as_tensor = lambda x: torch.tensor(x, dtype=torch.long, device=self.device)  # noqa: E731
-        return ForwardBatch(as_tensor(ids), as_tensor(positions), seq_chunks, as_tensor(rows))
+        rows = as_tensor(rows + pool_rows)  # sampling rows first (see _forward)
+        return ForwardBatch(as_tensor(ids), as_tensor(positions), seq_chunks, rows)
 
     def _image_inputs(self, request: Request, cache: SequenceCache, n: int):
         """(3, n) M-RoPE ids and the image rows of a multimodal request's next n tokens; (None,
@@ -189,12 +243,15 @@ class ModelRunner:
         self.caches.pop(request_id, None)
         self.generators.pop(request_id, None)
         self.image_features.pop(request_id, None)
+        self.pooled.pop(request_id, None)
         if self.grammar is not None:
             self.grammar.release(request_id)
 
     def evict(self, request_id: str) -> None:
-        """Drop a preempted request's cache (it is recomputed); its sampler state stays."""
+        """Drop a preempted request's cache and pooled sum (it is recomputed); its sampler state
+        stays."""
         self.caches.pop(request_id, None)
+        self.pooled.pop(request_id, None)
 
     def kv_tokens_in_use(self) -> int:
         return sum(cache.live_tokens for cache in self.caches.values())

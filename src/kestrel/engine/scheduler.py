@@ -32,14 +32,19 @@ class QueueFullError(Exception):
 
 @dataclass
 class ScheduledChunk:
-    """Feed `num_tokens` of `request`'s pending tokens; `samples` when they reach its last token."""
+    """Feed `num_tokens` of `request`'s pending tokens; `completes` when they reach its last token,
+    and then a generation request `samples` (an embedding request gets its vector instead)."""
 
     request: Request
     num_tokens: int
 
     @property
-    def samples(self) -> bool:
+    def completes(self) -> bool:
         return self.num_tokens == self.request.num_pending
+
+    @property
+    def samples(self) -> bool:
+        return self.completes and self.request.pooling is None
 
 
 @dataclass

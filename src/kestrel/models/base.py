@@ -39,7 +39,9 @@ class Slot:
 
 
 class CausalLM(nn.Module):
-    """A decoder-only model: `forward(batch)` returns logits (R, V) for `batch.logits_rows`.
+    """A decoder-only model: `forward(batch)` returns logits (R, V) for `batch.logits_rows`, in
+    two parts the runner also calls apart: `hidden(batch)`, the final-norm hidden states (R, H) of
+    those rows (what embeddings pool), and `logits(hidden)`, the head over them.
 
     Families keep Hugging Face parameter names so checkpoints load without renaming; GGUF quirks
     live in `gguf_tensor` (e.g. undoing llama.cpp's Q/K row permutation).
@@ -65,7 +67,15 @@ class CausalLM(nn.Module):
         raise NotImplementedError
 
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
-        return self.lm_head(self.model(batch))
+        return self.logits(self.hidden(batch))
+
+    def hidden(self, batch: ForwardBatch) -> torch.Tensor:
+        """(R, H) final-norm hidden states of `batch.logits_rows`: the head's input."""
+        return self.model(batch)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """(R, H) hidden states -> (R, V) logits."""
+        return self.lm_head(hidden)
 
     def checkpoint_name(self, name: str) -> str | Slot | None:
         """Map a checkpoint tensor name to a parameter name or a `Slot` (None: not ours, skip it)."""

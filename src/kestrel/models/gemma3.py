@@ -95,8 +95,8 @@ class Gemma3ForCausalLM(CausalLM):
     def cache_specs(self) -> list[CacheSpec]:
         return [CacheSpec("sliding", w) if w else CacheSpec("full") for w in self.model.windows]
 
-    def forward(self, batch: ForwardBatch) -> torch.Tensor:
-        logits = self.lm_head(self.model(batch))
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        logits = self.lm_head(hidden)
         if self.softcap:
             logits = self.softcap * torch.tanh(logits / self.softcap)
         return logits

@@ -233,8 +233,8 @@ class Gemma4ForCausalLM(CausalLM):
                 specs.append(CacheSpec("sliding", window) if window else CacheSpec("full"))
         return specs
 
-    def forward(self, batch: ForwardBatch) -> torch.Tensor:
-        logits = self.lm_head(self.model(batch))
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        logits = self.lm_head(hidden)
         if self.softcap:
             logits = self.softcap * torch.tanh(logits / self.softcap)
         return logits

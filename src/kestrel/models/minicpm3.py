@@ -82,5 +82,5 @@ class MiniCPM3ForCausalLM(LatentCausalLM):
         super().__init__(config)
         self.logits_scaling = config.hidden_size / config.dim_model_base
 
-    def forward(self, batch: ForwardBatch) -> torch.Tensor:
-        return self.lm_head(self.model(batch) / self.logits_scaling)
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden / self.logits_scaling)

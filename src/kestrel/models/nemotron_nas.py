@@ -169,9 +169,6 @@ class NemotronNasForCausalLM(CausalLM):
         # only GQA layers keep keys; linear and no-op attention keep nothing per sequence
         return [CacheSpec("full" if b.attention == "gqa" else "none") for b in self.model.blocks]
 
-    def forward(self, batch: ForwardBatch) -> torch.Tensor:
-        return self.lm_head(self.model(batch))
-
     def kv_layout(self) -> list[KVShape | None]:
         # each GQA block has its own KV head count (n_heads_in_group)
         dim = head_dim(self.config)

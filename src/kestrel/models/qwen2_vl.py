@@ -122,8 +122,8 @@ class Qwen2VLForConditionalGeneration(CausalLM):
     def cache_specs(self) -> list[CacheSpec]:
         return [CacheSpec("sliding", w) if w else CacheSpec("full") for w in self.windows]
 
-    def forward(self, batch: ForwardBatch) -> torch.Tensor:
-        return self.lm_head(self.model.language_model(batch))
+    def hidden(self, batch: ForwardBatch) -> torch.Tensor:
+        return self.model.language_model(batch)
 
     @torch.no_grad()
     def encode_images(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> VisionFeatures:

@@ -21,6 +21,7 @@ from kestrel.server.metrics import HTTPMetricsMiddleware
 from kestrel.server.routes import (
     chat,
     completions,
+    embeddings,
     health,
     llama,
     messages,
@@ -50,7 +51,7 @@ def create_app(
 
     app = FastAPI(title="kestrel", version=kestrel.__version__, lifespan=lifespan)
     app.state.kestrel = state
-    for module in (chat, completions, responses, messages, models, llama, health, page):
+    for module in (chat, completions, embeddings, responses, messages, models, llama, health, page):
         app.include_router(module.router)
     install_error_handlers(app)
     _add_middleware(app, state, {path for path, _ in route_table(app)})

@@ -132,6 +132,13 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
         help="the syntax of the model's tool calls (vLLM's names; default: auto, chosen from the "
         "chat template and vocabulary, else hermes)",
     )
+    p.add_argument(
+        "--pooling",
+        default="last",
+        choices=["last", "mean"],
+        help="how /v1/embeddings pools a prompt's final-norm hidden states: the last token's "
+        "(default, as vLLM for decoder models) or the mean over its tokens",
+    )
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     apply_llama_env(p)
 

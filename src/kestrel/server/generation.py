@@ -38,6 +38,7 @@ class Choice:
     prompt_tokens: int = 0
     generated_tokens: int = 0
     cached_tokens: int = 0
+    embedding: list[float] | None = None  # an embedding request's vector
 
     def add(self, output: RequestOutput) -> None:
         self.text += output.new_text
@@ -47,10 +48,12 @@ class Choice:
         self.prompt_tokens = output.num_prompt_tokens
         self.generated_tokens = output.num_generated_tokens
         self.cached_tokens = output.num_cached_tokens
+        self.embedding = output.embedding or self.embedding
 
 
 class Generation:
-    """The engine requests of one HTTP request: prompt i's choice j is choice index i * n + j."""
+    """The engine requests of one HTTP request: prompt i's choice j is choice index i * n + j.
+    `embed`: each prompt's embedding instead of generated text (POST /v1/embeddings)."""
 
     def __init__(
         self,
@@ -59,6 +62,7 @@ class Generation:
         prompts: list[list[int] | MultimodalPrompt],
         params: SamplingParams,
         max_kv_size: int | None = None,
+        embed: bool = False,
     ):
         self.engine = engine
         self.request_id = request_id
@@ -68,7 +72,11 @@ class Generation:
         )
         self.requests = [
             GenerateRequest(
-                f"{request_id}-{i * params.n + j}", prompt, params.for_choice(j), max_kv_size
+                f"{request_id}-{i * params.n + j}",
+                prompt,
+                params.for_choice(j),
+                max_kv_size,
+                embed,
             )
             for i, prompt in enumerate(prompts)
             for j in range(params.n)

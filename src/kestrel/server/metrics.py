@@ -69,6 +69,7 @@ class EngineCollector:
         )
         yield _counter("kestrel_prompt_tokens", "prompt tokens admitted", stats.prompt_tokens)
         yield _counter("kestrel_generation_tokens", "tokens generated", stats.generation_tokens)
+        yield _counter("kestrel_embeddings", "embedding vectors computed", stats.embeddings)
         yield _counter("kestrel_engine_steps", "engine steps run", stats.steps)
         yield _counter(
             "kestrel_preemptions", "requests preempted for KV (then recomputed)", load.preemptions

@@ -61,6 +61,12 @@ COMPLETION_UNSUPPORTED = {
     "suffix": (("",), "no infill (fill-in-the-middle) support: a suffix would be ignored"),
 }
 
+# /v1/embeddings (vLLM's extras)
+EMBEDDING_UNSUPPORTED = {
+    "truncate_prompt_tokens": ((), "inputs are never truncated; a long one is a 400"),
+    "normalize": ((True,), "embeddings are always L2-normalized"),
+}
+
 # llama-server's /completion. Knobs that act only when another is on (dry_base, xtc_threshold,
 # mirostat_tau, dynatemp_exponent, ...) are not listed: their switch is.
 LLAMA_UNSUPPORTED = {
@@ -477,6 +483,30 @@ class CompletionRequest(_SamplingRequest):
         return super().sampling_params(default_max_tokens or 16)
 
 
+class EmbeddingRequest(_CheckedRequest):
+    """OpenAI's embeddings body; `dimensions` must be the model's hidden size (no truncation)."""
+
+    UNSUPPORTED = EMBEDDING_UNSUPPORTED
+    input: str | list[str] | list[int] | list[list[int]]
+    model: str | None = None  # omitted: the served model (as the other routes)
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: int | None = None
+    user: str | None = None  # informational (OpenAI's end-user id); kestrel keeps no record
+
+    def inputs(self) -> list[str | list[int]]:
+        """One or several inputs, each text or token ids; 400 naming an empty one."""
+        self.check_supported()
+        one = isinstance(self.input, str) or (self.input and isinstance(self.input[0], int))
+        inputs = [self.input] if one else list(self.input)
+        if not inputs:
+            raise InvalidRequestError("input is empty", param="input")
+        for i, item in enumerate(inputs):
+            if not item:
+                param = "input" if one else f"input[{i}]"
+                raise InvalidRequestError(f"{param} is empty", param=param)
+        return inputs
+
+
 LlamaPrompt = str | list[int | str]  # text, token ids, or both mixed
 
 
@@ -811,6 +841,24 @@ class CompletionResponse(_Response):
     model: str
     choices: list[CompletionChoice]
     usage: Usage | None = None
+
+
+class Embedding(_Response):
+    object: Literal["embedding"] = "embedding"
+    embedding: list[float] | str  # str: base64 of the little-endian float32 values
+    index: int
+
+
+class EmbeddingUsage(_Response):
+    prompt_tokens: int
+    total_tokens: int
+
+
+class EmbeddingResponse(_Response):
+    object: Literal["list"] = "list"
+    data: list[Embedding]
+    model: str
+    usage: EmbeddingUsage
 
 
 class ModelCard(_Response):
