@@ -29,7 +29,7 @@ from tests.reference import (
 
 from kestrel.cache.sequence import SequenceCache
 from kestrel.config import CacheConfig
-from kestrel.engine.gpu_runner import GPURunner, pool_serves
+from kestrel.engine.paged_runner import PagedRunner, pool_serves
 from kestrel.engine.request import Request
 from kestrel.models.batch import ForwardBatch
 from kestrel.models.registry import model_class
@@ -324,7 +324,7 @@ def served(model, requests, prefix_caching: bool, device="cpu", block_size=4) ->
 
     cache = CacheConfig(block_size=block_size, num_blocks=64, prefix_caching=prefix_caching)
     graphs = device == "cuda"
-    runner = GPURunner(model, torch.device(device), 4, 12, 256, cache, cuda_graphs=graphs)
+    runner = PagedRunner(model, torch.device(device), 4, 12, 256, cache, cuda_graphs=graphs)
     first_logprobs = {}
     for request in requests:  # the runner (its blocks, their cache) outlives each scheduler
         run_to_end(runner, [request], first_logprobs, max_num_seqs=4, prefill_chunk_size=8)

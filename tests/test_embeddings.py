@@ -9,7 +9,7 @@ import torch.nn.functional as F
 
 from kestrel.cache.sequence import SequenceCache
 from kestrel.config import CacheConfig, SchedulerConfig
-from kestrel.engine.gpu_runner import GPURunner
+from kestrel.engine.paged_runner import PagedRunner
 from kestrel.engine.request import Request
 from kestrel.engine.runner import ModelRunner, run_step
 from kestrel.engine.scheduler import ScheduledChunk, Scheduler
@@ -23,7 +23,7 @@ CPU = torch.device("cpu")
 def make_runner(model, paged: bool, capacity: int | None = None):
     if not paged:
         return ModelRunner(model, CPU)
-    return GPURunner(
+    return PagedRunner(
         model, CPU, 4, 16, 256, CacheConfig(block_size=4, num_blocks=64), False, capacity
     )
 

@@ -11,7 +11,7 @@ from kestrel.cache import paged
 from kestrel.cache.blocks import BlockManager
 from kestrel.cache.paged import BlockPool, PagedSequenceCache
 from kestrel.cache.sequence import CacheSpec, KVShape
-from kestrel.engine.gpu_runner import Packed, build_batch
+from kestrel.engine.paged_runner import Packed, build_batch
 from kestrel.kernels import attention, fused
 from kestrel.models.layers.moe import grouped_matmul
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from kestrel.config import CacheConfig
-from kestrel.engine.gpu_runner import GPURunner
+from kestrel.engine.paged_runner import PagedRunner
 from kestrel.engine.request import Request
 from kestrel.engine.runner import ModelRunner
 from kestrel.sampling import SamplingParams
@@ -50,7 +50,7 @@ def test_gpu_greedy_tokens_equal_cpu(kind, window, graphs, max_kv_size):
     seqs = prompts(9, 4, 13)
     expected = generate(ModelRunner(model, torch.device("cpu")), seqs, 32, max_kv_size, 2)
     gpu_model = copy.deepcopy(model).cuda()
-    runner = GPURunner(
+    runner = PagedRunner(
         gpu_model,
         torch.device("cuda"),
         4,
@@ -88,7 +88,7 @@ def test_gpu_pool_exhaustion_preempts_and_each_request_gets_its_solo_output(
 
     def run(num_blocks, max_num_seqs, requests):
         cache = CacheConfig(block_size=16, num_blocks=num_blocks)
-        runner = GPURunner(model, torch.device("cuda"), max_num_seqs, 40, 256, cache)
+        runner = PagedRunner(model, torch.device("cuda"), max_num_seqs, 40, 256, cache)
         preempted = run_to_end(runner, requests, max_num_seqs=max_num_seqs, prefill_chunk_size=8)
         return runner, preempted
 
@@ -123,7 +123,9 @@ def test_gpu_image_prompts_generate_as_cpu(graphs):
     cpu = ModelRunner(model, torch.device("cpu"))
     expected = generate(cpu, seqs, 24, 40, 2, chunk=7, images=images)
     cache = CacheConfig(block_size=16, num_blocks=64)
-    runner = GPURunner(copy.deepcopy(model).cuda(), torch.device("cuda"), 4, 21, 256, cache, graphs)
+    runner = PagedRunner(
+        copy.deepcopy(model).cuda(), torch.device("cuda"), 4, 21, 256, cache, graphs
+    )
     assert generate(runner, seqs, 24, 40, 2, chunk=7, images=images) == expected
 
 

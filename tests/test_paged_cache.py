@@ -22,7 +22,7 @@ from transformers import (
 from kestrel.cache.blocks import BlockManager
 from kestrel.cache.paged import PagedSequenceCache
 from kestrel.config import CacheConfig, SchedulerConfig
-from kestrel.engine.gpu_runner import GPURunner
+from kestrel.engine.paged_runner import PagedRunner
 from kestrel.engine.request import Request
 from kestrel.engine.runner import ModelRunner, run_step
 from kestrel.engine.scheduler import ScheduledChunk, Scheduler
@@ -164,7 +164,7 @@ def run_both(
     """Feed the same chunks to the reference and the paged runner; compare every logits row.
     `images`: per prompt, its MultimodalPrompt (or None for text)."""
     ref = ModelRunner(model, torch.device("cpu"))
-    paged = GPURunner(
+    paged = PagedRunner(
         model,
         torch.device("cpu"),
         8,
@@ -326,7 +326,7 @@ def test_runner_generates_same_greedy_tokens_as_reference():
     outs = []
     for runner in (
         ModelRunner(model, torch.device("cpu")),
-        GPURunner(
+        PagedRunner(
             model,
             torch.device("cpu"),
             4,
@@ -393,7 +393,7 @@ def test_seeded_sampling_continues_exactly_across_preemption(paged):
     def make(capacity):  # the paged pool: 64 blocks, or as many as `capacity` tokens need
         if paged:
             cache = CacheConfig(block_size=4, num_blocks=64)
-            return GPURunner(model, cpu, 3, 16, 256, cache, False, capacity)
+            return PagedRunner(model, cpu, 3, 16, 256, cache, False, capacity)
         return ModelRunner(model, cpu)
 
     alone, none_preempted = _seeded_run(make(None), None)
@@ -415,7 +415,7 @@ def test_pool_sized_by_a_probe_step_then_generates_as_reference():
         run_to_end(runner, reqs, max_num_seqs=4, prefill_chunk_size=4)
         return [r.output_ids for r in reqs]
 
-    paged = GPURunner(model, cpu, 4, 16, 256, CacheConfig(block_size=4), cuda_graphs=False)
+    paged = PagedRunner(model, cpu, 4, 16, 256, CacheConfig(block_size=4), cuda_graphs=False)
     blocks = 4 * (256 // 4 + 1) + 1  # a partial block per context, and block 0 (padding)
     assert paged.pool.num_blocks == blocks and paged.blocks.num_free == blocks - 1
     paged._run_probe_step()
@@ -458,7 +458,7 @@ def test_a_pool_too_small_for_the_load_preempts_and_every_request_gets_its_solo_
     for request in requests():
         run_to_end(ModelRunner(model, cpu), [request], max_num_seqs=1, prefill_chunk_size=4)
         solo.append(request.output_ids)
-    paged = GPURunner(model, cpu, 8, 40, 256, CacheConfig(block_size=4, num_blocks=12), False)
+    paged = PagedRunner(model, cpu, 8, 40, 256, CacheConfig(block_size=4, num_blocks=12), False)
     crowd = requests()
     preempted = run_to_end(paged, crowd, max_num_seqs=8, prefill_chunk_size=4)
     assert [r.output_ids for r in crowd] == solo

@@ -30,7 +30,7 @@ from tests.vl_suite import MERGE, PATCH
 
 from kestrel.cache.sequence import SequenceCache
 from kestrel.config import build_config
-from kestrel.engine.gpu_runner import pool_serves
+from kestrel.engine.paged_runner import pool_serves
 from kestrel.llm import LLM
 from kestrel.models.batch import ForwardBatch
 from kestrel.models.qwen_vl_processor import chat_prompt

@@ -115,7 +115,7 @@ def bench_config(args, max_num_seqs: int):
 
 
 def make_kestrel_runner(args, model, config, device, max_num_seqs: int):
-    from kestrel.engine.gpu_runner import make_runner
+    from kestrel.engine.paged_runner import make_runner
 
     ctx = args.ctx_size or getattr(decoder_config(config), "max_position_embeddings", 4096)
     return make_runner(model, device, bench_config(args, max_num_seqs), ctx)

@@ -6,8 +6,8 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from kestrel.config import Config
-from kestrel.engine.gpu_runner import make_runner
 from kestrel.engine.grammar import GrammarMasks
+from kestrel.engine.paged_runner import make_runner
 from kestrel.engine.request import Request
 from kestrel.engine.runner import ModelRunner, StepResult, run_step  # noqa: F401
 from kestrel.engine.scheduler import Scheduler

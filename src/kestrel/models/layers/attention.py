@@ -26,7 +26,7 @@ def cached_attention(
     `cache_layer_idx` lets a layer read another layer's cache (KV sharing) without appending;
     k/v are then None (values are taken to have q's head dim).
     """
-    if getattr(batch, "attention", None) is not None:  # the GPU runner's paged KV pool
+    if getattr(batch, "attention", None) is not None:  # the paged runner's KV pool
         return batch.attention(q, k, v, layer_idx, scale, window, cache_layer_idx)
     out = q.new_empty(q.shape[0], q.shape[1], q.shape[-1] if v is None else v.shape[-1])
     for chunk in batch.chunks:

@@ -108,7 +108,7 @@ class MultiHeadLatentAttention(nn.Module):
         q = torch.cat([q_nope, q_rot], dim=-1)  # (T, H, dn + dr)
         if q_scale is not None:
             q = q * q_scale[:, None, None].to(q.dtype)
-        if getattr(batch, "attention", None) is not None:  # the GPU runner's paged KV pool
+        if getattr(batch, "attention", None) is not None:  # the paged runner's KV pool
             out = self._attend_paged(q, latent, k_rot, batch.attention)
             return self.o_proj(out.reshape(T, -1))
         out = q.new_empty(T, self.num_heads, self.v_dim)

@@ -1,9 +1,9 @@
-"""The GPU runner: the reference runner's contract (execute / release, fault isolation) over a
-paged KV pool, one attention kernel for every batch shape, sampling on the device and CUDA graphs
-for decode steps.
+"""The paged runner: the reference runner's contract (execute / release, fault isolation) over a
+paged KV pool and a recurrent-state pool, one attention kernel for every batch shape, sampling on
+the device and CUDA graphs for decode steps.
 
-It also runs on the CPU (PyTorch fallbacks, no graphs), which is how its packing and paging are
-tested against the reference runner without a GPU.
+It serves every family on CUDA and on the CPU (PyTorch fallbacks, no graphs there); the CPU is
+also how its packing and paging are tested against the reference runner without a GPU.
 """
 
 import itertools
@@ -25,7 +25,7 @@ from kestrel.kernels.attention import tile_rows
 from kestrel.models.batch import ForwardBatch, ImageRows
 from kestrel.sampling import SamplingParams
 
-log = logging.getLogger("kestrel.gpu_runner")
+log = logging.getLogger("kestrel.paged_runner")
 
 # cache kinds the paged pools hold: per-token keys (full, sliding, the MLA latent), recurrent
 # state (a slot per sequence) or nothing
@@ -67,7 +67,7 @@ def make_runner(model, device: torch.device, config: Config, max_model_len: int)
     written in place, prefixes cached); the reference runner otherwise."""
     if pool_serves(model):
         sched = config.scheduler
-        return GPURunner(
+        return PagedRunner(
             model,
             device,
             sched.max_num_seqs,
@@ -80,7 +80,7 @@ def make_runner(model, device: torch.device, config: Config, max_model_len: int)
     return ModelRunner(model, device)
 
 
-class GPURunner(ModelRunner):
+class PagedRunner(ModelRunner):
     def __init__(
         self,
         model,
