@@ -165,3 +165,34 @@ def test_gpu_hybrid_prefix_hits_start_from_a_state_snapshot(kind):
     warm, cold = run(True), run(False)
     assert [cached for *_, cached in warm] == [0, 64] and [c for *_, c in cold] == [0, 0]
     assert [tokens for tokens, *_ in warm] == [tokens for tokens, *_ in cold]
+
+
+@pytest.mark.parametrize("kind", ["llama", "nemotron_h"])
+def test_gpu_embeddings_beside_graph_decodes_equal_cpu(kind):
+    """On CUDA, with graphs for the decode steps, embedding prompts (one of a single token) batched
+    with greedy generations give the CPU reference runner's vectors, and the generations its
+    tokens."""
+    from test_embeddings import embedding_request, run
+
+    model = tiny_model(kind)
+    gen_prompts, emb_prompts = prompts(6, 9), prompts(11, 1, 7)
+
+    def requests():
+        gens = [
+            Request(f"g{i}", p, SamplingParams(temperature=0), 16)
+            for i, p in enumerate(gen_prompts)
+        ]
+        return gens, [embedding_request(i, p, "last") for i, p in enumerate(emb_prompts)]
+
+    gens, embs = requests()
+    expected, _ = run(ModelRunner(model, torch.device("cpu")), gens + embs, prefill_chunk_size=4)
+    expected_tokens = [g.output_ids for g in gens]
+    cache = CacheConfig(block_size=16, num_blocks=64)
+    runner = PagedRunner(copy.deepcopy(model).cuda(), torch.device("cuda"), 4, 16, 256, cache)
+    assert runner.graphs
+    gens, embs = requests()
+    vectors, _ = run(runner, gens + embs, prefill_chunk_size=4)
+    assert sorted(vectors) == sorted(expected) == ["e0", "e1", "e2"]
+    for name, vector in expected.items():
+        torch.testing.assert_close(vectors[name].cpu(), vector, atol=1e-4, rtol=1e-4)
+    assert [g.output_ids for g in gens] == expected_tokens

@@ -1,5 +1,6 @@
 """Paged KV cache and recurrent state for the paged runner: one preallocated pool of fixed-size
-blocks per layer, each sequence's keys placed by its block table (cache/blocks.py, which the scheduler plans).
+blocks per layer, each sequence's keys placed by its block table (cache/blocks.py, which the
+scheduler plans).
 
 Storage follows positions (a sequence's logical block `b` holds positions [b * block_size,
 (b + 1) * block_size)), so a key's position is known from where it sits and the mask rule of
