@@ -124,3 +124,11 @@ def test_a_hybrid_prompt_chunk_ends_where_its_recurrent_state_is_kept():
     plain = Scheduler(SchedulerConfig(max_num_seqs=4, prefill_chunk_size=8), BlockManager(64, 4))
     plain.add(make_request(2, 14))
     assert [c.num_tokens for c in plain.schedule().chunks] == [8]
+
+
+def test_no_more_sequences_run_than_there_are_recurrent_state_slots():
+    s = Scheduler(SchedulerConfig(max_num_seqs=4), BlockManager(64, 4, state_slots=2))
+    for i in range(3):
+        s.add(make_request(i, 4))
+    run_step(s)
+    assert len(s.running) == 2 and len(s.waiting) == 1

@@ -208,6 +208,7 @@ class BlockManager:
         self.tables: dict[str, BlockTable] = {}
         self.tokens_trimmed = 0  # over the manager's life (a metric)
         self.free_states = list(range(state_slots, 0, -1))
+        self.state_slots = state_slots
 
     @property
     def limited(self) -> bool:
@@ -240,6 +241,11 @@ class BlockManager:
         if not table.state_slot:
             table.state_slot = self.free_states.pop()
         return table.state_slot
+
+    @property
+    def max_sequences(self) -> int | None:
+        """How many sequences may run at once: one per recurrent-state slot (None: no bound)."""
+        return self.state_slots or None
 
     @property
     def snapshots(self) -> bool:

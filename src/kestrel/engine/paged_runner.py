@@ -431,7 +431,7 @@ def build_batch(
     flat = [p.ids, p.positions, p.chunk_ends, p.rope_ids, p.slots, rows, *tile_columns, *per_seq]
     # recurrent-state groups: chunks of one length together (one-token chunks first), as (first
     # row, state slot) runs
-    by_length = sorted(range(len(p.tiles)), key=lambda s: p.tiles[s][2])
+    by_length = sorted(range(len(p.tiles)), key=lambda s: p.tiles[s][2]) if states else []
     flat += [[p.tiles[s][1] for s in by_length], [p.state_slots[s] for s in by_length]]
     # each part starts 16-byte aligned: Triton specializes kernels on pointer alignment
     padded = [part + [0] * (len(part) % 2) for part in flat]

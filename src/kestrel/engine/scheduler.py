@@ -97,7 +97,8 @@ class Scheduler:
         for request in self.running:  # then prefill chunks, oldest first
             if request.is_prefilling and budget > 0:
                 budget -= self._prefill(kv, request, budget, chunks)
-        while self.waiting and len(self.running) < self.config.max_num_seqs:
+        most = min(self.config.max_num_seqs, self.blocks.max_sequences or self.config.max_num_seqs)
+        while self.waiting and len(self.running) < most:
             request = self.waiting[0]  # FIFO: starts when its first chunk fits
             if request in preempted:
                 break
