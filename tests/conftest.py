@@ -24,3 +24,17 @@ def smollm2_tokenizer():
     from kestrel.weights.loader import load_tokenizer, resolve
 
     return load_tokenizer(resolve("smollm2"))
+
+
+# the server tests' default: one kestrel server on the embedded SmolLM2, shared by every module
+# that asks for `server` (a module defines its own to start another) and its openai client
+@pytest.fixture(scope="module")
+def server():
+    from tests.server_fixtures import shared_server
+
+    return shared_server()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return server.client()

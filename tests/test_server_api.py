@@ -5,21 +5,11 @@ import openai
 import pytest
 
 from kestrel.sampling import SamplingParams
-from server_fixtures import ALLOWED_ORIGIN, shared_server
+from server_fixtures import ALLOWED_ORIGIN
 
 pytestmark = pytest.mark.slow
 
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
-
-
-@pytest.fixture(scope="module")
-def server():
-    return shared_server()
-
-
-@pytest.fixture(scope="module")
-def client(server):
-    return server.client()
 
 
 @pytest.fixture(scope="module")

@@ -11,22 +11,12 @@ from concurrent.futures import ThreadPoolExecutor
 import openai
 import pytest
 
-from server_fixtures import shared_server, start_server, tiny_model
+from server_fixtures import start_server, tiny_model
 
 pytestmark = pytest.mark.slow
 
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 TEXTS = ["The cat sat on the mat.", "Quantum chromodynamics describes the strong force.", "Hi"]
-
-
-@pytest.fixture(scope="module")
-def server():
-    return shared_server()
-
-
-@pytest.fixture(scope="module")
-def client(server):
-    return server.client()
 
 
 def embed(client, texts, **kwargs) -> list[list[float]]:

@@ -6,23 +6,13 @@ and --alias names are listed as `aliases` and accepted."""
 import openai
 import pytest
 
-from server_fixtures import shared_server, start_server, tiny_model
+from server_fixtures import start_server, tiny_model
 
 pytestmark = pytest.mark.slow
 
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 TOOL = {"type": "function", "function": {"name": "weather", "parameters": {"type": "object"}}}
 IMAGE = "data:image/png;base64,iVBORw0KGgoAAAANSUhEUgAAAAEAAAABCAYAAAAfFcSJAAAADUlEQVR4nGP4z8DwHwAFAAH/iZk9HQAAAABJRU5ErkJggg=="
-
-
-@pytest.fixture(scope="module")
-def server():
-    return shared_server()
-
-
-@pytest.fixture(scope="module")
-def client(server):
-    return server.client()
 
 
 # (keyword arguments of chat.completions.create, the param the 400 names)

@@ -19,16 +19,6 @@ FOLLOW_UP = "And what is the capital of Germany?"
 MAX = 24
 
 
-@pytest.fixture(scope="module")
-def server():
-    return shared_server()
-
-
-@pytest.fixture(scope="module")
-def client(server):
-    return server.client()
-
-
 def _chat(client, messages, max_tokens=MAX):
     return client.chat.completions.create(
         model="smollm2", messages=messages, temperature=0, max_tokens=max_tokens

@@ -11,7 +11,6 @@ import jsonschema
 import openai
 import pytest
 
-from server_fixtures import shared_server
 from tool_schemas import QUESTION, SCHEMAS, TIME, WEATHER
 
 pytestmark = pytest.mark.slow
@@ -31,16 +30,6 @@ TOOLS = [
     },
 ]
 MAX_TOKENS = 48
-
-
-@pytest.fixture(scope="module")
-def server():
-    return shared_server()
-
-
-@pytest.fixture(scope="module")
-def client(server):
-    return server.client()
 
 
 def _chat(client, messages=QUESTION, **kwargs):

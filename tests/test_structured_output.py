@@ -13,8 +13,6 @@ import jsonschema
 import openai
 import pytest
 
-from server_fixtures import shared_server
-
 pytestmark = pytest.mark.slow
 
 NAME = {"type": "string", "minLength": 1, "maxLength": 12}
@@ -116,16 +114,6 @@ PROMPTS = [
     "Tell me a short story.",
 ]
 MAX_TOKENS = 160
-
-
-@pytest.fixture(scope="module")
-def server():
-    return shared_server()
-
-
-@pytest.fixture(scope="module")
-def client(server):
-    return server.client()
 
 
 def _chat(client, content: str, **kwargs):
