@@ -13,7 +13,8 @@ from kestrel.cache.paged import BlockPool, PagedSequenceCache
 from kestrel.cache.sequence import CacheSpec, KVShape
 from kestrel.engine.paged_runner import Packed, build_batch
 from kestrel.kernels import attention, fused
-from kestrel.models.layers.moe import grouped_matmul
+from kestrel.kernels.moe import fused_experts, route
+from kestrel.models.layers.moe import Experts, grouped_matmul, route_topk
 
 pytestmark = pytest.mark.gpu
 DTYPES = [torch.float32, torch.bfloat16]
@@ -159,6 +160,51 @@ def test_grouped_expert_matmul_matches_one_matmul_per_expert(dtype):
         captured = grouped_matmul(xs, weights, ends)
     graph.replay()
     torch.testing.assert_close(captured, expected, **tol)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("tokens", [1, 3, 40])  # one pair per block (P <= E), sorted blocks
+@pytest.mark.parametrize(
+    "act,gated", [("silu", True), ("gelu_pytorch_tanh", True), ("relu2", False)]
+)
+def test_fused_experts_equal_the_pytorch_experts(dtype, tokens, act, gated):
+    """The fused MoE kernels equal the PyTorch experts (run on the CPU in fp32 on the same
+    weights), with widths that are not whole tiles; the sorted form also under graph capture."""
+    torch.manual_seed(tokens)
+    experts = Experts(16, 200, 72, act, gated)
+    for p in experts.parameters():
+        torch.nn.init.normal_(p, std=0.1)
+    x = torch.randn(tokens, 200)
+    weights, ids = route_topk(torch.randn(tokens, 16), 4)
+    expected = experts(x, weights, ids)
+    gpu = experts.to("cuda", dtype)
+    args = (x.to("cuda", dtype), gpu.in_proj, gpu.down_proj, weights.cuda(), ids.cuda(), act, gated)
+    tol = dict(rtol=3e-2, atol=3e-2) if dtype == torch.bfloat16 else dict(rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(fused_experts(*args).float().cpu(), expected, **tol)
+    graph, stream = torch.cuda.CUDAGraph(), torch.cuda.Stream()
+    with torch.cuda.stream(stream), torch.cuda.graph(graph, stream=stream):
+        captured = fused_experts(*args)
+    graph.replay()
+    torch.testing.assert_close(captured.float().cpu(), expected, **tol)
+
+
+@pytest.mark.parametrize(
+    "experts,k,scoring,bias,normalize,scaling",
+    [(64, 4, "sigmoid", True, True, 1.8), (128, 8, "softmax", False, True, 1.0),
+     (60, 6, "sigmoid", False, False, 2.5), (8, 2, "softmax", False, False, 1.0)],
+)  # fmt: skip
+def test_route_kernel_equals_route_topk(experts, k, scoring, bias, normalize, scaling):
+    """The one-kernel router picks the experts `route_topk` picks (best first), same weights."""
+    torch.manual_seed(experts)
+    logits = torch.randn(37, experts)
+    correction = torch.randn(experts) / 10 if bias else None
+    want_w, want_ids = route_topk(
+        logits, k, scoring, correction, normalize=normalize, scaling=scaling
+    )
+    on_gpu = None if correction is None else correction.cuda()
+    got_w, got_ids = route(logits.cuda(), k, scoring, on_gpu, normalize, scaling)
+    assert torch.equal(got_ids.cpu(), want_ids)
+    torch.testing.assert_close(got_w.cpu(), want_w, rtol=1e-5, atol=1e-6)
 
 
 # -- Mamba decode steps, states updated in place by slot ---------------------------------------

@@ -10,7 +10,8 @@ Expert weights are stacked as transformers >= 5 keeps them, `experts.gate_up_pro
 `expert_slot`. The expert computation is batched: a decode-sized batch gathers the chosen experts'
 weights and runs one bmm; a larger one sorts (token, expert) pairs by expert and runs one grouped
 GEMM per projection over every expert's contiguous slice (`grouped_matmul`). Neither loops over
-tokens in Python, and neither reads a count back to the host.
+tokens in Python, and neither reads a count back to the host. On CUDA with Triton the routing and
+both projections run as fused kernels (kernels/moe.py), for which this PyTorch path is the oracle.
 """
 
 import re
@@ -19,6 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kestrel.kernels import moe as moe_kernels
 from kestrel.kernels.fused import ACTIVATIONS
 from kestrel.models.base import Slot
 from kestrel.models.layers.mlp import GatedMLP
@@ -41,6 +43,9 @@ def route_topk(
     With n_group > 1, groups are ranked by the sum of their two best scores ("top2", DeepSeek-V3)
     or their best one ("max", DeepSeek-V2) and only the best `topk_group` groups stay eligible.
     """
+    grouped = n_group > 1 and topk_group < n_group
+    if not grouped and scoring in ("softmax", "sigmoid") and moe_kernels.available(logits):
+        return moe_kernels.route(logits, top_k, scoring, correction_bias, normalize, scaling)
     logits = logits.float()
     if scoring == "softmax":
         scores = logits.softmax(-1)
@@ -49,7 +54,7 @@ def route_topk(
     else:
         raise ValueError(f"unsupported MoE scoring {scoring!r}; supported: softmax, sigmoid")
     choice = scores if correction_bias is None else scores + correction_bias.float()
-    if n_group > 1 and topk_group < n_group:
+    if grouped:
         choice = _limit_groups(choice, n_group, topk_group, group_score)
     ids = choice.topk(top_k, dim=-1).indices
     weights = scores.gather(1, ids)
@@ -85,6 +90,7 @@ class Experts(nn.Module):
     ):
         super().__init__()
         self.num_experts, self.intermediate, self.gated = num_experts, intermediate, gated
+        self.act_name = act
         if gated:
             self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * intermediate, hidden))
         else:
@@ -98,6 +104,20 @@ class Experts(nn.Module):
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """x (T, H), weights/ids (T, k) -> (T, H): sum over k of weight * expert_id(x)."""
+        if moe_kernels.available(x, self.act_name):
+            return moe_kernels.fused_experts(
+                x.contiguous(),
+                self.in_proj,
+                self.down_proj,
+                weights,
+                ids,
+                self.act_name,
+                self.gated,
+            )
+        return self.reference(x, weights, ids)
+
+    def reference(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """The PyTorch experts: the CPU path, and the fused kernels' oracle on the GPU."""
         T, k = ids.shape
         flat = ids.reshape(-1)  # (P,) one (token, expert) pair per row, P = T * k
         if flat.numel() <= self.num_experts:

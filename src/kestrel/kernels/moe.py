@@ -1,0 +1,237 @@
+"""Fused mixture-of-experts: every routed (token, expert) pair in two Triton grouped GEMMs.
+
+The first GEMM multiplies each pair's token by its expert's gate and up rows and applies the
+activation in registers (act(gate) * up, or act(up) for ungated experts), writing one (P, I)
+intermediate; the second multiplies that by the expert's down rows and scales each pair by its
+routing weight, so a step of an MoE layer is two kernels plus the sum over each token's k pairs.
+Expert weights are read where they lie (no gathered copy), so decode reads each chosen expert once.
+
+Pairs reach an expert in blocks of BLOCK_M rows. With few pairs (decode) each pair is its own block
+("one pair per block": no sorting at all); with many (prefill, large batches) pairs are sorted by
+expert and each expert's run is padded to whole blocks, with the block count bounded by the number
+of pairs so the grid is static (CUDA graphs) and nothing is read back to the host.
+
+The PyTorch path in models/layers/moe.py is the CPU path and these kernels' oracle in the GPU tests.
+This module imports nothing from kestrel: kernels are the bottom of the import graph.
+"""
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # CPU-only installs: the PyTorch path serves
+    triton = None
+
+# activations the kernel computes in registers (the keys of kernels/fused.py's ACTIVATIONS)
+ACTIVATION_IDS = {"silu": 0, "gelu_pytorch_tanh": 1, "gelu_tanh": 1, "relu2": 2}
+
+
+def available(x: torch.Tensor, act: str | None = None) -> bool:
+    """Whether the kernels serve these inputs: CUDA and Triton, and for `fused_experts` an
+    activation they compute (`act`; None asks for `route`)."""
+    return triton is not None and x.is_cuda and (act is None or act in ACTIVATION_IDS)
+
+
+def fused_experts(
+    x: torch.Tensor,
+    w_in: torch.Tensor,
+    w_down: torch.Tensor,
+    weights: torch.Tensor,
+    ids: torch.Tensor,
+    act: str,
+    gated: bool,
+) -> torch.Tensor:
+    """x (T, H), w_in (E, 2I or I, H), w_down (E, H, I), weights/ids (T, k) -> (T, H): the sum
+    over k of weight * down(act(gate) * up) (or down(act(up)) when not gated)."""
+    T, k = ids.shape
+    E, H, inter = w_down.shape
+    flat = ids.reshape(-1)
+    P = flat.numel()
+    one_pair = P <= E  # decode: pairs rarely share an expert, so sorting buys nothing
+    bm = tiles(one_pair, 0, 0)["BLOCK_M"]
+    pairs, block_expert = (flat, flat) if one_pair else sort_pairs(flat, E, bm)
+    blocks, fp32 = block_expert.numel(), x.dtype == torch.float32
+    h = x.new_empty(P, inter)
+    tile = tiles(one_pair, inter, blocks)
+    _experts_in[(blocks, triton.cdiv(inter, tile["BLOCK_N"]))](
+        x, w_in, h, pairs, block_expert, P, k, E, H, inter,
+        ONE_PAIR=one_pair, GATED=gated, ACT=ACTIVATION_IDS[act], IEEE=fp32, **tile,
+    )  # fmt: skip
+    out = torch.empty(P, H, device=x.device, dtype=torch.float32)
+    tile = tiles(one_pair, H, blocks)
+    _experts_down[(blocks, triton.cdiv(H, tile["BLOCK_N"]))](
+        h, w_down, out, weights.reshape(-1).float(), pairs, block_expert, P, E, H, inter,
+        ONE_PAIR=one_pair, IEEE=fp32, **tile,
+    )  # fmt: skip
+    return out.view(T, k, H).sum(1).to(x.dtype)
+
+
+def tiles(one_pair: bool, n: int, blocks: int) -> dict:
+    """Tile sizes and launch settings for an output width n over `blocks` row blocks."""
+    if one_pair:  # few rows: narrow tiles so enough programs stream the weights
+        wide = blocks * triton.cdiv(n, 64) >= 256 if n else True
+        return dict(BLOCK_M=16, BLOCK_N=64 if wide else 32, BLOCK_K=128, num_warps=4, num_stages=3)
+    return dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=64, num_warps=4, num_stages=3)
+
+
+def route(
+    logits: torch.Tensor,
+    top_k: int,
+    scoring: str,
+    correction_bias: torch.Tensor | None,
+    normalize: bool,
+    scaling: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Router logits (T, E) -> (weights (T, k) fp32, expert ids (T, k)) in one kernel: scores
+    (softmax or sigmoid), the top k of scores + correction bias, renormalised, times scaling.
+    Group-limited routing is not here (models/layers/moe.py route_topk does it)."""
+    T, E = logits.shape
+    weights = torch.empty(T, top_k, device=logits.device, dtype=torch.float32)
+    ids = torch.empty(T, top_k, device=logits.device, dtype=torch.int64)
+    bias = correction_bias if correction_bias is not None else logits
+    _route[(T,)](
+        logits, bias, weights, ids, E, scaling,
+        TOP_K=top_k, SIGMOID=scoring == "sigmoid", BIAS=correction_bias is not None,
+        NORMALIZE=normalize, BLOCK_E=triton.next_power_of_2(E),
+    )  # fmt: skip
+    return weights, ids
+
+
+def sort_pairs(flat: torch.Tensor, num_experts: int, block_m: int):
+    """Expert ids of P pairs -> (pair index per row (B*block_m,) with P for padding rows, the
+    expert of each block (B,) with num_experts past the last one), B = ceil(P/block_m) + min(E, P):
+    each expert's pairs in one run padded to whole blocks, all on the device, no host sync."""
+    P = flat.numel()
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=flat.device)
+    counts.scatter_add_(0, flat, torch.ones_like(flat))
+    padded = (counts + block_m - 1) // block_m * block_m
+    padded_end = padded.cumsum(0)
+    experts, order = flat.sort(stable=True)
+    rank = torch.arange(P, device=flat.device) - (counts.cumsum(0) - counts)[experts]
+    blocks = triton.cdiv(P, block_m) + min(num_experts, P)
+    pairs = torch.full((blocks * block_m,), P, dtype=torch.int32, device=flat.device)
+    pairs[(padded_end - padded)[experts] + rank] = order.to(torch.int32)
+    starts = torch.arange(blocks, device=flat.device) * block_m
+    return pairs, torch.searchsorted(padded_end, starts, right=True)
+
+
+if triton is not None:
+
+    @triton.jit
+    def _block_rows(pairs, block_expert, pid, P, E, ONE_PAIR: tl.constexpr, BLOCK_M: tl.constexpr):
+        # this block's expert and pair rows (P marks a padding row)
+        r = tl.arange(0, BLOCK_M)
+        if ONE_PAIR:
+            rows = tl.where(r == 0, pid, P)
+        else:
+            rows = tl.load(pairs + pid * BLOCK_M + r)
+        return tl.load(block_expert + pid).to(tl.int64), rows.to(tl.int64)
+
+    @triton.jit
+    def _dot(a, b, acc, IEEE: tl.constexpr):
+        if IEEE:  # fp32 models: exact products, as the PyTorch path computes them
+            return tl.dot(a, b, acc, input_precision="ieee")
+        return tl.dot(a, b, acc)
+
+    @triton.jit
+    def _experts_in(
+        x,  # (T, H)
+        w,  # (E, 2I or I, H): gate rows then up rows when gated
+        h,  # (P, I) out
+        pairs,  # (B * BLOCK_M,) pair per row, or the expert ids when ONE_PAIR
+        block_expert,  # (B,)
+        P, k, E, H, inter,
+        ONE_PAIR: tl.constexpr, GATED: tl.constexpr, ACT: tl.constexpr, IEEE: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    ):  # fmt: skip
+        expert, rows = _block_rows(pairs, block_expert, tl.program_id(0), P, E, ONE_PAIR, BLOCK_M)
+        if expert >= E:
+            return
+        n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        kk = tl.arange(0, BLOCK_K)
+        live, mn = rows < P, n < inter
+        a_at = x + (rows // k)[:, None] * H + kk[None, :]
+        w_at = w + expert * (2 * inter if GATED else inter) * H + n[None, :] * H + kk[:, None]
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k0 in range(0, H, BLOCK_K):
+            mk = kk + k0 < H
+            a = tl.load(a_at + k0, mask=live[:, None] & mk[None, :], other=0.0)
+            b = tl.load(w_at + k0, mask=mk[:, None] & mn[None, :], other=0.0)
+            acc = _dot(a, b, acc, IEEE)
+            if GATED:
+                b = tl.load(w_at + inter * H + k0, mask=mk[:, None] & mn[None, :], other=0.0)
+                up = _dot(a, b, up, IEEE)
+        if ACT == 0:
+            acc = acc * tl.sigmoid(acc)
+        elif ACT == 1:  # tanh approximation of gelu
+            inner = 0.7978845608028654 * (acc + 0.044715 * acc * acc * acc)
+            acc = 0.5 * acc * (1.0 + (2.0 * tl.sigmoid(2.0 * inner) - 1.0))
+        else:  # squared relu
+            acc = tl.maximum(acc, 0.0)
+            acc = acc * acc
+        if GATED:
+            acc = acc * up
+        out = h + rows[:, None] * inter + n[None, :]
+        tl.store(out, acc.to(h.dtype.element_ty), mask=live[:, None] & mn[None, :])
+
+    @triton.jit
+    def _experts_down(
+        h,  # (P, I)
+        w,  # (E, H, I)
+        out,  # (P, H) fp32
+        weights,  # (P,) fp32 routing weights
+        pairs, block_expert, P, E, H, inter,
+        ONE_PAIR: tl.constexpr, IEEE: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    ):  # fmt: skip
+        expert, rows = _block_rows(pairs, block_expert, tl.program_id(0), P, E, ONE_PAIR, BLOCK_M)
+        if expert >= E:
+            return
+        n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        kk = tl.arange(0, BLOCK_K)
+        live, mn = rows < P, n < H
+        a_at = h + rows[:, None] * inter + kk[None, :]
+        w_at = w + expert * H * inter + n[None, :] * inter + kk[:, None]
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k0 in range(0, inter, BLOCK_K):
+            mk = kk + k0 < inter
+            a = tl.load(a_at + k0, mask=live[:, None] & mk[None, :], other=0.0)
+            b = tl.load(w_at + k0, mask=mk[:, None] & mn[None, :], other=0.0)
+            acc = _dot(a, b, acc, IEEE)
+        acc = acc * tl.load(weights + rows, mask=live, other=0.0)[:, None]
+        tl.store(out + rows[:, None] * H + n[None, :], acc, mask=live[:, None] & mn[None, :])
+
+    @triton.jit
+    def _route(
+        logits, bias, weights, ids, E, scaling,
+        TOP_K: tl.constexpr, SIGMOID: tl.constexpr, BIAS: tl.constexpr,
+        NORMALIZE: tl.constexpr, BLOCK_E: tl.constexpr,
+    ):  # fmt: skip
+        t = tl.program_id(0).to(tl.int64)
+        e = tl.arange(0, BLOCK_E)
+        me = e < E
+        x = tl.load(logits + t * E + e, mask=me, other=-float("inf")).to(tl.float32)
+        if SIGMOID:
+            scores = tl.sigmoid(x)
+        else:
+            scores = tl.exp(x - tl.max(x, 0))
+            scores = scores / tl.sum(scores, 0)
+        choice = scores
+        if BIAS:
+            choice = scores + tl.load(bias + e, mask=me, other=0.0).to(tl.float32)
+        choice = tl.where(me, choice, -float("inf"))
+        # k rounds of arg-max, best first as torch.topk orders them
+        chosen = tl.zeros((BLOCK_E,), dtype=tl.int32)
+        total = 0.0
+        for i in tl.static_range(TOP_K):
+            best = tl.argmax(choice, 0)
+            chosen = tl.where(e == best, i + 1, chosen)
+            total += tl.sum(tl.where(e == best, scores, 0.0), 0)
+            choice = tl.where(e == best, -float("inf"), choice)
+        scale = scaling / (total + 1e-20) if NORMALIZE else scaling
+        slot = tl.where(chosen > 0, chosen - 1, TOP_K)
+        picked = chosen > 0
+        tl.store(weights + t * TOP_K + slot, scores * scale, mask=picked)
+        tl.store(ids + t * TOP_K + slot, e.to(tl.int64), mask=picked)
