@@ -49,17 +49,18 @@ def fused_experts(
     flat = ids.reshape(-1)
     P = flat.numel()
     one_pair = P <= E  # decode: pairs rarely share an expert, so sorting buys nothing
-    bm = tiles(one_pair, 0, 0)["BLOCK_M"]
+    per_expert = P / E
+    bm = tiles(one_pair, 0, 0, per_expert)["BLOCK_M"]
     pairs, block_expert = (flat, flat) if one_pair else sort_pairs(flat, E, bm)
     blocks, fp32 = block_expert.numel(), x.dtype == torch.float32
     h = x.new_empty(P, inter)
-    tile = tiles(one_pair, inter, blocks)
+    tile = tiles(one_pair, inter, blocks, per_expert)
     _experts_in[(blocks, triton.cdiv(inter, tile["BLOCK_N"]))](
         x, w_in, h, pairs, block_expert, P, k, E, H, inter,
         ONE_PAIR=one_pair, GATED=gated, ACT=ACTIVATION_IDS[act], IEEE=fp32, **tile,
     )  # fmt: skip
     out = torch.empty(P, H, device=x.device, dtype=torch.float32)
-    tile = tiles(one_pair, H, blocks)
+    tile = tiles(one_pair, H, blocks, per_expert)
     _experts_down[(blocks, triton.cdiv(H, tile["BLOCK_N"]))](
         h, w_down, out, weights.reshape(-1).float(), pairs, block_expert, P, E, H, inter,
         ONE_PAIR=one_pair, IEEE=fp32, **tile,
@@ -67,11 +68,14 @@ def fused_experts(
     return out.view(T, k, H).sum(1).to(x.dtype)
 
 
-def tiles(one_pair: bool, n: int, blocks: int) -> dict:
-    """Tile sizes and launch settings for an output width n over `blocks` row blocks."""
+def tiles(one_pair: bool, n: int, blocks: int, pairs_per_expert: float = 0.0) -> dict:
+    """Tile sizes and launch settings for an output width n over `blocks` row blocks (measured
+    on the H200 with benchmarks/moe_kernels.py --sweep)."""
     if one_pair:  # few rows: narrow tiles so enough programs stream the weights
         wide = blocks * triton.cdiv(n, 64) >= 256 if n else True
         return dict(BLOCK_M=16, BLOCK_N=64 if wide else 32, BLOCK_K=128, num_warps=4, num_stages=3)
+    if pairs_per_expert >= 128:  # prefill-sized: compute-bound, big tiles
+        return dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=3)
     return dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=64, num_warps=4, num_stages=3)
 
 
