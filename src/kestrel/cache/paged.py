@@ -118,10 +118,10 @@ class PagedSequenceCache(SequenceCache):
         self.layers = []  # no per-layer objects: the pool holds every layer
         self.offset = 0
         self.rope_delta = 0
-        self.state_slot = 0  # its slot in the runner's StatePool (0: no recurrent layers)
 
-    # the live window is the table's (the scheduler trims it)
+    # the live window and recurrent-state slot are the table's (the scheduler's block manager's)
     live_start = property(lambda self: self.blocks.live_start)
+    state_slot = property(lambda self: self.blocks.state_slot)
     keep = property(lambda self: self.blocks.keep)
 
     def make_room(self, m: int, max_kv_size: int | None, keep: int = 0) -> int:

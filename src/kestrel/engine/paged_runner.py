@@ -226,8 +226,8 @@ class PagedRunner(ModelRunner):
             cache = PagedSequenceCache(self.specs, table)
             cache.offset = request.num_computed
             if self.states is not None:
-                cache.state_slot = self.blocks.state_slot(request.request_id)
-                self.states.start(cache.state_slot, table.state_from)
+                slot = self.blocks.state_slot(request.request_id)  # given to the table
+                self.states.start(slot, table.state_from)
             self.caches[request.request_id] = cache
         return self.caches[request.request_id]
 

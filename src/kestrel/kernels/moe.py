@@ -98,6 +98,7 @@ def route(
         logits, bias, weights, ids, E, scaling,
         TOP_K=top_k, SIGMOID=scoring == "sigmoid", BIAS=correction_bias is not None,
         NORMALIZE=normalize, BLOCK_E=triton.next_power_of_2(E),
+        BLOCK_K=triton.next_power_of_2(top_k),
     )  # fmt: skip
     return weights, ids
 
@@ -211,7 +212,7 @@ if triton is not None:
     def _route(
         logits, bias, weights, ids, E, scaling,
         TOP_K: tl.constexpr, SIGMOID: tl.constexpr, BIAS: tl.constexpr,
-        NORMALIZE: tl.constexpr, BLOCK_E: tl.constexpr,
+        NORMALIZE: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr,
     ):  # fmt: skip
         t = tl.program_id(0).to(tl.int64)
         e = tl.arange(0, BLOCK_E)
@@ -225,17 +226,19 @@ if triton is not None:
         choice = scores
         if BIAS:
             choice = scores + tl.load(bias + e, mask=me, other=0.0).to(tl.float32)
-        choice = tl.where(me, choice, -float("inf"))
+        # NaN scores (a diverged model) must still pick valid experts: never a masked lane
+        choice = tl.where(me & (choice == choice), choice, -float("inf"))
         # k rounds of arg-max, best first as torch.topk orders them
-        chosen = tl.zeros((BLOCK_E,), dtype=tl.int32)
-        total = 0.0
+        kk = tl.arange(0, BLOCK_K)
+        picked = tl.zeros((BLOCK_K,), dtype=tl.int64)
+        picked_w = tl.zeros((BLOCK_K,), dtype=tl.float32)
         for i in tl.static_range(TOP_K):
             best = tl.argmax(choice, 0)
-            chosen = tl.where(e == best, i + 1, chosen)
-            total += tl.sum(tl.where(e == best, scores, 0.0), 0)
+            picked = tl.where(kk == i, best.to(tl.int64), picked)
+            picked_w = tl.where(kk == i, tl.sum(tl.where(e == best, scores, 0.0), 0), picked_w)
             choice = tl.where(e == best, -float("inf"), choice)
-        scale = scaling / (total + 1e-20) if NORMALIZE else scaling
-        slot = tl.where(chosen > 0, chosen - 1, TOP_K)
-        picked = chosen > 0
-        tl.store(weights + t * TOP_K + slot, scores * scale, mask=picked)
-        tl.store(ids + t * TOP_K + slot, e.to(tl.int64), mask=picked)
+        if NORMALIZE:
+            picked_w = picked_w / (tl.sum(picked_w, 0) + 1e-20)
+        mk = kk < TOP_K
+        tl.store(weights + t * TOP_K + kk, picked_w * scaling, mask=mk)
+        tl.store(ids + t * TOP_K + kk, picked, mask=mk)

@@ -219,10 +219,8 @@ class Mamba2Mixer(nn.Module):
         dt = F.softplus(dt.float() + self.dt_bias.float()).clamp(*self.dt_limit)  # (T, H)
         zeros = lambda: x.new_zeros(H, P, N, dtype=torch.float32)  # noqa: E731
         A = -torch.exp(self.A_log.float())
-        step = partial(kernels.ssd_update, A=A)
-        y = scan_sequences(
-            groups, self.layer_idx, "ssm", zeros, self._scan, xs, dt, B, C, step=step
-        )
+        scan, step = partial(self._scan, A), partial(kernels.ssd_update, A=A)
+        y = scan_sequences(groups, self.layer_idx, "ssm", zeros, scan, xs, dt, B, C, step=step)
         y = y + xs * self.D.float()[:, None]
         return self.out_proj(self.norm(y.reshape(T, -1), gate).to(x.dtype))
 
@@ -230,8 +228,7 @@ class Mamba2Mixer(nn.Module):
         conv = (self.conv1d.kernel_size[0] - 1, self.conv1d.in_channels)
         return StateShape(conv, (self.num_heads, self.head_dim, self.state_size))
 
-    def _scan(self, x, dt, B, C, state):
-        A = -torch.exp(self.A_log.float())
+    def _scan(self, A, x, dt, B, C, state):
         if x.shape[1] == 1:
             return ssd_step(x, dt, A, B, C, state)
         return ssd_chunked(x, dt, A, B, C, state, self.chunk_size)
@@ -320,7 +317,7 @@ class MambaMixer(nn.Module):
             self.layer_idx,
             "ssm",
             zeros,
-            self._scan,
+            partial(self._scan, A),
             xs,
             dt,
             B.float(),
@@ -334,5 +331,5 @@ class MambaMixer(nn.Module):
         conv = (self.conv1d.kernel_size[0] - 1, self.inner)
         return StateShape(conv, (self.inner, self.state_size))
 
-    def _scan(self, x, dt, B, C, state):
-        return selective_scan(x, dt, -torch.exp(self.A_log.float()), B, C, state)
+    def _scan(self, A, x, dt, B, C, state):
+        return selective_scan(x, dt, A, B, C, state)
