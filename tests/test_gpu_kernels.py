@@ -207,6 +207,16 @@ def test_route_kernel_equals_route_topk(experts, k, scoring, bias, normalize, sc
     torch.testing.assert_close(got_w.cpu(), want_w, rtol=1e-5, atol=1e-6)
 
 
+def test_route_kernel_picks_valid_experts_for_nan_scores():
+    """A diverged row (NaN logits, as in a CUDA graph's padding rows) still routes to k real
+    experts, so the expert GEMMs never index past the last one."""
+    logits = torch.randn(4, 60, device="cuda")
+    logits[1] = float("nan")
+    logits[2, :7] = float("nan")
+    _, ids = route(logits, 8, "sigmoid", None, True, 1.0)
+    assert 0 <= ids.min().item() and ids.max().item() < 60
+
+
 # -- Mamba decode steps, states updated in place by slot ---------------------------------------
 
 
