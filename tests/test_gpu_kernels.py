@@ -163,6 +163,32 @@ def test_grouped_expert_matmul_matches_one_matmul_per_expert(dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("interleaved", [True, False])
+def test_mla_rope_norm_kernel_equals_the_pytorch_layers(dtype, interleaved):
+    """MLA's fused RoPE + latent norm equals layers/rope.py and RMSNorm, 20 heads (not a power
+    of two), GLM-4.7-Flash's widths; the queries are rotated in place."""
+    from kestrel.models.layers.norm import RMSNorm
+    from kestrel.models.layers.rope import apply_rope, apply_rope_interleaved
+
+    torch.manual_seed(1)
+    T, H, dn, dr, r = 9, 20, 192, 64, 512
+    q = torch.randn(T, H, dn + dr, device="cuda", dtype=dtype)
+    kv_a = torch.randn(T, r + dr, device="cuda", dtype=dtype)
+    norm = RMSNorm(r, 1e-5).to("cuda", dtype)
+    torch.nn.init.normal_(norm.weight)
+    angles = torch.randn(T, dr // 2, device="cuda")
+    angles = torch.cat([angles, angles], dim=-1)
+    cos, sin = angles.cos(), angles.sin()
+    rope = apply_rope_interleaved if interleaved else apply_rope
+    want_q = torch.cat([q[..., :dn], rope(q[..., dn:], cos, sin)], dim=-1)
+    want_kv = torch.cat([norm(kv_a[:, :r]), rope(kv_a[:, None, r:], cos, sin)[:, 0]], dim=-1)
+    kv = fused.mla_rope_norm(q, kv_a, norm.weight, 1e-5, cos, sin, r, interleaved)
+    tol = dict(rtol=2e-2, atol=2e-2) if dtype == torch.bfloat16 else dict(rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(q, want_q, **tol)
+    torch.testing.assert_close(kv, want_kv, **tol)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("tokens", [1, 3, 40])  # one pair per block (P <= E), sorted blocks
 @pytest.mark.parametrize(
     "act,gated", [("silu", True), ("gelu_pytorch_tanh", True), ("relu2", False)]

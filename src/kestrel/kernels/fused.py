@@ -130,6 +130,29 @@ def rope_store(qkv, cos, sin, hq, hkv, d, k_cache, v_cache, slot_mapping) -> tor
     return q
 
 
+def mla_rope_norm_serves(kv_a: torch.Tensor) -> bool:
+    """Whether `mla_rope_norm` runs for these projections (CUDA, Triton, contiguous rows)."""
+    return _triton_ok(kv_a) and kv_a.stride(-1) == 1
+
+
+def mla_rope_norm(q, kv_a, weight, eps: float, cos, sin, rank: int, interleaved: bool):
+    """Multi-head latent attention's per-token work between its projections, in one kernel:
+    q (T, H, dn + dr) has its RoPE part rotated in place; kv_a (T, r + dr) -> kv (T, r + dr), the
+    RMS-normed latent and the rotated shared key. Interleaved pairs come out de-interleaved, as
+    layers/rope.py's apply_rope_interleaved gives them; products are rounded to the dtype as
+    there. CUDA only (layers/mla.py keeps the PyTorch path)."""
+    T, H, D = q.shape
+    dr = kv_a.shape[1] - rank
+    kv = torch.empty_like(kv_a)
+    _mla_rope_norm_kernel[(T,)](
+        q, kv_a, weight, cos, sin, kv, q.stride(0), q.stride(1), kv_a.stride(0), cos.stride(0),
+        H, D - dr, rank, eps,
+        INTERLEAVED=interleaved, HALF=dr // 2, BLOCK_H=triton.next_power_of_2(H),
+        BLOCK_R=triton.next_power_of_2(rank),
+    )  # fmt: skip
+    return kv
+
+
 def rope_torch(x, cos, sin) -> torch.Tensor:
     half = x.shape[-1] // 2
     rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
@@ -228,3 +251,61 @@ if triton is not None:
             vdst = VC + (slot * hkv + kh) * 2 * HALF
             tl.store(vdst + i, v.to(VC.dtype.element_ty))
             tl.store(vdst + HALF + i, v2.to(VC.dtype.element_ty))
+
+
+if triton is not None:
+
+    @triton.jit
+    def _rotate(x1, x2, c1, s1, c2, s2, dt: tl.constexpr):
+        # (x1, x2) -> (x1 c1 - x2 s1, x2 c2 + x1 s2), each product rounded to dt as PyTorch does
+        f32 = tl.float32
+        y1 = (x1 * c1).to(dt).to(f32) - (x2 * s1).to(dt).to(f32)
+        y2 = (x2 * c2).to(dt).to(f32) + (x1 * s2).to(dt).to(f32)
+        return y1.to(dt), y2.to(dt)
+
+    @triton.jit
+    def _mla_rope_norm_kernel(
+        Q, KVA, W, COS, SIN, KV, stride_qt, stride_qh, stride_kt, stride_c, H, nope, rank, eps,
+        INTERLEAVED: tl.constexpr, HALF: tl.constexpr, BLOCK_H: tl.constexpr,
+        BLOCK_R: tl.constexpr,
+    ):  # fmt: skip
+        t = tl.program_id(0).to(tl.int64)
+        dt = Q.dtype.element_ty
+        i = tl.arange(0, HALF)
+        cs = COS + t * stride_c
+        sn = SIN + t * stride_c
+        c1 = tl.load(cs + i).to(dt).to(tl.float32)
+        s1 = tl.load(sn + i).to(dt).to(tl.float32)
+        # interleaved pairs are (2i, 2i+1) and use cos[:half]; rotate-half pairs are (i, half+i)
+        if INTERLEAVED:
+            first, second = 2 * i, 2 * i + 1
+            c2, s2 = c1, s1
+        else:
+            first, second = i, HALF + i
+            c2 = tl.load(cs + HALF + i).to(dt).to(tl.float32)
+            s2 = tl.load(sn + HALF + i).to(dt).to(tl.float32)
+        # the queries' RoPE parts, every head at once: (BLOCK_H, HALF), rotated in place
+        h = tl.arange(0, BLOCK_H)[:, None]
+        at = Q + t * stride_qt + h * stride_qh + nope
+        live = (h < H) & (i[None, :] < HALF)
+        x1 = tl.load(at + first[None, :], mask=live, other=0.0).to(tl.float32)
+        x2 = tl.load(at + second[None, :], mask=live, other=0.0).to(tl.float32)
+        y1, y2 = _rotate(x1, x2, c1[None, :], s1[None, :], c2[None, :], s2[None, :], dt)
+        tl.debug_barrier()  # every head's pairs are read before any is overwritten
+        tl.store(at + i[None, :], y1, mask=live)
+        tl.store(at + HALF + i[None, :], y2, mask=live)
+        # the shared key after the latent
+        row = KVA + t * stride_kt
+        x1 = tl.load(row + rank + first).to(tl.float32)
+        x2 = tl.load(row + rank + second).to(tl.float32)
+        y1, y2 = _rotate(x1, x2, c1, s1, c2, s2, dt)
+        out = KV + t * (rank + 2 * HALF)
+        tl.store(out + rank + i, y1)
+        tl.store(out + rank + HALF + i, y2)
+        # the latent, RMS-normed as layers.RMSNorm: rounded to dt before the weight
+        r = tl.arange(0, BLOCK_R)
+        mr = r < rank
+        x = tl.load(row + r, mask=mr, other=0.0).to(tl.float32)
+        normed = (x * tl.rsqrt(tl.sum(x * x, 0) / rank + eps)).to(dt).to(tl.float32)
+        w = tl.load(W + r, mask=mr, other=0.0).to(tl.float32)
+        tl.store(out + r, (w * normed).to(dt), mask=mr)

@@ -20,6 +20,7 @@ from torch import nn
 from kestrel.cache.kv import LayerKVCache
 from kestrel.cache.mask import visible_mask
 from kestrel.cache.sequence import CACHE_KINDS, CacheSpec, KVShape
+from kestrel.kernels import fused
 from kestrel.kernels.attention import attend
 from kestrel.models.base import CausalLM, rope_parameters
 from kestrel.models.batch import ForwardBatch
@@ -99,18 +100,13 @@ class MultiHeadLatentAttention(nn.Module):
     ) -> torch.Tensor:
         """x (T, hidden) -> (T, hidden). `q_scale` (T,) multiplies the queries (Llama-4 scaling)."""
         T = x.shape[0]
-        q = self._query(x).view(T, self.num_heads, self.nope_dim + self.rope_dim)
-        q_nope, q_rot = q.split([self.nope_dim, self.rope_dim], dim=-1)
-        latent, k_rot = self.kv_a_proj_with_mqa(x).split([self.rank, self.rope_dim], dim=-1)
-        latent = self.kv_a_layernorm(latent)  # (T, r)
-        rope = apply_rope_interleaved if self.interleaved else apply_rope
-        q_rot, k_rot = rope(q_rot, *cos_sin), rope(k_rot[:, None], *cos_sin)[:, 0]  # k_rot (T, dr)
-        q = torch.cat([q_nope, q_rot], dim=-1)  # (T, H, dn + dr)
+        q, kv = self._query_and_latent(x, cos_sin)
         if q_scale is not None:
             q = q * q_scale[:, None, None].to(q.dtype)
         if getattr(batch, "attention", None) is not None:  # the paged runner's KV pool
-            out = self._attend_paged(q, latent, k_rot, batch.attention)
+            out = self._attend_paged(q, kv, batch.attention)
             return self.o_proj(out.reshape(T, -1))
+        latent, k_rot = kv.split([self.rank, self.rope_dim], dim=-1)
         out = q.new_empty(T, self.num_heads, self.v_dim)
         for chunk in batch.chunks:
             rows = chunk.rows
@@ -118,6 +114,24 @@ class MultiHeadLatentAttention(nn.Module):
                 q[rows], latent[rows], k_rot[rows], batch.positions[rows], chunk
             )
         return self.o_proj(out.reshape(T, -1))
+
+    def _query_and_latent(self, x: torch.Tensor, cos_sin) -> tuple[torch.Tensor, torch.Tensor]:
+        """x (T, hidden) -> roped queries (T, H, dn + dr) and kv (T, r + dr): the normed latent
+        and the roped shared key, as the cache stores them (one Triton kernel on CUDA)."""
+        q = self._query(x).view(x.shape[0], self.num_heads, self.nope_dim + self.rope_dim)
+        kv_a = self.kv_a_proj_with_mqa(x)
+        if fused.mla_rope_norm_serves(kv_a):
+            norm = self.kv_a_layernorm
+            kv = fused.mla_rope_norm(
+                q, kv_a, norm.weight, norm.eps, *cos_sin, self.rank, self.interleaved
+            )
+            return q, kv
+        q_nope, q_rot = q.split([self.nope_dim, self.rope_dim], dim=-1)
+        latent, k_rot = kv_a.split([self.rank, self.rope_dim], dim=-1)
+        rope = apply_rope_interleaved if self.interleaved else apply_rope
+        q_rot, k_rot = rope(q_rot, *cos_sin), rope(k_rot[:, None], *cos_sin)[:, 0]  # k_rot (T, dr)
+        kv = torch.cat([self.kv_a_layernorm(latent), k_rot], dim=-1)
+        return torch.cat([q_nope, q_rot], dim=-1), kv
 
     def _query(self, x: torch.Tensor) -> torch.Tensor:
         if hasattr(self, "q_proj"):
@@ -154,11 +168,11 @@ class MultiHeadLatentAttention(nn.Module):
         out = attend(self._absorb_query(q), keys, latents, mask, self.scale)  # (H, m, r)
         return self._expand_output(out)
 
-    def _attend_paged(self, q, latent, k_rot, attention) -> torch.Tensor:
-        """(T, H, dn + dr) queries of the packed batch over the pool's latents -> (T, H, dv)."""
-        kv = torch.cat([latent, k_rot], dim=-1)[:, None]  # (T, 1, r + dr)
+    def _attend_paged(self, q, kv, attention) -> torch.Tensor:
+        """(T, H, dn + dr) queries of the packed batch over the pool's latents -> (T, H, dv);
+        kv (T, r + dr) is the batch's own [latent, rope key], written to the pool."""
         q_latent = self._absorb_query(q.transpose(0, 1)).transpose(0, 1).contiguous()
-        out = attention.latent(q_latent, kv, self.layer_idx, self.scale)  # (T, H, r)
+        out = attention.latent(q_latent, kv[:, None], self.layer_idx, self.scale)  # (T, H, r)
         return self._expand_output(out.transpose(0, 1)).transpose(0, 1)
 
     def _absorbed(self) -> tuple[torch.Tensor, torch.Tensor]:
