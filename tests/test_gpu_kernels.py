@@ -104,13 +104,15 @@ def check_fused(device, dtype):
     torch.manual_seed(0)
     x = torch.randn(5, 96, device=device, dtype=dtype)
     w = torch.randn(96, device=device, dtype=dtype)
+    wide = torch.randn(5, 160, device=device, dtype=dtype)
     for unit in (False, True):
-        torch.testing.assert_close(
-            fused.rms_norm(x, w, 1e-6, unit),
-            fused.rms_norm_torch(x, w, 1e-6, unit),
-            rtol=1e-2,
-            atol=1e-2,
-        )
+        for rows in (x, wide[:, 32:128]):  # contiguous, and a column slice of a fused GEMM
+            torch.testing.assert_close(
+                fused.rms_norm(rows, w, 1e-6, unit),
+                fused.rms_norm_torch(rows, w, 1e-6, unit),
+                rtol=1e-2,
+                atol=1e-2,
+            )
     gate_up = torch.randn(5, 2 * 1100, device=device, dtype=dtype)
     for act in ("silu", "gelu_pytorch_tanh"):
         torch.testing.assert_close(

@@ -35,16 +35,18 @@ def _triton_ok(x: torch.Tensor) -> bool:
 
 def rms_norm(x, weight, eps: float, unit_offset: bool) -> torch.Tensor:
     """x: (..., H) -> (..., H), the same arithmetic as layers.RMSNorm."""
-    if not _triton_ok(x) or not x.is_contiguous():
+    rowwise = x.dim() == 2 and x.stride(-1) == 1  # e.g. a column slice of a fused GEMM
+    if not _triton_ok(x) or not (x.is_contiguous() or rowwise):
         return rms_norm_torch(x, weight, eps, unit_offset)
     h = x.shape[-1]
     rows = x.numel() // h
-    out = torch.empty_like(x)
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     _rms_norm_kernel[(rows,)](
         x,
         weight,
         out,
         h,
+        x.stride(0) if rowwise else h,
         eps,
         UNIT=unit_offset,
         BLOCK=triton.next_power_of_2(h),
@@ -162,11 +164,11 @@ def rope_torch(x, cos, sin) -> torch.Tensor:
 if triton is not None:
 
     @triton.jit
-    def _rms_norm_kernel(X, W, OUT, h, eps, UNIT: tl.constexpr, BLOCK: tl.constexpr):
+    def _rms_norm_kernel(X, W, OUT, h, stride, eps, UNIT: tl.constexpr, BLOCK: tl.constexpr):
         row = tl.program_id(0).to(tl.int64)
         cols = tl.arange(0, BLOCK)
         ok = cols < h
-        x = tl.load(X + row * h + cols, mask=ok, other=0.0).to(tl.float32)
+        x = tl.load(X + row * stride + cols, mask=ok, other=0.0).to(tl.float32)
         rstd = tl.rsqrt(tl.sum(x * x, 0) / h + eps)
         w = tl.load(W + cols, mask=ok, other=0.0).to(tl.float32)
         if UNIT:

@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from kestrel.cache.paged import paged_attention
 from kestrel.kernels.fused import ACTIVATIONS, act_mul, rms_norm, rope_qk, rope_store
 from kestrel.models.layers.attention import Attention, cached_attention
+from kestrel.models.layers.mla import MultiHeadLatentAttention
 from kestrel.models.layers.mlp import GatedMLP
 from kestrel.models.layers.norm import RMSNorm
 from kestrel.models.layers.rope import RotaryEmbedding
@@ -29,11 +30,18 @@ def fuse_model(model: torch.nn.Module) -> None:
         ):
             module.gate_up = _concat_weights(module, ["gate_proj", "up_proj"])
             module.forward = types.MethodType(_mlp_forward, module)
+        elif isinstance(module, MultiHeadLatentAttention) and _latent_fusable(module):
+            module.down_weight = _concat_weights(module, LATENT_DOWN)
+            module.project = types.MethodType(_latent_project, module)
         elif isinstance(module, Attention) and _fusable(module):
             module.qkv_weight = _concat_weights(module, ["q_proj", "k_proj", "v_proj"])
             biases = [getattr(module, n).bias for n in ("q_proj", "k_proj", "v_proj")]
             module.qkv_bias = None if biases[0] is None else torch.cat(biases)
             module.forward = types.MethodType(_attention_forward, module)
+
+
+# MLA's two down-projections of the hidden state (low-rank queries, latent + rope key)
+LATENT_DOWN = ["q_a_proj", "kv_a_proj_with_mqa"]
 
 
 def _concat_weights(module, names: list[str]) -> torch.Tensor:
@@ -60,6 +68,24 @@ def _fusable(attn: Attention) -> bool:
         and attn.q_norm is None
         and type(attn.rope) is RotaryEmbedding
         and attn.rope.attention_scaling == 1.0
+    )
+
+
+def _latent_project(self, x):
+    # one GEMM for both down-projections; their outputs are row-strided views of it
+    q_a, kv_a = F.linear(x, self.down_weight).split(
+        [self.q_a_proj.out_features, self.kv_a_proj_with_mqa.out_features], dim=-1
+    )
+    q = self.q_b_proj(self.q_a_layernorm(q_a))
+    return q.view(x.shape[0], self.num_heads, -1), kv_a
+
+
+def _latent_fusable(attn: MultiHeadLatentAttention) -> bool:
+    # low-rank queries (not minicpm3-style q_proj), plain Linears without biases
+    return (
+        hasattr(attn, "q_a_proj")
+        and _dense(attn, LATENT_DOWN)
+        and all(getattr(attn, n).bias is None for n in LATENT_DOWN)
     )
 
 

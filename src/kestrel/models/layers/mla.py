@@ -118,8 +118,7 @@ class MultiHeadLatentAttention(nn.Module):
     def _query_and_latent(self, x: torch.Tensor, cos_sin) -> tuple[torch.Tensor, torch.Tensor]:
         """x (T, hidden) -> roped queries (T, H, dn + dr) and kv (T, r + dr): the normed latent
         and the roped shared key, as the cache stores them (one Triton kernel on CUDA)."""
-        q = self._query(x).view(x.shape[0], self.num_heads, self.nope_dim + self.rope_dim)
-        kv_a = self.kv_a_proj_with_mqa(x)
+        q, kv_a = self.project(x)
         if fused.mla_rope_norm_serves(kv_a):
             norm = self.kv_a_layernorm
             kv = fused.mla_rope_norm(
@@ -133,10 +132,14 @@ class MultiHeadLatentAttention(nn.Module):
         kv = torch.cat([self.kv_a_layernorm(latent), k_rot], dim=-1)
         return torch.cat([q_nope, q_rot], dim=-1), kv
 
-    def _query(self, x: torch.Tensor) -> torch.Tensor:
+    def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x (T, hidden) -> queries (T, H, dn + dr), kv_a (T, r + dr) before RoPE and the norm
+        (layers/fused.py gives CUDA one GEMM for q_a_proj and kv_a_proj_with_mqa)."""
         if hasattr(self, "q_proj"):
-            return self.q_proj(x)
-        return self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+            q = self.q_proj(x)
+        else:
+            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+        return q.view(x.shape[0], self.num_heads, -1), self.kv_a_proj_with_mqa(x)
 
     def _attend_chunk(self, q, latent, k_rot, q_pos, chunk) -> torch.Tensor:
         """One sequence's m queries (m, H, dn + dr) over its cache -> (m, H, dv)."""
