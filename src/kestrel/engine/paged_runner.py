@@ -272,6 +272,7 @@ class PagedRunner(ModelRunner):
 
     def _pack_host(self, chunks: list[ScheduledChunk]) -> Packed:
         """Trim and reserve each sequence's blocks; the batch's index lists on the host."""
+        self._encode_images(chunks)
         p = Packed()
         for s, chunk in enumerate(chunks):
             request, n = chunk.request, chunk.num_tokens
@@ -284,7 +285,7 @@ class PagedRunner(ModelRunner):
             p.ids.extend(_pending_ids(request, n))
             p.positions.extend(range(cache.offset, cache.offset + n))
             p.chunk_ends.extend([cache.offset + n - 1] * n)
-            if request.multimodal is not None:  # encodes the images at the first chunk
+            if request.multimodal is not None:
                 rope, images = self._image_inputs(request, cache, n)
                 if rope is not None:
                     p.explicit_rope.append((start, rope))
