@@ -33,6 +33,7 @@ class CacheConfig:
     gpu_memory_utilization: float = 0.9  # of the card, for weights, activations and the pool
     num_blocks: int | None = None  # a fixed pool size (tests); None: sized from free memory
     prefix_caching: bool = True  # full KV blocks are kept and reused by later prompts
+    mamba_ssm_cache_dtype: str = "float32"  # the hybrids' SSM state (bfloat16: half the traffic)
 
 
 @dataclass

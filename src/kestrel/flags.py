@@ -61,3 +61,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         help="run decode steps eagerly",
     )
     gpu.add_argument("--block-size", type=int, default=64, help="KV pool block size in tokens")
+    p.add_argument(
+        "--mamba-ssm-cache-dtype",
+        choices=["float32", "bfloat16", "float16"],
+        default="float32",
+        help="dtype of the hybrid models' SSM state (computed in float32 either way)",
+    )

@@ -80,6 +80,9 @@ def make_runner(model, device: torch.device, config: Config, max_model_len: int)
     return ModelRunner(model, device)
 
 
+SSM_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
 class PagedRunner(ModelRunner):
     def __init__(
         self,
@@ -138,11 +141,18 @@ class PagedRunner(ModelRunner):
         layout = model.state_layout()
         if not any(layout):
             return None
-        per_slot = StatePool.bytes_per_slot(layout, self.dtype)
+        ssm_dtype = SSM_DTYPES.get(self.cache_config.mamba_ssm_cache_dtype)
+        if ssm_dtype is None:
+            raise ValueError(
+                f"mamba_ssm_cache_dtype {self.cache_config.mamba_ssm_cache_dtype!r}; "
+                f"supported: {', '.join(SSM_DTYPES)}"
+            )
+        per_slot = StatePool.bytes_per_slot(layout, self.dtype, ssm_dtype)
         log.info("recurrent state: %d slots of %.1f MiB", self.max_num_seqs, per_slot / 2**20)
         # + with prefix caching, as many snapshots of cached prompts' state (cache/blocks.py)
         snapshots = self.max_num_seqs if self.cache_config.prefix_caching else 0
-        return StatePool(layout, 1 + self.max_num_seqs + snapshots, self.dtype, self.device)
+        slots = 1 + self.max_num_seqs + snapshots
+        return StatePool(layout, slots, self.dtype, self.device, ssm_dtype)
 
     def _use_pool(self, num_blocks: int) -> None:
         """A pool of `num_blocks` (block 0: scratch) and the manager of its blocks."""
