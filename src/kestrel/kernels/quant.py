@@ -2,8 +2,12 @@
 `gguf.quants.dequantize`: the same float16 scales, the same products in the same order.
 
 A tensor's blocks are a uint8 tensor (rows, bytes per row) in llama.cpp's block layout; each row
-is `cols / block elements` blocks. Imports nothing from kestrel.
+is `cols / block elements` blocks. Below them, the safetensors formats (MLX affine, FP8,
+NVFP4), each a function from a weight's checkpoint tensors to its float rows. Imports nothing
+from kestrel.
 """
+
+from dataclasses import dataclass
 
 import torch
 
@@ -140,3 +144,99 @@ _DEQUANTIZE = {
     "Q5_K": _q5_k,
     "Q6_K": _q6_k,
 }
+
+
+# --- safetensors formats -------------------------------------------------------------------------
+# Each format dequantizes the rows `rows` (a slice or a LongTensor of row ids) of one weight from
+# its checkpoint tensors, named by role (`qweight` plus the format's scales), to (n, cols) float32.
+
+
+@dataclass(frozen=True)
+class Format:
+    """How one quantized weight decodes. `kind`: "gguf" (`qtype` names the block type), "mlx"
+    (affine, `bits` per value, one scale and bias per `group` inputs), "fp8" (float8_e4m3fn times
+    a scale per `block` = (rows, cols) tile) or "nvfp4" (e2m1 nibbles times an fp8 scale per
+    `group` = 16 inputs times one float32 scale)."""
+
+    kind: str
+    qtype: str = ""
+    bits: int = 0
+    group: int = 0
+    block: tuple[int, int] = (1, 1)
+
+    @property
+    def name(self) -> str:
+        """The type `kestrel inspect` lists (and QuantLinear's `qtype`)."""
+        if self.kind == "mlx":
+            return f"MLX_Q{self.bits}_G{self.group}"
+        if self.kind == "fp8":
+            return f"FP8_E4M3_{self.block[0]}x{self.block[1]}"
+        return self.qtype or self.kind.upper()
+
+
+def dequantize_rows(fmt: Format, t: dict[str, torch.Tensor], rows, cols: int) -> torch.Tensor:
+    """Rows `rows` of the weight held by tensors `t` -> (n, cols) float32."""
+    return _FORMATS[fmt.kind](fmt, t, rows, cols)
+
+
+def _gguf(fmt, t, rows, cols):
+    return dequantize(t["qweight"][rows], fmt.qtype, cols)
+
+
+def unpack_bits(words: torch.Tensor, bits: int, cols: int) -> torch.Tensor:
+    """(n, cols * bits / 32) uint32 -> (n, cols) int32: a little-endian bit stream, value i in
+    bits [i * bits, (i + 1) * bits) of the row, as MLX packs it."""
+    b = words.contiguous().view(torch.uint8).to(torch.int32)  # (n, 4 words) bytes, low first
+    if 8 % bits == 0:  # 2, 4, 8: whole values per byte
+        shifts = torch.arange(0, 8, bits, dtype=torch.int32, device=b.device)
+        return ((b.unsqueeze(-1) >> shifts) & ((1 << bits) - 1)).reshape(b.shape[0], cols)
+    start = torch.arange(cols, device=b.device) * bits  # 3, 5, 6: values straddle bytes
+    b = torch.nn.functional.pad(b, (0, 1))
+    pair = b[:, start // 8] | (b[:, start // 8 + 1] << 8)
+    return (pair >> (start % 8).to(torch.int32)) & ((1 << bits) - 1)
+
+
+def _mlx(fmt, t, rows, cols):
+    q = unpack_bits(t["qweight"][rows], fmt.bits, cols).float()
+    scales, biases = t["scales"][rows].float(), t["biases"][rows].float()  # (n, cols / group)
+    w = q.reshape(q.shape[0], -1, fmt.group) * scales.unsqueeze(-1) + biases.unsqueeze(-1)
+    return w.reshape(q.shape[0], cols)
+
+
+def _row_ids(rows, n: int, device) -> torch.Tensor:
+    if isinstance(rows, torch.Tensor):
+        return rows.reshape(-1)
+    return torch.arange(n, device=device)[rows]
+
+
+def _fp8(fmt, t, rows, cols):
+    """fp8 * scale, the scale of tile (r // block rows, c // block cols)."""
+    w = t["qweight"][rows].float()  # (n, cols)
+    ids = _row_ids(rows, t["qweight"].shape[0], w.device)
+    scale = t["scale"].float()[ids // fmt.block[0]]  # (n, col tiles)
+    return w * scale.repeat_interleave(fmt.block[1], dim=1)[:, :cols]
+
+
+E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)  # the 3 magnitude bits of FP4 e2m1; bit 3 is sign
+
+
+def _nvfp4(fmt, t, rows, cols):
+    """Two e2m1 values a byte (the even element in the low nibble) times scale * scale_2."""
+    packed = t["qweight"][rows]  # (n, cols / 2) uint8
+    nibbles = torch.stack([packed & 0x0F, packed >> 4], dim=-1).reshape(packed.shape[0], cols)
+    table = torch.tensor(E2M1 + tuple(-v for v in E2M1), device=packed.device)
+    values = table[nibbles.long()].reshape(packed.shape[0], -1, fmt.group)
+    scale = t["scale"][rows].float() * t["scale_2"].float()  # (n, cols / 16)
+    return (values * scale.unsqueeze(-1)).reshape(packed.shape[0], cols)
+
+
+_FORMATS = {"gguf": _gguf, "mlx": _mlx, "fp8": _fp8, "nvfp4": _nvfp4}
+
+
+def fp8_linear(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor) -> torch.Tensor:
+    """x (M, K) bfloat16 @ w.T on the FP8 tensor cores: x quantized per row on the fly, w (N, K)
+    float8_e4m3fn with one float32 scale per output row, w_scale (1, N)."""
+    amax = x.abs().amax(dim=-1, keepdim=True).float().clamp(min=1e-12)
+    x_scale = amax / torch.finfo(torch.float8_e4m3fn).max  # (M, 1)
+    xq = (x.float() / x_scale).to(torch.float8_e4m3fn)
+    return torch._scaled_mm(xq, w.t(), x_scale, w_scale, out_dtype=x.dtype)
