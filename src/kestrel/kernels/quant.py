@@ -220,12 +220,21 @@ def _fp8(fmt, t, rows, cols):
 E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)  # the 3 magnitude bits of FP4 e2m1; bit 3 is sign
 
 
+_TABLES: dict[torch.device, torch.Tensor] = {}
+
+
+def _e2m1_table(device: torch.device) -> torch.Tensor:
+    """The 16 e2m1 codes' values on `device`, made once (no host copy inside a CUDA graph)."""
+    if device not in _TABLES:
+        _TABLES[device] = torch.tensor(E2M1 + tuple(-v for v in E2M1), device=device)
+    return _TABLES[device]
+
+
 def _nvfp4(fmt, t, rows, cols):
     """Two e2m1 values a byte (the even element in the low nibble) times scale * scale_2."""
     packed = t["qweight"][rows]  # (n, cols / 2) uint8
     nibbles = torch.stack([packed & 0x0F, packed >> 4], dim=-1).reshape(packed.shape[0], cols)
-    table = torch.tensor(E2M1 + tuple(-v for v in E2M1), device=packed.device)
-    values = table[nibbles.long()].reshape(packed.shape[0], -1, fmt.group)
+    values = _e2m1_table(packed.device)[nibbles.long()].reshape(packed.shape[0], -1, fmt.group)
     scale = t["scale"][rows].float() * t["scale_2"].float()  # (n, cols / 16)
     return (values * scale.unsqueeze(-1)).reshape(packed.shape[0], cols)
 
