@@ -209,3 +209,19 @@ def test_unknown_quant_method_names_it(tmp_path):
     (quant / "config.json").write_text(json.dumps(config))
     with pytest.raises(UnsupportedModelError, match="unknown quantization method 'awq9'"):
         load(quant)
+
+
+def test_inspect_lists_quantized_layers_by_format_and_their_resident_bytes(tmp_path, capsys):
+    from kestrel.cli import main
+
+    quant, _ = write_pair(tmp_path, "mlx-4")
+    assert main(["inspect", "-m", str(quant)]) == 0
+    info = json.loads(capsys.readouterr().out)
+    # 14 projections and the embedding (the tied head reads it), 5 float32 norms
+    assert info["tensor_types"] == {"MLX_Q4_G64": 15, "F32": 5}
+    stored = sum(
+        t.numel() * t.element_size() for t in load_file(quant / "model.safetensors").values()
+    )
+    norm_elements = 5 * 256
+    assert info["resident_bytes"]["cpu"] == stored  # quantized as stored, float32 norms as is
+    assert info["resident_bytes"]["cuda"] == stored - 2 * norm_elements  # bfloat16 norms

@@ -207,17 +207,23 @@ def load_weights(
 ) -> None:
     """Fill every parameter from the checkpoint, tensor by tensor, each in its final form: a
     parameter still on the meta device is materialized on `device` at its first tensor, as
-    packed GGUF blocks (`packed`; default `keep_packed`) or a dense tensor. Fails naming
-    any parameter left unset."""
+    packed GGUF blocks (`packed`; default `keep_packed`), a quantized folder's tensors (MLX, FP8,
+    NVFP4: kept unless `packed` is False) or a dense tensor. Fails naming any parameter left
+    unset."""
     device = device or torch.device("cpu")
     scheme = None if source.is_gguf else st_quant.read_scheme(source.path)
     if scheme is not None:
-        target = _Target(model, device, packed is not False)
+        target = _Target(model, device, packed is not False)  # these formats: packed by default
         with _progress(source, st_weights.tensor_bytes(source.path), progress) as bar:
             _load_quantized_folder(target, source, scheme, bar)
-        target.log_dense()
-        _check_all_loaded(model, target.params, target.loaded(), source)
-        return
+    else:
+        target = _load_file(model, source, progress, device, packed)
+    target.log_dense()
+    _check_all_loaded(model, target.params, target.loaded(), source)
+
+
+def _load_file(model, source: ModelSource, progress: bool, device, packed) -> "_Target":
+    """A GGUF file or a float Hugging Face folder, tensor by tensor."""
     tensors, total = _checkpoint_tensors(model, source)
     if packed is None:
         packed = source.is_gguf and keep_packed(
@@ -232,8 +238,7 @@ def load_weights(
             else:
                 _load_dense(target, name, model.checkpoint_tensor, tensor, source)
                 bar.update(tensor.numel() * tensor.element_size())
-    target.log_dense()
-    _check_all_loaded(model, target.params, target.loaded(), source)
+    return target
 
 
 def _progress(source: ModelSource, total: int, progress: bool):
