@@ -10,6 +10,7 @@ from kestrel.
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 QK_K = 256  # elements per k-quant super-block
 # type name -> (elements per block, bytes per block), as llama.cpp's ggml-common.h
@@ -191,7 +192,7 @@ def unpack_bits(words: torch.Tensor, bits: int, cols: int) -> torch.Tensor:
         shifts = torch.arange(0, 8, bits, dtype=torch.int32, device=b.device)
         return ((b.unsqueeze(-1) >> shifts) & ((1 << bits) - 1)).reshape(b.shape[0], cols)
     start = torch.arange(cols, device=b.device) * bits  # 3, 5, 6: values straddle bytes
-    b = torch.nn.functional.pad(b, (0, 1))
+    b = F.pad(b, (0, 1))
     pair = b[:, start // 8] | (b[:, start // 8 + 1] << 8)
     return (pair >> (start % 8).to(torch.int32)) & ((1 << bits) - 1)
 
@@ -249,3 +250,60 @@ def fp8_linear(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor) -> torch
     x_scale = amax / torch.finfo(torch.float8_e4m3fn).max  # (M, 1)
     xq = (x.float() / x_scale).to(torch.float8_e4m3fn)
     return torch._scaled_mm(xq, w.t(), x_scale, w_scale, out_dtype=x.dtype)
+
+
+FP8_TILE = 128  # the block-scaled FP8 GEMM's tile: activations 1 x 128, weights 128 x 128
+
+
+def fp8_block_scales(w_scale: torch.Tensor) -> torch.Tensor:
+    """(N / 128, K / 128) weight tile scales in the layout the block-scaled GEMM reads: K tiles
+    padded to a multiple of 4 (cuBLAS's alignment), float32."""
+    return F.pad(w_scale.float(), (0, -w_scale.shape[1] % 4)).contiguous()
+
+
+def fp8_block_linear(x: torch.Tensor, w: torch.Tensor, w_scales: torch.Tensor) -> torch.Tensor:
+    """x (M, K) bfloat16 @ w.T with w (N, K) float8_e4m3fn in 128 x 128 tiles (DeepSeek-V3 /
+    Qwen3-FP8 style; `w_scales` from `fp8_block_scales`): x quantized per 1 x 128 group on the
+    fly, one block-scaled FP8 GEMM. cuBLAS wants the activation scales token-major with M a
+    multiple of 4, so x is zero-padded."""
+    m, k = x.shape
+    xp = F.pad(x, (0, 0, 0, -m % 4)).float().reshape(-1, k // FP8_TILE, FP8_TILE)
+    x_scale = (xp.abs().amax(dim=-1) / torch.finfo(torch.float8_e4m3fn).max).clamp(min=1e-12)
+    xq = (xp / x_scale.unsqueeze(-1)).to(torch.float8_e4m3fn).reshape(-1, k)
+    out = F.scaled_mm(
+        xq,
+        w.t(),
+        x_scale.t().contiguous().t(),  # (M, K / 128), M-major
+        F.ScalingType.BlockWise1x128,
+        w_scales.t(),
+        F.ScalingType.BlockWise128x128,
+        output_dtype=x.dtype,
+    )
+    return out[:m]
+
+
+_BLOCK_GEMM: dict[torch.device, bool] = {}
+
+
+def fp8_block_gemm_works(device: torch.device) -> bool:
+    """Whether this device's torch/cuBLAS runs the block-scaled FP8 GEMM (Hopper and later with a
+    recent cuBLAS), tried once per device on a small problem checked against its dequantization."""
+    if device.type != "cuda":
+        return False
+    if device not in _BLOCK_GEMM:
+        _BLOCK_GEMM[device] = _try_block_gemm(device)
+    return _BLOCK_GEMM[device]
+
+
+def _try_block_gemm(device) -> bool:
+    g = torch.Generator(device=device).manual_seed(0)
+    w = torch.randn(256, 256, device=device, generator=g).to(torch.float8_e4m3fn)
+    scale = torch.rand(2, 2, device=device, generator=g) + 0.5
+    x = torch.randn(3, 256, device=device, generator=g, dtype=torch.bfloat16)
+    try:
+        out = fp8_block_linear(x, w, fp8_block_scales(scale)).float()
+    except (RuntimeError, NotImplementedError, AttributeError, ValueError):
+        return False
+    dense = w.float() * scale.repeat_interleave(FP8_TILE, 0).repeat_interleave(FP8_TILE, 1)
+    expected = x.float() @ dense.t()
+    return bool(((out - expected).norm() / expected.norm()) < 0.05)

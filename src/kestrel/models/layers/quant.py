@@ -2,8 +2,10 @@
 FP8 and NVFP4 (each format's decoding is one function of kernels/quant.py).
 
 `QuantLinear` computes x @ W.T by dequantizing W a few output rows at a time, so the float copy
-alive at once stays near `CHUNK_BYTES` whatever the matrix; on CUDA an FP8 weight with one scale
-per row (or per tensor) multiplies on the FP8 tensor cores instead. `QuantEmbedding` dequantizes
+alive at once stays near `CHUNK_BYTES` whatever the matrix. On CUDA an FP8 weight multiplies on
+the FP8 tensor cores instead, its activations quantized on the fly: per row for a weight with one
+scale per row or per tensor (`torch._scaled_mm`), per 1 x 128 group for 128 x 128 tiles (the
+block-scaled `scaled_mm`, where the GPU runs it). `QuantEmbedding` dequantizes
 only the rows it gathers. Both hold the checkpoint's tensors as buffers by role (`qweight`, the
 packed values, and the format's scales), and a tied head shares its embedding's buffers. Loaders
 build them (weights/loader.py); model code calls them as the nn.Linear / nn.Embedding they replace.
@@ -13,7 +15,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kestrel.kernels.quant import Format, dequantize_rows, fp8_linear
+from kestrel.kernels.quant import (
+    FP8_TILE,
+    Format,
+    dequantize_rows,
+    fp8_block_gemm_works,
+    fp8_block_linear,
+    fp8_block_scales,
+    fp8_linear,
+)
 
 CHUNK_BYTES = 4 << 20  # float32 bytes of W dequantized at once on the CPU
 CUDA_CHUNK_BYTES = 256 << 20  # on CUDA fewer, larger matmuls: launches cost more than memory
@@ -50,14 +60,22 @@ class QuantLinear(_Quantized):
         self.in_features, self.out_features = in_features, qweight.shape[0]
         self.bias = bias
         self.register_buffer("fp8_scale", self._fp8_row_scale(), persistent=False)
+        self.register_buffer("fp8_tiles", self._fp8_tile_scales(), persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.fp8_scale is not None and x.is_cuda and x.dtype == torch.bfloat16:
-            out = fp8_linear(x.reshape(-1, self.in_features), self.qweight, self.fp8_scale)
+        fp8_cores = self.fp8_scale is not None or self.fp8_tiles is not None
+        if fp8_cores and x.is_cuda and x.dtype == torch.bfloat16:
+            out = self._fp8_matmul(x.reshape(-1, self.in_features))
             out = out.reshape(*x.shape[:-1], self.out_features)
         else:
             out = self._dequantized_matmul(x)
         return out if self.bias is None else out + self.bias
+
+    def _fp8_matmul(self, x: torch.Tensor) -> torch.Tensor:
+        """(M, in) bfloat16 -> (M, out) on the FP8 tensor cores."""
+        if self.fp8_scale is not None:
+            return fp8_linear(x, self.qweight, self.fp8_scale)
+        return fp8_block_linear(x, self.qweight, self.fp8_tiles)
 
     def _dequantized_matmul(self, x: torch.Tensor) -> torch.Tensor:
         budget = CUDA_CHUNK_BYTES if x.is_cuda else CHUNK_BYTES
@@ -77,6 +95,15 @@ class QuantLinear(_Quantized):
             return None
         rows = torch.arange(self.out_features, device=self.scale.device) // fmt.block[0]
         return self.scale.float()[rows, 0].reshape(1, -1).contiguous()
+
+    def _fp8_tile_scales(self) -> torch.Tensor | None:
+        """The block-scaled GEMM's scales when W is FP8 in 128 x 128 tiles that cover it whole and
+        this GPU runs that GEMM (`fp8_block_gemm_works`); None otherwise (dequantize)."""
+        tiled = self.fmt.block == (FP8_TILE, FP8_TILE) if self.fmt.kind == "fp8" else False
+        whole = (self.in_features % FP8_TILE, self.out_features % FP8_TILE) == (0, 0)
+        if not (tiled and whole and fp8_block_gemm_works(self.qweight.device)):
+            return None
+        return fp8_block_scales(self.scale)
 
     def extra_repr(self) -> str:
         return f"{self.in_features}, {self.out_features}, qtype={self.qtype}"
