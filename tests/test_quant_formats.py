@@ -38,8 +38,8 @@ FORMATS = {
     "mlx-8": ("mlx", dict(bits=8, group=32), True, "MLX_Q8_G32"),
     "mlx-3": ("mlx", dict(bits=3, group=32), True, "MLX_Q3_G32"),
     "fp8-block": ("fp8", dict(block=(128, 128)), False, "FP8_E4M3_128x128"),
-    "fp8-channel": ("compressed-fp8", dict(strategy="channel"), False, None),
-    "fp8-tensor": ("compressed-fp8", dict(strategy="tensor"), False, None),
+    "fp8-channel": ("compressed-fp8", dict(strategy="channel"), False, "FP8_E4M3_CHANNEL"),
+    "fp8-tensor": ("compressed-fp8", dict(strategy="tensor"), False, "FP8_E4M3_TENSOR"),
     "nvfp4-modelopt": ("nvfp4", {}, False, "NVFP4"),
     "nvfp4-compressed": ("compressed-nvfp4", {}, False, "NVFP4"),
 }
@@ -100,8 +100,7 @@ def test_every_quantized_matrix_stays_in_its_checkpoint_bytes(key, tmp_path):
     _, _, embedding, qtype = FORMATS[key]
     layers = [m for m in model.modules() if isinstance(m, QuantLinear)]
     assert len(layers) == 2 * 7 + (1 if embedding else 0)  # the tied head reads the embedding's
-    if qtype is not None:
-        assert {m.qtype for m in layers} == {qtype}
+    assert {m.qtype for m in layers} == {qtype}
     assert isinstance(model.model.embed_tokens, QuantEmbedding) == embedding
     stored = sum(
         t.numel() * t.element_size() for t in load_file(quant / "model.safetensors").values()

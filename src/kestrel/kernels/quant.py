@@ -152,6 +152,9 @@ _DEQUANTIZE = {
 # its checkpoint tensors, named by role (`qweight` plus the format's scales), to (n, cols) float32.
 
 
+WHOLE = 1 << 30  # an FP8 scale tile that spans the whole weight along that axis
+
+
 @dataclass(frozen=True)
 class Format:
     """How one quantized weight decodes. `kind`: "gguf" (`qtype` names the block type), "mlx"
@@ -171,7 +174,8 @@ class Format:
         if self.kind == "mlx":
             return f"MLX_Q{self.bits}_G{self.group}"
         if self.kind == "fp8":
-            return f"FP8_E4M3_{self.block[0]}x{self.block[1]}"
+            tile = {(WHOLE, WHOLE): "TENSOR", (1, WHOLE): "CHANNEL"}.get(self.block)
+            return f"FP8_E4M3_{tile or f'{self.block[0]}x{self.block[1]}'}"
         return self.qtype or self.kind.upper()
 
 
@@ -214,8 +218,8 @@ def _fp8(fmt, t, rows, cols):
     """fp8 * scale, the scale of tile (r // block rows, c // block cols)."""
     w = t["qweight"][rows].float()  # (n, cols)
     ids = _row_ids(rows, t["qweight"].shape[0], w.device)
-    scale = t["scale"].float()[ids // fmt.block[0]]  # (n, col tiles)
-    return w * scale.repeat_interleave(fmt.block[1], dim=1)[:, :cols]
+    col_tiles = torch.arange(cols, device=w.device) // fmt.block[1]
+    return w * t["scale"].float()[ids // fmt.block[0]][:, col_tiles]
 
 
 E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)  # the 3 magnitude bits of FP4 e2m1; bit 3 is sign

@@ -415,7 +415,6 @@ def _load_quantized(target: _Target, shards, scheme, module: str, fmt, source, b
         raise ModelLoadError(
             f"{source.path}: {names['qweight']} fills {slot.name} of shape {shape}"
         )
-    fmt = st_quant.layer_format(fmt, shape)
     try:
         st_quant.check(fmt, module, tensors, names, shape)
     except ModelLoadError as e:
@@ -475,7 +474,6 @@ def _folder_summary(model: CausalLM, source: ModelSource, device, dense: int) ->
     target, types, packed = _Target(model, device, True), {}, {}
     for module, fmt in modules.items():
         names = scheme.tensor_names(module)
-        fmt = st_quant.layer_format(fmt, tuple(headers[names["qweight"]]["shape"]))
         types[fmt.name] = types.get(fmt.name, 0) + 1
         slot = target.slot(f"{module}.weight")
         if slot is not None and target.why_dense_layer(slot) is None:

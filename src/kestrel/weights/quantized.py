@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from kestrel.errors import ModelLoadError, UnsupportedModelError
-from kestrel.kernels.quant import Format
+from kestrel.kernels.quant import WHOLE, Format
 
 # safetensors header dtype of the packed values, per format kind
 STORAGE = {"mlx": "U32", "fp8": "F8_E4M3", "nvfp4": "U8"}
@@ -92,7 +92,7 @@ def _mlx_format(q: dict, where: str) -> Format:
 def _fp8_blocks(q: dict) -> Scheme:
     if q.get("activation_scheme", "dynamic") != "dynamic":
         raise UnsupportedModelError("FP8 activation_scheme 'static': only 'dynamic' is served")
-    block = tuple(q.get("weight_block_size") or (1 << 30, 1 << 30))  # none: one per tensor
+    block = tuple(q.get("weight_block_size") or (WHOLE, WHOLE))  # none: one per tensor
     return Scheme(Format("fp8", block=block), {"qweight": "weight", "scale": "weight_scale_inv"})
 
 
@@ -100,7 +100,7 @@ def _compressed(q: dict) -> Scheme:
     weights = [g.get("weights") or {} for g in (q.get("config_groups") or {}).values()]
     if q.get("format") == "float-quantized" and weights:
         w = weights[0]
-        block = {"tensor": (1 << 30, 1 << 30), "channel": (1, 1 << 30)}.get(w.get("strategy"))
+        block = {"tensor": (WHOLE, WHOLE), "channel": (1, WHOLE)}.get(w.get("strategy"))
         if w.get("strategy") == "block":
             block = tuple(w["block_structure"])
         if w.get("num_bits") == 8 and block is not None:
@@ -188,14 +188,6 @@ def _why(fmt: Format, role: str) -> str:
         if role == "scale"
         else ""
     )
-
-
-def layer_format(fmt: Format, shape: tuple) -> Format:
-    """The format with its FP8 tile clipped to the weight: one scale per tensor or per row reads
-    as a (1, 1) or (rows, 1) grid of (rows, cols) or (1, cols) tiles."""
-    if fmt.kind != "fp8":
-        return fmt
-    return Format("fp8", block=(min(fmt.block[0], shape[0]), min(fmt.block[1], shape[1])))
 
 
 def layer_tensors(scheme: Scheme, fmt: Format, tensors: dict, shape: tuple) -> dict:
