@@ -14,6 +14,8 @@ from safetensors.torch import load_file, save_file
 from tests.family_suite import one_thread  # noqa: F401  (tiny tensors: one thread is faster)
 from tests.quant_writer import mlx_quantize, quant_config, quantize_state, write_folder
 from tests.reference import assert_close, chunked_logits
+from tests.test_models_glm4_moe_lite import CONFIG as GLM
+from tests.test_models_glm4_moe_lite import randomize_correction_bias
 
 from kestrel.errors import ModelLoadError, UnsupportedModelError
 from kestrel.models.layers.quant import QuantEmbedding, QuantLinear
@@ -224,3 +226,67 @@ def test_inspect_lists_quantized_layers_by_format_and_their_resident_bytes(tmp_p
     norm_elements = 5 * 256
     assert info["resident_bytes"]["cpu"] == stored  # quantized as stored, float32 norms as is
     assert info["resident_bytes"]["cuda"] == stored - 2 * norm_elements  # bfloat16 norms
+
+
+def split_experts(state: dict, intermediate: int) -> dict:
+    """Stacked expert tensors -> one 2-D tensor per expert and projection, as FP8 MoE releases
+    (DeepSeek-V3, Qwen3-MoE-FP8) store them."""
+    out = {}
+    for name, t in state.items():
+        prefix = name.removesuffix("gate_up_proj").removesuffix("down_proj")
+        if name.endswith("experts.gate_up_proj"):
+            for e, w in enumerate(t):
+                out[f"{prefix}{e}.gate_proj.weight"] = w[:intermediate]
+                out[f"{prefix}{e}.up_proj.weight"] = w[intermediate:]
+        elif name.endswith("experts.down_proj"):
+            out.update({f"{prefix}{e}.down_proj.weight": w for e, w in enumerate(t)})
+        else:
+            out[name] = t
+    return out
+
+
+def stack_experts(state: dict, template: dict) -> dict:
+    """The inverse of `split_experts`, for the float checkpoint transformers reads."""
+    out = {k: v for k, v in state.items() if ".experts." not in k}
+    for name, t in template.items():
+        if name.endswith(("experts.gate_up_proj", "experts.down_proj")):
+            prefix, proj = name.rsplit(".", 1)
+            parts = ["gate_proj", "up_proj"] if proj == "gate_up_proj" else ["down_proj"]
+            out[name] = torch.stack(
+                [
+                    torch.cat([state[f"{prefix}.{e}.{p}.weight"] for p in parts])
+                    for e in range(len(t))
+                ]
+            )
+    return out
+
+
+def test_fp8_moe_experts_and_mla_kv_b_proj_dequantize_at_load_beside_fp8_layers(tmp_path, caplog):
+    # glm4_moe_lite: MLA (kv_b_proj is read whole) and routed experts (stacked in the model)
+    config = transformers.Glm4MoeLiteConfig(**GLM)
+    torch.manual_seed(0)
+    model = transformers.Glm4MoeLiteForCausalLM(config)
+    with torch.no_grad():
+        randomize_correction_bias(model)
+    state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    tensors, dequantized = quantize_state(
+        split_experts(state, GLM["moe_intermediate_size"]), "fp8", False, block=(128, 128)
+    )
+    key, value = quant_config("fp8", block=(128, 128))
+    quant = write_folder(tmp_path / "glm-fp8", config, tensors, {key: value})
+    floats = write_folder(tmp_path / "glm-float", config, stack_experts(dequantized, state))
+    with caplog.at_level(logging.INFO, logger="kestrel.weights"):
+        kestrel = load(quant)
+    assert "FP8_E4M3_128x128 tensors dequantized at load: the model reads it whole" in caplog.text
+    dense = [r.message for r in caplog.records if "dequantized at load" in r.message]
+    assert len(dense) == 1 and "(e.g. model.layers.0.self_attn.kv_b_proj.weight)" in dense[0]
+    assert dense[0].startswith(f"{3 + 2 * 8 * 3} FP8")  # 3 kv_b_proj, 2 layers x 8 experts x 3
+    attn = kestrel.model.layers[1].self_attn
+    assert isinstance(attn.q_a_proj, QuantLinear) and type(attn.kv_b_proj) is torch.nn.Linear
+    assert isinstance(kestrel.model.layers[1].mlp.shared_experts.gate_proj, QuantLinear)
+    ids = [(i * 37 + 11) % 128 for i in range(20)]
+    expected = chunked_logits(load(floats), ids, len(ids))
+    assert_close(chunked_logits(kestrel, ids, 6), expected)
+    with torch.no_grad():
+        hf = transformers.Glm4MoeLiteForCausalLM.from_pretrained(floats, dtype=torch.float32)
+        assert_close(hf(torch.tensor([ids])).logits[0], expected)
