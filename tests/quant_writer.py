@@ -88,14 +88,18 @@ def nvfp4_quantize(w: torch.Tensor) -> tuple[dict, torch.Tensor]:
     return tensors, dequantized
 
 
-def quantize_state(state: dict, fmt: str, quantize_embedding: bool, **kw) -> tuple[dict, dict]:
+def quantize_state(
+    state: dict, fmt: str, quantize_embedding: bool, keep: tuple = (), **kw
+) -> tuple[dict, dict]:
     """A float state dict -> (the checkpoint's tensors in `fmt`, the float state of the values
-    they decode to). Every 2-D linear weight is quantized; the embedding when asked."""
+    they decode to). Every 2-D linear weight is quantized but the modules in `keep`; the
+    embedding when asked."""
     out, dequantized = {}, {}
     for name, w in state.items():
         module = name.removesuffix(".weight")
         linear = name.endswith("_proj.weight") or name == "lm_head.weight"
-        if w.dim() != 2 or not (linear or (quantize_embedding and "embed_tokens" in name)):
+        quantize = linear or (quantize_embedding and "embed_tokens" in name)
+        if w.dim() != 2 or not quantize or module in keep:
             out[name] = dequantized[name] = w
             continue
         tensors, dequantized[name] = QUANTIZERS[fmt](w, **kw)

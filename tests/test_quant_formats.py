@@ -290,3 +290,43 @@ def test_fp8_moe_experts_and_mla_kv_b_proj_dequantize_at_load_beside_fp8_layers(
     with torch.no_grad():
         hf = transformers.Glm4MoeLiteForCausalLM.from_pretrained(floats, dtype=torch.float32)
         assert_close(hf(torch.tensor([ids])).logits[0], expected)
+
+
+def test_fp8_modules_to_not_convert_stay_in_float(tmp_path):
+    model = float_llama(tied=False)
+    state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    tensors, dequantized = quantize_state(state, "fp8", False, keep=("lm_head",))
+    key, value = quant_config("fp8")
+    value["modules_to_not_convert"] = ["lm_head"]
+    quant = write_folder(tmp_path / "fp8", model.config, tensors, {key: value})
+    floats = write_folder(tmp_path / "float", model.config, dequantized)
+    kestrel = load(quant)
+    assert type(kestrel.lm_head) is torch.nn.Linear
+    assert isinstance(kestrel.model.layers[0].mlp.up_proj, QuantLinear)
+    assert_close(chunked_logits(kestrel, PROMPT, 5), chunked_logits(load(floats), PROMPT, 5))
+
+
+def test_weight_stored_quantized_where_the_config_says_float_names_it(tmp_path):
+    quant, _ = write_pair(tmp_path, "mlx-4")
+    config = json.loads((quant / "config.json").read_text())
+    config["quantization"][Q] = False
+    (quant / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ModelLoadError, match=rf"tensor {Q}.weight is stored quantized \(U32\)"):
+        load(quant)
+
+
+def test_truncated_quantized_file_fails_naming_it(tmp_path):
+    quant, _ = write_pair(tmp_path, "nvfp4-compressed")
+    path = quant / "model.safetensors"
+    path.write_bytes(path.read_bytes()[:-1000])
+    with pytest.raises(ModelLoadError, match="model.safetensors: truncated or corrupt"):
+        load(quant)
+
+
+def test_unsupported_compressed_tensors_format_names_it(tmp_path):
+    quant, _ = write_pair(tmp_path, "fp8-channel")
+    config = json.loads((quant / "config.json").read_text())
+    config["quantization_config"]["format"] = "pack-quantized"  # int4 weights: not served
+    (quant / "config.json").write_text(json.dumps(config))
+    with pytest.raises(UnsupportedModelError, match="compressed-tensors format 'pack-quantized'"):
+        load(quant)
