@@ -387,9 +387,9 @@ def _load_gguf(target: _Target, f, name: str, t, source: ModelSource) -> None:
 def _load_quantized_folder(target: _Target, source: ModelSource, scheme, bar) -> None:
     """A quantized Hugging Face folder in checkpoint order: float tensors as `_load_dense`, each
     quantized module's tensors together (at its packed values' name), unused ones skipped."""
-    modules = st_quant.quantized_modules(scheme, st_weights.headers(source.path))
-    parts = {n for m in modules for n in scheme.tensor_names(m).values()}
     with st_weights.Shards(source.path) as shards:
+        modules = st_quant.quantized_modules(scheme, shards.headers)
+        parts = {n for m in modules for n in scheme.tensor_names(m).values()}
         for name in shards.names():
             module = scheme.module_of(name)
             if module in modules:
@@ -413,7 +413,8 @@ def _load_quantized(target: _Target, shards, scheme, module: str, fmt, source, b
     shape = tuple(dest.shape[::-1] if slot.transpose else dest.shape)
     if len(shape) != 2:
         raise ModelLoadError(
-            f"{source.path}: {names['qweight']} fills {slot.name} of shape {shape}"
+            f"{source.path}: tensor {names['qweight']} is quantized but fills {slot.name} of "
+            f"shape {shape}; quantized weights must be matrices"
         )
     try:
         st_quant.check(fmt, module, tensors, names, shape)

@@ -73,10 +73,12 @@ class Shards:
     formats whose one weight spans several tensors (packed values and their scales)."""
 
     def __init__(self, folder: Path):
-        self.files = shard_files(folder)
         self.where: dict[str, Path] = {}
-        for f in self.files:
-            self.where.update({k: f for k in _header(f)[1] if k != "__metadata__"})
+        self.headers: dict[str, dict] = {}  # name -> header entry (dtype, shape, offsets)
+        for f in shard_files(folder):
+            entries = {k: v for k, v in _header(f)[1].items() if k != "__metadata__"}
+            self.where.update(dict.fromkeys(entries, f))
+            self.headers.update(entries)
         self.open: dict[Path, object] = {}
 
     def __enter__(self):
