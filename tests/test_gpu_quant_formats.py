@@ -1,7 +1,7 @@
 """Quantized safetensors checkpoints on CUDA (GPU only; skipped elsewhere): FP8 weights with one
 scale per row or per tensor multiply on the FP8 tensor cores (`torch._scaled_mm`, activations
-quantized per row on the fly), 128 x 128 tiled ones on the block-scaled GEMM, and agree with the dequantized weights to FP8 activation rounding;
-the other formats dequantize inside the layer and agree to bfloat16 rounding; the weights stay in
+quantized per row on the fly), 128 x 128 tiled ones on the block-scaled GEMM, and agree with
+the dequantized weights to FP8 activation rounding; the other formats dequantize inside the layer and agree to bfloat16 rounding; the weights stay in
 their checkpoint bytes on the GPU, and decode under CUDA graphs gives the eager tokens."""
 
 import pytest
@@ -78,7 +78,7 @@ def test_quantized_weights_stay_in_checkpoint_bytes_on_the_gpu(tmp_path):
     model = load(quant)
     packed = torch.cuda.memory_allocated() - before
     dense = load(floats)
-    assert packed < (torch.cuda.memory_allocated() - before - packed) / 2.5
+    assert packed < (torch.cuda.memory_allocated() - before - packed) / 2  # bf16 embedding in both
     del model, dense
 
 

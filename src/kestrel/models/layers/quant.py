@@ -5,8 +5,8 @@ FP8 and NVFP4 (each format's decoding is one function of kernels/quant.py).
 alive at once stays near `CHUNK_BYTES` whatever the matrix. On CUDA an FP8 weight multiplies on
 the FP8 tensor cores instead, its activations quantized on the fly: per row for a weight with one
 scale per row or per tensor (`torch._scaled_mm`), per 1 x 128 group for 128 x 128 tiles (the
-block-scaled `scaled_mm`, where the GPU runs it). `QuantEmbedding` dequantizes
-only the rows it gathers. Both hold the checkpoint's tensors as buffers by role (`qweight`, the
+block-scaled `scaled_mm`, where the GPU runs it). `QuantEmbedding` dequantizes only the rows it
+gathers. Both hold the checkpoint's tensors as buffers by role (`qweight`, the
 packed values, and the format's scales), and a tied head shares its embedding's buffers. Loaders
 build them (weights/loader.py); model code calls them as the nn.Linear / nn.Embedding they replace.
 """
@@ -88,7 +88,7 @@ class QuantLinear(_Quantized):
 
     def _fp8_row_scale(self) -> torch.Tensor | None:
         """(1, out) float32 when W is FP8 with one scale per row or per tensor and the FP8 GEMM
-        takes its shape (dims multiples of 16); None otherwise (block scales: dequantize)."""
+        takes its shape (dims multiples of 16); None otherwise (tiles: `_fp8_tile_scales`)."""
         fmt = self.fmt
         whole_rows = fmt.block[1] >= self.in_features
         if fmt.kind != "fp8" or not whole_rows or (self.in_features | self.out_features) % 16:
