@@ -1,8 +1,9 @@
 """Quantized safetensors checkpoints on CUDA (GPU only; skipped elsewhere): FP8 weights with one
 scale per row or per tensor multiply on the FP8 tensor cores (`torch._scaled_mm`, activations
 quantized per row on the fly), 128 x 128 tiled ones on the block-scaled GEMM, and agree with
-the dequantized weights to FP8 activation rounding; the other formats dequantize inside the layer and agree to bfloat16 rounding; the weights stay in
-their checkpoint bytes on the GPU, and decode under CUDA graphs gives the eager tokens."""
+the dequantized weights to FP8 activation rounding; the other formats dequantize inside the layer
+and agree to bfloat16 rounding; the weights stay in their checkpoint bytes on the GPU, and decode
+under CUDA graphs gives the eager tokens."""
 
 import pytest
 import torch
