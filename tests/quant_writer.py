@@ -191,3 +191,82 @@ def write_folder(folder: Path, config, tensors: dict, extra: dict | None = None)
     (folder / "config.json").write_text(json.dumps(data))
     save_file({k: v.contiguous() for k, v in tensors.items()}, str(folder / "model.safetensors"))
     return folder
+
+
+# Llama-3.1-8B's shapes, for the GPU memory and speed measurements (random weights)
+LLAMA_8B = dict(
+    vocab_size=128256,
+    hidden_size=4096,
+    intermediate_size=14336,
+    num_hidden_layers=32,
+    num_attention_heads=32,
+    num_key_value_heads=8,
+    max_position_embeddings=8192,
+    rms_norm_eps=1e-5,
+    rope_theta=500000.0,
+    tie_word_embeddings=False,
+)
+
+
+def write_random_llama(folder: Path, fmt: str, shape: dict = LLAMA_8B, **kw) -> Path:
+    """A random-weight llama of `shape` in format `fmt`, generated and quantized one tensor at a
+    time and written one layer a shard (an 8B model never exists in float in memory)."""
+    import transformers
+
+    config = transformers.LlamaConfig(**shape)
+    key, value = quant_config(fmt, **kw)
+    write_folder(folder, config, {}, {key: value})
+    (folder / "model.safetensors").unlink()
+    g = torch.Generator().manual_seed(0)
+    weight_map = {}
+    for shard, names in enumerate(_llama_shards(config)):
+        state = {n: torch.randn(s, generator=g) * (0.02 if len(s) == 2 else 1) for n, s in names}
+        state = {n: (1 + 0.1 * t if "norm" in n else t) for n, t in state.items()}
+        tensors, _ = quantize_state(state, fmt, fmt == "mlx", **kw)
+        tensors = {
+            n: t.to(torch.bfloat16) if t.dtype == torch.float32 and t.dim() == 2 else t
+            for n, t in tensors.items()
+        }
+        file = f"model-{shard:05d}.safetensors"
+        save_file({k: v.contiguous() for k, v in tensors.items()}, str(folder / file))
+        weight_map.update(dict.fromkeys(tensors, file))
+    index = {"metadata": {}, "weight_map": weight_map}
+    (folder / "model.safetensors.index.json").write_text(json.dumps(index))
+    return folder
+
+
+def _llama_shards(config):
+    """Per shard, (name, shape) of its tensors: the embedding, each layer, the norm and head."""
+    h, i, d = (
+        config.hidden_size,
+        config.intermediate_size,
+        config.hidden_size // config.num_attention_heads,
+    )
+    kv = config.num_key_value_heads * d
+    yield [("model.embed_tokens.weight", (config.vocab_size, h))]
+    for layer in range(config.num_hidden_layers):
+        p = f"model.layers.{layer}"
+        yield [
+            (f"{p}.input_layernorm.weight", (h,)),
+            (f"{p}.post_attention_layernorm.weight", (h,)),
+            (f"{p}.self_attn.q_proj.weight", (h, h)),
+            (f"{p}.self_attn.k_proj.weight", (kv, h)),
+            (f"{p}.self_attn.v_proj.weight", (kv, h)),
+            (f"{p}.self_attn.o_proj.weight", (h, h)),
+            (f"{p}.mlp.gate_proj.weight", (i, h)),
+            (f"{p}.mlp.up_proj.weight", (i, h)),
+            (f"{p}.mlp.down_proj.weight", (h, i)),
+        ]
+    yield [("model.norm.weight", (h,)), ("lm_head.weight", (config.vocab_size, h))]
+
+
+if __name__ == "__main__":
+    import argparse
+
+    parser = argparse.ArgumentParser(
+        description="write a random Llama-3.1-8B-shaped quantized folder"
+    )
+    parser.add_argument("folder", type=Path)
+    parser.add_argument("--format", default="fp8", choices=sorted(QUANTIZERS))
+    args = parser.parse_args()
+    print(write_random_llama(args.folder, args.format))

@@ -330,3 +330,19 @@ def test_unsupported_compressed_tensors_format_names_it(tmp_path):
     (quant / "config.json").write_text(json.dumps(config))
     with pytest.raises(UnsupportedModelError, match="compressed-tensors format 'pack-quantized'"):
         load(quant)
+
+
+def test_scales_in_another_shard_than_their_weights(tmp_path):
+    # sharded checkpoints may split one module's tensors; each is found through the index
+    quant, floats = write_pair(tmp_path, "fp8-block")
+    tensors = load_file(quant / "model.safetensors")
+    (quant / "model.safetensors").unlink()
+    scales = {k: v for k, v in tensors.items() if k.endswith("_scale_inv")}
+    weights = {k: v for k, v in tensors.items() if k not in scales}
+    save_file(scales, str(quant / "model-00001-of-00002.safetensors"))
+    save_file(weights, str(quant / "model-00002-of-00002.safetensors"))
+    weight_map = {k: f"model-0000{1 if k in scales else 2}-of-00002.safetensors" for k in tensors}
+    (quant / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    model = load(quant)
+    assert isinstance(model.model.layers[1].mlp.down_proj, QuantLinear)
+    assert_close(chunked_logits(model, PROMPT, 5), chunked_logits(load(floats), PROMPT, 5))
