@@ -143,6 +143,7 @@ QUANTIZERS = {
     "mlx": _mlx,
     "fp8": _fp8_blocks,
     "compressed-fp8": _fp8_compressed,
+    "modelopt-fp8": lambda w: _fp8_compressed(w, "tensor"),
     "nvfp4": _nvfp4_modelopt,
     "compressed-nvfp4": _nvfp4_compressed,
 }
@@ -163,6 +164,8 @@ def quant_config(fmt: str, **kw) -> tuple[str, dict]:
     if fmt == "compressed-fp8":
         weights = {"num_bits": 8, "type": "float", "strategy": kw.get("strategy", "channel")}
         return "quantization_config", _compressed("float-quantized", weights)
+    if fmt == "modelopt-fp8":
+        return "quantization_config", {"quant_method": "modelopt", "quant_algo": "FP8"}
     if fmt == "nvfp4":
         return "quantization_config", {
             "quant_method": "modelopt",

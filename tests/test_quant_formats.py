@@ -42,6 +42,7 @@ FORMATS = {
     "fp8-block": ("fp8", dict(block=(128, 128)), False, "FP8_E4M3_128x128"),
     "fp8-channel": ("compressed-fp8", dict(strategy="channel"), False, "FP8_E4M3_CHANNEL"),
     "fp8-tensor": ("compressed-fp8", dict(strategy="tensor"), False, "FP8_E4M3_TENSOR"),
+    "fp8-modelopt": ("modelopt-fp8", {}, False, "FP8_E4M3_TENSOR"),
     "nvfp4-modelopt": ("nvfp4", {}, False, "NVFP4"),
     "nvfp4-compressed": ("compressed-nvfp4", {}, False, "NVFP4"),
 }

@@ -16,7 +16,10 @@ from kestrel.kernels.quant import WHOLE, Format
 
 # safetensors header dtype of the packed values, per format kind
 STORAGE = {"mlx": "U32", "fp8": "F8_E4M3", "nvfp4": "U8"}
-METHODS = "mlx (config.json `quantization`), fp8, compressed-tensors (float-quantized, nvfp4-pack-quantized), modelopt NVFP4"
+METHODS = (
+    "mlx (config.json `quantization`), fp8, compressed-tensors (float-quantized, "
+    "nvfp4-pack-quantized), modelopt (FP8, NVFP4)"
+)
 
 
 @dataclass(frozen=True)
@@ -98,8 +101,8 @@ def _fp8_blocks(q: dict) -> Scheme:
 
 def _compressed(q: dict) -> Scheme:
     weights = [g.get("weights") or {} for g in (q.get("config_groups") or {}).values()]
-    if q.get("format") == "float-quantized" and weights:
-        w = weights[0]
+    w = weights[0] if weights else {}
+    if q.get("format") in ("float-quantized", "naive-quantized") and w.get("type") == "float":
         block = {"tensor": (WHOLE, WHOLE), "channel": (1, WHOLE)}.get(w.get("strategy"))
         if w.get("strategy") == "block":
             block = tuple(w["block_structure"])
@@ -121,8 +124,13 @@ def _compressed(q: dict) -> Scheme:
 
 
 def _modelopt(q: dict) -> Scheme:
+    if q.get("quant_algo") == "FP8":  # one scale per tensor
+        roles = {"qweight": "weight", "scale": "weight_scale"}
+        return Scheme(Format("fp8", block=(WHOLE, WHOLE)), roles, unused=("input_scale",))
     if q.get("quant_algo") != "NVFP4":
-        raise UnsupportedModelError(f"ModelOpt quant_algo {q.get('quant_algo')!r}: only NVFP4")
+        raise UnsupportedModelError(
+            f"ModelOpt quant_algo {q.get('quant_algo')!r}: supported FP8 and NVFP4"
+        )
     roles = {"qweight": "weight", "scale": "weight_scale", "scale_2": "weight_scale_2"}
     return Scheme(Format("nvfp4", group=q.get("group_size", 16)), roles, unused=("input_scale",))
 
