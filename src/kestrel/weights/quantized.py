@@ -47,8 +47,15 @@ class Scheme:
 
 
 def read_scheme(folder: Path) -> Scheme | None:
-    """The folder's quantization scheme (None: a float checkpoint); a clear error for a method
-    kestrel cannot compute from."""
+    """The folder's quantization scheme (None: a float checkpoint); a clear error, naming the
+    folder, for one kestrel cannot compute from."""
+    try:
+        return _scheme(folder)
+    except UnsupportedModelError as e:
+        raise UnsupportedModelError(f"{folder}: {e}") from e
+
+
+def _scheme(folder: Path) -> Scheme | None:
     config = json.loads((folder / "config.json").read_text())
     modelopt = folder / "hf_quant_config.json"
     if "quantization" in config:  # mlx-lm writes it (and a copy as quantization_config)
@@ -59,16 +66,12 @@ def read_scheme(folder: Path) -> Scheme | None:
     if not q:
         return None
     method = q.get("quant_method")
-    if method == "fp8":
-        return _fp8_blocks(q)
-    if method == "compressed-tensors":
-        return _compressed(q)
-    if method == "modelopt":
-        return _modelopt(q)
-    raise UnsupportedModelError(
-        f"{folder}: unknown quantization method {method!r} in config.json's quantization_config; "
-        f"supported: {METHODS}"
-    )
+    if method not in _METHODS:
+        raise UnsupportedModelError(
+            f"unknown quantization method {method!r} in config.json's quantization_config; "
+            f"supported: {METHODS}"
+        )
+    return _METHODS[method](q)
 
 
 def _mlx(q: dict) -> Scheme:
@@ -212,3 +215,7 @@ def layer_tensors(scheme: Scheme, fmt: Format, tensors: dict, shape: tuple) -> d
 
 def is_unused(scheme: Scheme, name: str) -> bool:
     return any(name.endswith("." + s) for s in scheme.unused)
+
+
+# config.json's quantization_config `quant_method` -> its scheme (mlx has its own key)
+_METHODS = {"fp8": _fp8_blocks, "compressed-tensors": _compressed, "modelopt": _modelopt}
