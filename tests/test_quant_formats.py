@@ -347,3 +347,12 @@ def test_scales_in_another_shard_than_their_weights(tmp_path):
     model = load(quant)
     assert isinstance(model.model.layers[1].mlp.down_proj, QuantLinear)
     assert_close(chunked_logits(model, PROMPT, 5), chunked_logits(load(floats), PROMPT, 5))
+
+
+def test_inputs_not_whole_groups_name_the_tensor(tmp_path):
+    quant, _ = write_pair(tmp_path, "mlx-4")
+    config = json.loads((quant / "config.json").read_text())
+    config["quantization"]["group_size"] = 96
+    (quant / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ModelLoadError, match=r"\.weight: 256 inputs are not whole groups of 96"):
+        load(quant)

@@ -165,6 +165,10 @@ def check(fmt: Format, module: str, tensors: dict, names: dict, shape: tuple) ->
             raise ModelLoadError(
                 f"{module}: missing tensor {name} (its {role}) for a {fmt.name} weight"
             )
+    if fmt.group and shape[1] % fmt.group:
+        raise ModelLoadError(
+            f"tensor {names['qweight']}: {shape[1]} inputs are not whole groups of {fmt.group}"
+        )
     for role, expected in _expected_shapes(fmt, shape).items():
         got = tuple(tensors[role].shape)
         if _squeezed(got) != _squeezed(expected):  # a per-row scale may be (rows,) or (rows, 1)
@@ -190,15 +194,12 @@ def _expected_shapes(fmt: Format, shape: tuple) -> dict[str, tuple]:
 
 
 def _why(fmt: Format, role: str) -> str:
-    if role == "qweight" and fmt.kind == "mlx":
-        return f" (uint32 words of {fmt.bits}-bit values)"
-    if role != "qweight" and fmt.kind != "fp8":
+    if role == "qweight":
+        return f" (uint32 words of {fmt.bits}-bit values)" if fmt.kind == "mlx" else ""
+    if fmt.kind != "fp8":
         return f" (one per {fmt.group} inputs)"
-    return (
-        f" (one per {fmt.block[0]}x{fmt.block[1]} tile, clipped to the weight)"
-        if role == "scale"
-        else ""
-    )
+    tile = {(WHOLE, WHOLE): "tensor", (1, WHOLE): "row"}.get(fmt.block)
+    return f" (one per {tile or f'{fmt.block[0]}x{fmt.block[1]} tile'})"
 
 
 def layer_tensors(scheme: Scheme, fmt: Format, tensors: dict, shape: tuple) -> dict:
