@@ -48,22 +48,22 @@ FORMATS = {
 }
 
 
-def float_llama(tied: bool):
+def float_llama(tied: bool, family: str = "Llama"):
+    """A tiny random llama (or another family of transformers' `<family>ForCausalLM`)."""
     torch.manual_seed(0)
-    model = transformers.LlamaForCausalLM(
-        transformers.LlamaConfig(**CONFIG, tie_word_embeddings=tied)
-    )
+    config = getattr(transformers, f"{family}Config")(**CONFIG, tie_word_embeddings=tied)
+    model = getattr(transformers, f"{family}ForCausalLM")(config)
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if "norm" in name:
+            if "norm" in name or name.endswith(".bias"):
                 p.add_(torch.randn_like(p) * 0.2)
     return model
 
 
-def write_pair(tmp_path, key: str, tied: bool = True):
+def write_pair(tmp_path, key: str, tied: bool = True, family: str = "Llama"):
     """(quantized folder, float folder of its dequantized values) for format `key`."""
     fmt, options, embedding, _ = FORMATS[key]
-    model = float_llama(tied)
+    model = float_llama(tied, family)
     state = {k: v.detach().clone() for k, v in model.state_dict().items()}
     if tied:
         state.pop("lm_head.weight")
@@ -356,3 +356,18 @@ def test_inputs_not_whole_groups_name_the_tensor(tmp_path):
     (quant / "config.json").write_text(json.dumps(config))
     with pytest.raises(ModelLoadError, match=r"\.weight: 256 inputs are not whole groups of 96"):
         load(quant)
+
+
+@pytest.mark.parametrize("key", ["mlx-4", "fp8-channel"])
+def test_quantized_projections_keep_their_float_biases(key, tmp_path):
+    # qwen2's q/k/v projections have biases, stored in float beside the quantized weights
+    quant, floats = write_pair(tmp_path, key, family="Qwen2")
+    model = load(quant)
+    q_proj = model.model.layers[0].self_attn.q_proj
+    assert isinstance(q_proj, QuantLinear) and q_proj.bias is not None
+    assert not q_proj.bias.is_meta
+    expected = chunked_logits(load(floats), PROMPT, len(PROMPT))
+    assert_close(chunked_logits(model, PROMPT, 5), expected)
+    with torch.no_grad():
+        hf = transformers.Qwen2ForCausalLM.from_pretrained(floats, dtype=torch.float32)
+        assert_close(hf(torch.tensor([PROMPT])).logits[0], expected)
