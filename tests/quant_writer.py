@@ -21,6 +21,8 @@ import numpy as np
 import torch
 from safetensors.torch import save_file
 
+from kestrel.weights.shapes import SHAPES
+
 FP8_MAX = 448.0
 E2M1 = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
 
@@ -197,18 +199,7 @@ def write_folder(folder: Path, config, tensors: dict, extra: dict | None = None)
 
 
 # Llama-3.1-8B's shapes, for the GPU memory and speed measurements (random weights)
-LLAMA_8B = dict(
-    vocab_size=128256,
-    hidden_size=4096,
-    intermediate_size=14336,
-    num_hidden_layers=32,
-    num_attention_heads=32,
-    num_key_value_heads=8,
-    max_position_embeddings=8192,
-    rms_norm_eps=1e-5,
-    rope_theta=500000.0,
-    tie_word_embeddings=False,
-)
+LLAMA_8B = {k: v for k, v in SHAPES["llama3-8b"].items() if k != "model_type"}
 
 
 def write_random_llama(folder: Path, fmt: str, shape: dict = LLAMA_8B, **kw) -> Path:

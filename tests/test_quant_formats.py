@@ -14,6 +14,7 @@ from safetensors.torch import load_file, save_file
 from tests.family_suite import one_thread  # noqa: F401  (tiny tensors: one thread is faster)
 from tests.quant_writer import mlx_quantize, quant_config, quantize_state, write_folder
 from tests.reference import assert_close, chunked_logits
+from tests.test_gguf_quantized import CONFIG, PROMPT
 from tests.test_models_glm4_moe_lite import CONFIG as GLM
 from tests.test_models_glm4_moe_lite import randomize_correction_bias
 
@@ -21,19 +22,8 @@ from kestrel.errors import ModelLoadError, UnsupportedModelError
 from kestrel.models.layers.quant import QuantEmbedding, QuantLinear
 from kestrel.weights.loader import build_model, checkpoint_summary, load_model, resolve
 
-PROMPT = [1, 5, 9, 30, 31, 40, 2, 7, 12, 50, 3, 8]
-# vocab 320 is not a multiple of 128: the FP8 head's last scale tile is clipped
-CONFIG = dict(
-    vocab_size=320,
-    hidden_size=256,
-    intermediate_size=512,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=64,
-    max_position_embeddings=128,
-    rms_norm_eps=1e-5,
-)
+# the GGUF tests' tiny llama: its vocab 320 is not a multiple of 128, so the FP8 head's last
+# scale tile is clipped
 # format -> (quantizer options, whether it stores the embedding quantized, expected layer type)
 FORMATS = {
     "mlx-4": ("mlx", dict(bits=4, group=64), True, "MLX_Q4_G64"),
