@@ -21,6 +21,7 @@ class ModelConfig:
     ctx_size: int | None = None  # context length; None: the model's max_position_embeddings
     cuda_graphs: bool = True  # capture decode steps as CUDA graphs
     pooling: str = "last"  # embeddings pool the final-norm states: "last" token's or "mean"
+    quantized_weights: str = "auto"  # GGUF blocks: "keep" packed, "dequantize" at load, or auto
 
 
 @dataclass

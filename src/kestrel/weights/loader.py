@@ -141,16 +141,18 @@ def _save(obj, folder: Path) -> None:
 
 
 def keep_packed(device: torch.device, dense_bytes: int) -> bool:
-    """The one place that decides whether GGUF blocks stay quantized in memory.
+    """The one place that decides (by default: `--quantized-weights auto`) whether GGUF blocks
+    stay quantized in memory: when the model dequantized (`dense_bytes`) would take more than
+    half of the device's memory, so a model too big to run dense still loads.
 
-    On the CPU they do when the model dequantized (`dense_bytes`) would take more than half of
-    the machine's memory: the packed matmul dequantizes in torch per call and runs about 7x
-    slower than float32 today (benchmarks/results/cpu-quantized-speed.jsonl), so a model that
-    fits dequantized (the embedded ones) stays fast, and one that does not (an 8B Q4_K_M on a
-    24 GB laptop) still loads. On CUDA blocks are dequantized to the model dtype at load for
-    now, so the fused and paged GPU kernels keep their speed until quantized GPU kernels land
-    (issue 16)."""
-    return device.type == "cpu" and dense_bytes > physical_memory() // 2
+    On the CPU the packed matmul dequantizes in torch per call and runs about 7x slower than
+    float32 today (benchmarks/results/cpu-quantized-speed.jsonl), so a model that fits
+    dequantized (the embedded ones) stays fast. On CUDA decode reads the blocks in Triton GEMVs
+    (kernels/gguf_gemv.py) but larger batches dequantize per call, so models that fit stay dense
+    for throughput; `--quantized-weights keep` picks the blocks' bandwidth for single streams."""
+    if device.type == "cuda":
+        return dense_bytes > torch.cuda.get_device_properties(device).total_memory // 2
+    return dense_bytes > physical_memory() // 2
 
 
 def physical_memory() -> int:
@@ -530,7 +532,21 @@ def load_model(
     return model
 
 
-def load(model: str, dtype: torch.dtype, device: torch.device, progress: bool = True):
-    """(model, tokenizer, source) for a model argument."""
+QUANTIZED_WEIGHTS = {"auto": None, "keep": True, "dequantize": False}  # -> load_weights' packed
+
+
+def load(
+    model: str,
+    dtype: torch.dtype,
+    device: torch.device,
+    progress: bool = True,
+    quantized_weights: str = "auto",
+):
+    """(model, tokenizer, source) for a model argument; `quantized_weights` as the flag."""
+    if quantized_weights not in QUANTIZED_WEIGHTS:
+        raise ValueError(
+            f"quantized_weights {quantized_weights!r}; supported: {', '.join(QUANTIZED_WEIGHTS)}"
+        )
     source = resolve(model)
-    return load_model(source, dtype, device, progress), load_tokenizer(source), source
+    packed = QUANTIZED_WEIGHTS[quantized_weights]
+    return load_model(source, dtype, device, progress, packed), load_tokenizer(source), source

@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kestrel.kernels import gguf_gemv
 from kestrel.kernels.quant import (
     FP8_TILE,
     Format,
@@ -64,11 +65,14 @@ class QuantLinear(_Quantized):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         fp8_cores = self.fp8_scale is not None or self.fp8_tiles is not None
-        if fp8_cores and x.is_cuda and x.dtype == torch.bfloat16:
-            out = self._fp8_matmul(x.reshape(-1, self.in_features))
-            out = out.reshape(*x.shape[:-1], self.out_features)
+        rows = x.reshape(-1, self.in_features)
+        if self.fmt.kind == "gguf" and gguf_gemv.serves(rows, self.qtype):  # decode on CUDA
+            out = gguf_gemv.gemv(rows, self.qweight, self.qtype, self.in_features)
+        elif fp8_cores and x.is_cuda and x.dtype == torch.bfloat16:
+            out = self._fp8_matmul(rows)
         else:
-            out = self._dequantized_matmul(x)
+            out = self._dequantized_matmul(rows)
+        out = out.reshape(*x.shape[:-1], self.out_features)
         return out if self.bias is None else out + self.bias
 
     def _fp8_matmul(self, x: torch.Tensor) -> torch.Tensor:
