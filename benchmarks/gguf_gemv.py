@@ -35,19 +35,23 @@ def timed(fn, iters: int = 200) -> float:
     return start.elapsed_time(end) * 1000 / iters
 
 
+def measure(qtype: str, out: int, cols: int) -> dict:
+    elements, size = BLOCKS[qtype]
+    blocks = torch.randint(0, 256, (out, cols // elements * size), dtype=torch.uint8).cuda()
+    x = torch.randn(1, cols, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(out, cols, device="cuda", dtype=torch.bfloat16)
+    packed_us = timed(lambda: gemv(x, blocks, qtype, cols))
+    row = dict(qtype=qtype, out=out, cols=cols, gemv_us=round(packed_us, 2))
+    row["bf16_us"] = round(timed(lambda: F.linear(x, w)), 2)
+    row["gemv_tb_s"] = round(blocks.numel() / packed_us / 1e6, 2)
+    row["speedup"] = round(row["bf16_us"] / row["gemv_us"], 2)
+    return row
+
+
 def main() -> None:
     for qtype in sorted(TYPES):
-        elements, size = BLOCKS[qtype]
         for out, cols in SHAPES:
-            blocks = torch.randint(0, 256, (out, cols // elements * size), dtype=torch.uint8)
-            blocks = blocks.cuda()
-            x = torch.randn(1, cols, device="cuda", dtype=torch.bfloat16)
-            w = torch.randn(out, cols, device="cuda", dtype=torch.bfloat16)
-            packed_us = timed(lambda: gemv(x, blocks, qtype, cols))
-            row = dict(qtype=qtype, out=out, cols=cols, gemv_us=round(packed_us, 2))
-            row["bf16_us"] = round(timed(lambda: F.linear(x, w)), 2)
-            row["gemv_tb_s"] = round(blocks.numel() / packed_us / 1e6, 2)
-            row["speedup"] = round(row["bf16_us"] / row["gemv_us"], 2)
+            row = measure(qtype, out, cols)
             row.update(device=torch.cuda.get_device_name(), commit=os.environ.get("KESTREL_COMMIT"))
             print(json.dumps(row), flush=True)
 
