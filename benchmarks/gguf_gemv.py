@@ -2,9 +2,12 @@
 shapes, one row of x (single-stream decode), on the GPU. Prints one JSON line per (type, shape):
 microseconds for both, and the rate at which the GEMV reads its blocks.
 
-    python benchmarks/gguf_gemv.py
+    python benchmarks/gguf_gemv.py [--sweep]
+
+`--sweep` also times rows per program and warps on the gate/up shape (to choose the defaults).
 """
 
+import argparse
 import json
 import os
 
@@ -48,12 +51,29 @@ def measure(qtype: str, out: int, cols: int) -> dict:
     return row
 
 
+def sweep(qtype: str, out: int = 14336, cols: int = 4096) -> list:
+    elements, size = BLOCKS[qtype]
+    blocks = torch.randint(0, 256, (out, cols // elements * size), dtype=torch.uint8).cuda()
+    x = torch.randn(1, cols, device="cuda", dtype=torch.bfloat16)
+    times = [
+        (round(timed(lambda b=b, w=w: gemv(x, blocks, qtype, cols, b, w), 50), 2), b, w)
+        for b in (2, 4, 8, 16, 32)
+        for w in (1, 2, 4, 8)
+    ]
+    return sorted(times)[:5]
+
+
 def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--sweep", action="store_true")
+    args = parser.parse_args()
     for qtype in sorted(TYPES):
         for out, cols in SHAPES:
             row = measure(qtype, out, cols)
             row.update(device=torch.cuda.get_device_name(), commit=os.environ.get("KESTREL_COMMIT"))
             print(json.dumps(row), flush=True)
+        if args.sweep:
+            print(json.dumps(dict(qtype=qtype, sweep_us_block_n_warps=sweep(qtype))), flush=True)
 
 
 if __name__ == "__main__":

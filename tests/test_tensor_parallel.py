@@ -83,5 +83,7 @@ def test_two_ranks_generate_what_one_whole_model_generates():
 
 def test_a_family_it_does_not_cover_is_refused_by_name():
     model = tiny_model("minicpm3")
-    with pytest.raises(ValueError, match="does not cover MiniCPM3ForCausalLM.s layers .*self_attn.q_a_proj"):
+    with pytest.raises(
+        ValueError, match="does not cover MiniCPM3ForCausalLM.s layers .*self_attn.q_a_proj"
+    ):
         shard_model(model, TPGroup(0, 2))

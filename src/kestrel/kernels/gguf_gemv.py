@@ -29,15 +29,17 @@ def serves(x: torch.Tensor, qtype: str) -> bool:
     return triton is not None and x.is_cuda and qtype in TYPES and rows <= MAX_ROWS
 
 
-def gemv(x: torch.Tensor, blocks: torch.Tensor, qtype: str, cols: int) -> torch.Tensor:
-    """x (M, K) times W.T -> (M, N) in x's dtype; blocks (N, row bytes) uint8 in `qtype`."""
+def gemv(
+    x: torch.Tensor, blocks: torch.Tensor, qtype: str, cols: int, block_n: int = 8, warps: int = 4
+) -> torch.Tensor:
+    """x (M, K) times W.T -> (M, N) in x's dtype; blocks (N, row bytes) uint8 in `qtype`.
+    `block_n` rows a program, `warps` per program (benchmarks/gguf_gemv.py --sweep)."""
     M, N = x.shape[0], blocks.shape[0]
     x = x.contiguous()
     y = torch.empty(M, N, device=x.device, dtype=torch.float32)
-    block_n = 8
     _gemv[(triton.cdiv(N, block_n), M)](
         x, blocks, y, N, cols, blocks.stride(0),
-        QTYPE=TYPES[qtype][1], TILE_BYTES=TYPES[qtype][0], BLOCK_N=block_n,
+        QTYPE=TYPES[qtype][1], TILE_BYTES=TYPES[qtype][0], BLOCK_N=block_n, num_warps=warps,
     )  # fmt: skip
     return y.to(x.dtype)
 
