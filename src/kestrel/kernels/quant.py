@@ -43,8 +43,9 @@ def _f16(b: torch.Tensor) -> torch.Tensor:
     return b.contiguous().view(torch.float16).float()
 
 
-def _shifts(*amounts: int, device) -> torch.Tensor:
-    return torch.tensor(amounts, dtype=torch.uint8, device=device)
+def _shifts(step: int, device) -> torch.Tensor:
+    # 0, step, ... < 8 made on the device (no host copy, so CUDA graphs can capture it)
+    return torch.arange(0, 8, step, dtype=torch.uint8, device=device)
 
 
 def _split(b: torch.Tensor, *sizes: int) -> list[torch.Tensor]:
@@ -53,13 +54,13 @@ def _split(b: torch.Tensor, *sizes: int) -> list[torch.Tensor]:
 
 def _nibbles(qs: torch.Tensor, group: int) -> torch.Tensor:
     """(n, k) bytes -> (n, k / group, 2, group): each group's low nibbles, then its high ones."""
-    q = qs.reshape(qs.shape[0], -1, 1, group) >> _shifts(0, 4, device=qs.device).view(1, 1, 2, 1)
+    q = qs.reshape(qs.shape[0], -1, 1, group) >> _shifts(4, device=qs.device).view(1, 1, 2, 1)
     return q & 0x0F
 
 
 def _bits(qh: torch.Tensor, group: int, width: int) -> torch.Tensor:
     """(n, k) bytes -> (n, k / group, 8 / width, group): `width`-bit fields, lowest bits first."""
-    shifts = _shifts(*range(0, 8, width), device=qh.device).view(1, 1, -1, 1)
+    shifts = _shifts(width, device=qh.device).view(1, 1, -1, 1)
     return (qh.reshape(qh.shape[0], -1, 1, group) >> shifts) & ((1 << width) - 1)
 
 

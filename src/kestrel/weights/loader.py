@@ -151,6 +151,8 @@ def keep_packed(device: torch.device, dense_bytes: int) -> bool:
     (kernels/gguf_gemv.py) but larger batches dequantize per call, so models that fit stay dense
     for throughput; `--quantized-weights keep` picks the blocks' bandwidth for single streams."""
     if device.type == "cuda":
+        if not torch.cuda.is_available():  # `kestrel inspect --device cuda` on a CPU machine
+            return False
         return dense_bytes > torch.cuda.get_device_properties(device).total_memory // 2
     return dense_bytes > physical_memory() // 2
 
