@@ -52,6 +52,8 @@ class EngineLoad:
     prefix_hit_tokens: int = 0  # of which were found
     prefix_cached_blocks: int = 0
     prefix_evictions: int = 0
+    draft_tokens: int = 0  # speculative decoding: tokens proposed...
+    accepted_tokens: int = 0  # ...and accepted
 
 
 class _TextState:
@@ -232,6 +234,8 @@ class Engine:
             self.runner.kv_tokens_in_use(),
             scheduler.blocks.tokens_trimmed,
             scheduler.num_preempted,
+            draft_tokens=scheduler.num_draft_tokens,
+            accepted_tokens=scheduler.num_accepted_tokens,
         )
         if prefix is not None:
             load.prefix_queried_tokens, load.prefix_hit_tokens = (

@@ -76,6 +76,7 @@ class Scheduler:
         self.running: list[Request] = []
         self.num_preempted = 0  # over the scheduler's life (a metric)
         self.proposer = None  # speculative decoding's (engine/speculative.py); None: off
+        self.num_draft_tokens = self.num_accepted_tokens = 0  # over its life (metrics)
 
     def add(self, request: Request) -> None:
         """Queue a request; InvalidRequestError if it could not fit the KV memory even alone."""
@@ -201,6 +202,8 @@ class Scheduler:
         if chunk.draft:
             chunk.request.num_draft_tokens += len(chunk.draft)
             chunk.request.num_accepted_tokens += accepted
+            self.num_draft_tokens += len(chunk.draft)
+            self.num_accepted_tokens += accepted
         return chunk.draft[:accepted]
 
     def _chunk(self, request: Request) -> int:
