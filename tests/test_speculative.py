@@ -11,6 +11,7 @@ from tests import (
     test_models_exaone_moe,
     test_models_gemma3,
     test_models_glm4_moe_lite,
+    test_models_jamba,
     test_models_llama,
     test_models_mistral,
 )
@@ -272,6 +273,42 @@ def test_seeded_sampling_with_speculation_is_reproducible(smollm2_tokenizer, tmp
     assert first["a"][3] > 0
 
 
+def test_penalised_greedy_with_speculation_equals_without(smollm2_tokenizer, tmp_path):
+    """Penalties and biases on: the rows are verified one by one, each penalised as its plain
+    step would be (the unit test below pins that the accepted tokens count as output)."""
+    model, vocab = tiny_llama(smollm2_tokenizer, tmp_path)
+    params = greedy(
+        60,
+        repetition_penalty=1.05,
+        presence_penalty=0.05,
+        frequency_penalty=0.05,
+        logit_bias={7: 2.0},
+    )
+    jobs = [("a", repeating_prompt(vocab, 0), params, None)]
+    plain = serve(engine(model, smollm2_tokenizer, False), jobs)
+    spec = serve(engine(model, smollm2_tokenizer, True), jobs)
+    assert spec["a"][:3] == plain["a"][:3]
+    assert spec["a"][4] > 0  # accepted drafts: later rows saw them as output
+
+
+def test_a_hybrid_model_decodes_plainly_and_exactly(smollm2_tokenizer, tmp_path):
+    """Recurrent state cannot be rolled back: a hybrid (Jamba) never speculates, and its output
+    is that of a run without --speculative."""
+    config = test_models_jamba.CONFIG
+    save_tiny(
+        transformers.JambaForCausalLM,
+        transformers.JambaConfig(**config),
+        tmp_path,
+        tokenizer=smollm2_tokenizer,
+    )
+    model, vocab = load_kestrel(tmp_path), config["vocab_size"]
+    early, late = jobs_of(vocab)
+    plain = serve(engine(model, smollm2_tokenizer, False), early, late)
+    spec = serve(engine(model, smollm2_tokenizer, True), early, late)
+    assert_same_tokens(plain, spec)
+    assert all(v[3] == 0 for v in spec.values())
+
+
 # -- rejection sampling keeps the target distribution -------------------------------------------
 
 LOGITS = torch.tensor([[1.0, 0.2, -0.5, 0.7, -1.2], [0.1, 1.3, -0.4, 0.0, 0.6]])
@@ -316,6 +353,17 @@ def test_greedy_verification_accepts_up_to_the_first_mismatch():
     assert verify_draft(logits, [3, 1, 4], params, None, [], []) == [3, 1, 4, 5]
     assert verify_draft(logits, [3, 2, 4], params, None, [], []) == [3, 1]
     assert verify_draft(logits, [0, 1, 4], params, None, [], []) == [3]
+
+
+def test_a_verified_row_is_penalised_for_the_draft_tokens_accepted_before_it():
+    """Row 1 follows an accepted 3: with a frequency penalty that 3 counts as output there, so
+    row 1's argmax moves from 3 to 4 exactly as a plain step after 3 would."""
+    logits = torch.zeros(3, 6)
+    logits[0, 3] = 5.0
+    logits[1, 3], logits[1, 4] = 2.0, 1.5  # 3 wins unless penalised by the accepted 3
+    params = SamplingParams(temperature=0, frequency_penalty=1.0)
+    assert verify_draft(logits, [3, 3], params, None, [], []) == [3, 4]
+    assert verify_draft(logits, [3, 3], SamplingParams(temperature=0), None, [], [])[:2] == [3, 3]
 
 
 # -- the proposer and the scheduler alone ---------------------------------------------------------
