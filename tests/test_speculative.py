@@ -4,6 +4,8 @@ CPU), in batches mixing speculating decodes, plain decodes and prefill chunks, u
 with a stop string inside an accepted run; temperature-1 verification samples the target's
 distribution (chi-square). Plus the proposer and the scheduler's planning and rollback alone."""
 
+import random
+
 import pytest
 import torch
 import transformers
@@ -381,6 +383,20 @@ def test_ngram_proposes_the_continuation_of_the_latest_longest_match():
     assert proposer(k=2, n_max=1).propose([5, 1, 5, 2, 5], 4) == [2, 5]  # latest "5"
 
 
+def test_ngram_search_ignores_matches_across_token_boundaries():
+    """The search runs over the tokens' bytes: a byte match that straddles tokens is no match
+    (here [1] against the bytes of 256, 0), and random sequences agree with a plain search."""
+    assert proposer(n_max=1).propose([256, 0, 7, 1], 3) == []
+    rng = random.Random(0)
+    for _ in range(500):
+        ids = [rng.randrange(rng.choice([3, 300, 70_000])) for _ in range(rng.randrange(2, 40))]
+        for n in range(1, 4):
+            tail = ids[-n:]
+            starts = [s for s in range(len(ids) - n) if ids[s : s + n] == tail]
+            want = ids[starts[-1] + n : starts[-1] + n + 3] if starts and n < len(ids) else []
+            assert proposer(n_min=n, n_max=n).propose(ids, 3) == want, (ids, n)
+
+
 def test_bad_speculative_settings_name_their_flag():
     for kwargs, param in [
         ({"speculative": "eagle"}, "speculative"),
@@ -418,6 +434,25 @@ def test_a_rejected_draft_gives_its_blocks_back():
     assert len(blocks.table("r").held) == 3  # positions 0..9: block 3 went back
     assert blocks.num_free == 13
     assert (request.num_draft_tokens, request.num_accepted_tokens) == (5, 1)
+
+
+def test_speculation_never_takes_the_blocks_another_decode_needs():
+    """Two decodes and one free block: the older one's draft would take it and preempt the
+    newer one (whose next token starts a block), so it decodes plainly."""
+    blocks = BlockManager(5, block_size=4)
+    scheduler = Scheduler(SchedulerConfig(max_num_seqs=2, prefill_chunk_size=16), blocks)
+    scheduler.proposer = proposer(k=2)
+    older = Request("a", [5, 6, 7, 8, 9, 1], SamplingParams(temperature=0), 8)
+    newer = Request("b", [1, 2, 3, 4, 5, 6, 7, 8], SamplingParams(temperature=0), 8)
+    for request in (older, newer):
+        scheduler.add(request)
+    plan = scheduler.schedule()  # both prompts
+    scheduler.computed(plan.chunks, set())
+    older.output_ids.append(6)  # 5 6 7 ... 1 6: "6" is followed by 7 8
+    newer.output_ids.append(0)
+    plan = scheduler.schedule()
+    assert [(c.request.request_id, c.draft) for c in plan.chunks] == [("a", []), ("b", [])]
+    assert plan.preempted == []
 
 
 def test_no_speculation_in_a_step_that_would_trim():

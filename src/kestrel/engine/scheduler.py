@@ -136,8 +136,9 @@ class Scheduler:
             return []
         most = min(request.max_tokens - len(request.output_ids), budget) - 1
         draft = self.proposer.propose(request.all_ids, most)
-        if draft and kv.fit(request, 1 + len(draft)) < 1 + len(draft):
-            return []  # speculation never preempts
+        # speculation never preempts: it leaves a block for each running sequence's next token
+        if draft and not self.blocks.fits(kv.needed(request, 1 + len(draft)) + len(self.running)):
+            return []
         if draft and request.max_kv_size:
             live = self.blocks.table(request.request_id).live_tokens(request.num_computed)
             if tokens_to_trim(live, 1 + len(draft), request.max_kv_size, request.keep):
@@ -287,19 +288,19 @@ class _KVPlan:
         self.blocks = blocks
         blocks.commit()  # the last step ran: what it gave back may be handed out again
 
-    def _needed(self, request: Request, n: int) -> int:
+    def needed(self, request: Request, n: int) -> int:
         table = self.blocks.table(request.request_id)
         return table.blocks_needed(request.num_computed, n, request.max_kv_size, request.keep)
 
     def fit(self, request: Request, n: int) -> int:
         """The most of n tokens `request` may add with the blocks free now."""
         most = -(-n // self.blocks.block_size) + 1  # n tokens never take more new blocks
-        if self.blocks.fits(most) or self.blocks.fits(self._needed(request, n)):
+        if self.blocks.fits(most) or self.blocks.fits(self.needed(request, n)):
             return n
         low, high = 0, n  # blocks needed only grow with the tokens: the largest that fits
         while low < high:
             mid = (low + high + 1) // 2
-            if self.blocks.fits(self._needed(request, mid)):
+            if self.blocks.fits(self.needed(request, mid)):
                 low = mid
             else:
                 high = mid - 1

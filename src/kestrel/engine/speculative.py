@@ -7,6 +7,8 @@ runner verifies every proposed token in one forward (engine/paged_runner.py) and
 those the target model would have produced (sampling.verify_draft), so the output is unchanged.
 """
 
+from array import array
+
 from kestrel.config import SpeculativeConfig
 
 
@@ -21,19 +23,22 @@ class NgramProposer:
         k = min(self.k, most)
         if k <= 0:
             return []
+        data = array("i", ids).tobytes()  # 4 bytes a token: the search runs in C (bytes.rfind)
         for n in range(min(self.n_max, len(ids) - 1), self.n_min - 1, -1):
-            start = _latest_match(ids, n)
+            start = _latest_match(data, n)
             if start is not None:
                 return ids[start + n : start + n + k]
         return []
 
 
-def _latest_match(ids: list[int], n: int) -> int | None:
-    """The start of the latest occurrence of ids[-n:] that ends before the last token."""
-    tail, last = ids[-n:], ids[-1]
-    for start in range(len(ids) - n - 1, -1, -1):
-        if ids[start + n - 1] == last and ids[start : start + n] == tail:
-            return start
+def _latest_match(data: bytes, n: int) -> int | None:
+    """The start (in tokens) of the latest occurrence of the last n tokens of `data` that ends
+    before its last token."""
+    tail, end = data[-4 * n :], len(data) - 4
+    while (at := data.rfind(tail, 0, end)) >= 0:
+        if at % 4 == 0:
+            return at // 4
+        end = at + len(tail) - 1  # a match across token boundaries: look before it
     return None
 
 
