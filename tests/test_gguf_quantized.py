@@ -152,10 +152,28 @@ def test_rows_not_whole_blocks_name_the_tensor(tmp_path):
         load(path, packed=True)
 
 
-def test_blocks_stay_packed_on_the_cpu_only_when_the_dequantized_model_would_not_fit():
+def test_blocks_stay_packed_by_default_only_when_the_dequantized_model_would_not_fit():
     from kestrel.weights.loader import keep_packed, physical_memory
 
-    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    cpu = torch.device("cpu")
     assert keep_packed(cpu, physical_memory())  # an 8B Q4_K_M on a laptop: its blocks stay
     assert not keep_packed(cpu, 300 << 20)  # the embedded models: float32, the fast path today
-    assert not keep_packed(cuda, physical_memory())  # CUDA dequantizes until its kernels land
+
+
+@pytest.mark.parametrize("setting,packed", [("keep", True), ("dequantize", False)])
+def test_the_quantized_weights_setting_keeps_or_dequantizes_the_blocks(tmp_path, setting, packed):
+    """`--quantized-weights keep|dequantize` (LLM's `quantized_weights`) overrides the default."""
+    from kestrel import LLM
+
+    path = tiny_llama_gguf(tmp_path / "q4k.gguf", "Q4_K")
+    llm = LLM(str(path), quantized_weights=setting, device="cpu")
+    layers = [m for m in llm.model.modules() if isinstance(m, QuantLinear)]
+    assert bool(layers) == packed
+
+
+def test_an_unknown_quantized_weights_setting_is_refused_by_name(tmp_path):
+    from kestrel import LLM
+
+    path = tiny_llama_gguf(tmp_path / "q8.gguf", "Q8_0")
+    with pytest.raises(ValueError, match="quantized_weights 'packed'; supported: auto, keep"):
+        LLM(str(path), quantized_weights="packed", device="cpu")

@@ -248,45 +248,51 @@ def test_route_kernel_picks_valid_experts_for_nan_scores():
 # -- Mamba decode steps, states updated in place by slot ---------------------------------------
 
 
-def _states(shape, slots=6):
+def _states(shape, dtype=torch.float32, slots=6):
     """A state store of `slots` and the slots (b=3, in no order) the step updates."""
-    return torch.randn(slots, *shape, device="cuda"), torch.tensor([4, 1, 2], device="cuda")
+    store = torch.randn(slots, *shape, device="cuda").to(dtype)
+    return store, torch.tensor([4, 1, 2], device="cuda")
 
 
 def _assert_in_place(store, before, slots, expected_new):
-    """The chosen slots hold the fallback's new states; every other slot is untouched."""
+    """The chosen slots hold the fallback's new states (rounded to the store's dtype); every
+    other slot is untouched."""
     others = [s for s in range(store.shape[0]) if s not in slots.tolist()]
-    torch.testing.assert_close(store[slots], expected_new, rtol=1e-5, atol=1e-5)
+    tol = 1e-5 if store.dtype == torch.float32 else 1e-2  # an fp32 ulp may flip a bf16 rounding
+    torch.testing.assert_close(store[slots], expected_new.to(store.dtype), rtol=tol, atol=tol)
     torch.testing.assert_close(store[others], before[others], rtol=0, atol=0)
 
 
-def test_ssd_update_equals_the_mamba2_step():
+@pytest.mark.parametrize("state_dtype", [torch.float32, torch.bfloat16])
+def test_ssd_update_equals_the_mamba2_step(state_dtype):
+    """In fp32 or a bf16 store (--mamba-ssm-cache-dtype), the math stays fp32."""
     from kestrel.kernels.mamba import ssd_update
     from kestrel.models.layers.mamba import ssd_step
 
     H, P, N = 6, 20, 24  # not powers of two: masked lanes
-    store, slots = _states((H, P, N))
+    store, slots = _states((H, P, N), state_dtype)
     before = store.clone()
     x, B, C = (torch.randn(3, 1, H, n, device="cuda") for n in (P, N, N))
     dt = torch.rand(3, 1, H, device="cuda")
     A = -torch.rand(H, device="cuda")
-    y_ref, new = ssd_step(x, dt, A, B, C, before[slots])
+    y_ref, new = ssd_step(x, dt, A, B, C, before[slots].float())
     y = ssd_update(store, slots, x[:, 0], dt[:, 0], B[:, 0], C[:, 0], A)
     torch.testing.assert_close(y, y_ref[:, 0], rtol=1e-5, atol=1e-5)
     _assert_in_place(store, before, slots, new)
 
 
-def test_selective_update_equals_the_mamba_step():
+@pytest.mark.parametrize("state_dtype", [torch.float32, torch.bfloat16])
+def test_selective_update_equals_the_mamba_step(state_dtype):
     from kestrel.kernels.mamba import selective_update
     from kestrel.models.layers.mamba import selective_scan
 
     D, N = 100, 12
-    store, slots = _states((D, N))
+    store, slots = _states((D, N), state_dtype)
     before = store.clone()
     x, dt = torch.randn(3, 1, D, device="cuda"), torch.rand(3, 1, D, device="cuda")
     B, C = torch.randn(3, 1, N, device="cuda"), torch.randn(3, 1, N, device="cuda")
     A = -torch.rand(D, N, device="cuda")
-    y_ref, new = selective_scan(x, dt, A, B, C, before[slots])
+    y_ref, new = selective_scan(x, dt, A, B, C, before[slots].float())
     y = selective_update(store, slots, x[:, 0], dt[:, 0], B[:, 0], C[:, 0], A)
     torch.testing.assert_close(y, y_ref[:, 0], rtol=1e-5, atol=1e-5)
     _assert_in_place(store, before, slots, new)

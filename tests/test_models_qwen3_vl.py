@@ -16,6 +16,7 @@ from tests.vl_suite import (  # noqa: F401  (the shared tests run here)
     test_image_and_text_sequences_batched_match_alone,
     test_image_chunks_split_inside_images_match_transformers,
     test_image_prompt_full_forward_matches_transformers,
+    test_images_of_one_step_are_encoded_in_one_vision_forward,
     test_loads_by_model_type,
     test_max_kv_size_image_prefill_matches_dense_reference,
     test_paged_runner_matches_the_reference_with_images,

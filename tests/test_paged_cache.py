@@ -159,10 +159,20 @@ def tiny_model(kind: str, window=None):
 
 
 def run_both(
-    model, prompts, schedule, max_kv_size=None, keep=0, block_size=4, num_blocks=64, images=None
+    model,
+    prompts,
+    schedule,
+    max_kv_size=None,
+    keep=0,
+    block_size=4,
+    num_blocks=64,
+    images=None,
+    ssm_dtype="float32",
+    tol=1e-4,
 ):
     """Feed the same chunks to the reference and the paged runner; compare every logits row.
-    `images`: per prompt, its MultimodalPrompt (or None for text)."""
+    `images`: per prompt, its MultimodalPrompt (or None for text); `ssm_dtype`: the paged
+    runner's Mamba state (the reference keeps float32)."""
     ref = ModelRunner(model, torch.device("cpu"))
     paged = PagedRunner(
         model,
@@ -170,7 +180,7 @@ def run_both(
         8,
         64,
         256,
-        CacheConfig(block_size=block_size, num_blocks=num_blocks),
+        CacheConfig(block_size=block_size, num_blocks=num_blocks, mamba_ssm_cache_dtype=ssm_dtype),
         cuda_graphs=False,
     )
     images = images or [None] * len(prompts)
@@ -185,7 +195,7 @@ def run_both(
                 ref._cache(c.request)
             expected = model(ref._pack(chunks))
             actual = model(paged._pack_batch(chunks))
-        torch.testing.assert_close(actual, expected, rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(actual, expected, rtol=tol, atol=tol)
         sampling = [c for c in chunks if c.samples]
         for c in chunks:
             ref.caches[c.request.request_id].advance(c.num_tokens)
@@ -298,6 +308,17 @@ def test_hybrid_recurrent_state_slots_match_dense(kind):
     layout = model.state_layout()  # recurrent layers hold state and no KV; attention, KV only
     assert [t is not None for t in paged.states.ssm] == [s is not None for s in layout]
     assert all(k is None for k, s in zip(paged.pool.k, layout, strict=True) if s)
+
+
+@pytest.mark.parametrize("kind", ["nemotron_h", "jamba"])
+def test_a_bfloat16_ssm_state_stays_within_its_tolerance(kind):
+    """`--mamba-ssm-cache-dtype bfloat16` keeps the SSM state in half the bytes (the scans still
+    compute in float32): through chunked prefill and decode, logits stay within bf16 tolerance
+    of the float32 reference."""
+    model = tiny_model(kind)
+    schedule = [(9, 4), (12, 1), (6, 1), *[(1, 1)] * 6]
+    paged = run_both(model, prompts(27, 4), schedule, ssm_dtype="bfloat16", tol=3e-2)
+    assert {t.dtype for t in paged.states.ssm if t is not None} == {torch.bfloat16}
 
 
 @pytest.mark.parametrize("block_size", [1, 3, 16])

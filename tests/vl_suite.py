@@ -36,6 +36,7 @@ from kestrel.cache.sequence import SequenceCache
 from kestrel.models.batch import ForwardBatch, ImageRows, SeqChunk
 from kestrel.models.qwen_vl_processor import MultimodalPrompt
 from kestrel.models.registry import model_class
+from kestrel.sampling import SamplingParams
 
 PATCH, MERGE = 4, 2
 TEXT = "hello there, a text-only prompt of some length!"
@@ -264,6 +265,37 @@ def test_a_prefix_hit_needs_the_same_images(tiny):
     assert_same_answers(warm[1:], cold)
 
 
+def test_images_of_one_step_are_encoded_in_one_vision_forward(tiny):
+    """Two requests' images prefilled in the same step go through the vision tower together,
+    once, and each request gets the rows (and deepstack rows) it gets encoded alone."""
+    from dataclasses import replace
+
+    from kestrel.engine.request import Request
+    from kestrel.engine.runner import ModelRunner
+    from kestrel.engine.scheduler import ScheduledChunk
+
+    prompts = [tiny.prompt, replace(tiny.prompt, pixel_values=tiny.prompt.pixel_values.flip(0))]
+    requests = [
+        Request(f"v{i}", p.token_ids, SamplingParams(temperature=0), 4, multimodal=p)
+        for i, p in enumerate(prompts)
+    ]
+    runner, calls = ModelRunner(tiny.model, torch.device("cpu")), []
+    encode = tiny.model.encode_images
+    tiny.model.encode_images = lambda *args: calls.append(1) or encode(*args)
+    try:
+        runner._encode_images([ScheduledChunk(r, 5) for r in requests])
+    finally:
+        del tiny.model.encode_images  # the class's method again
+    assert len(calls) == 1
+    for request, prompt in zip(requests, prompts, strict=True):
+        alone = encode(prompt.pixel_values, prompt.image_grid_thw)
+        batched = runner.image_features[request.request_id]
+        torch.testing.assert_close(batched.embeds, alone.embeds, rtol=1e-5, atol=1e-5)
+        assert len(batched.deepstack) == len(alone.deepstack)
+        for got, want in zip(batched.deepstack, alone.deepstack, strict=True):
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
 # every shared check; tests/test_model_suites.py holds each family file to running them all
 CHECKS = (
     test_loads_by_model_type,
@@ -280,6 +312,7 @@ CHECKS = (
     test_image_and_text_sequences_batched_match_alone,
     test_paged_runner_matches_the_reference_with_images,
     test_a_prefix_hit_needs_the_same_images,
+    test_images_of_one_step_are_encoded_in_one_vision_forward,
 )
 
 

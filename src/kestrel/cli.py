@@ -219,8 +219,9 @@ def cmd_inspect(args) -> int:
             "float32": model.kv_bytes_per_token(torch.float32),
             "bfloat16": model.kv_bytes_per_token(torch.bfloat16),
         },
-        # tensors by type in the checkpoint, and the bytes its weights take once loaded: on the CPU
-        # (float32; GGUF blocks of the packed types stay as they are) and on CUDA (bfloat16)
+        # tensors by type in the checkpoint (a quantized safetensors module counts once, as its
+        # format), and the bytes its weights take once loaded: on the CPU (float32; GGUF blocks of
+        # the packed types and MLX/FP8/NVFP4 tensors as stored) and on CUDA (bfloat16)
         "tensor_types": cpu["types"],
         "resident_bytes": {"cpu": cpu["resident"], "cuda": cuda["resident"]},
     }

@@ -24,6 +24,7 @@ class ModelConfig:
     ctx_size: int | None = None  # context length; None: the model's max_position_embeddings
     cuda_graphs: bool = True  # capture decode steps as CUDA graphs
     pooling: str = "last"  # embeddings pool the final-norm states: "last" token's or "mean"
+    quantized_weights: str = "auto"  # GGUF blocks: "keep" packed, "dequantize" at load, or auto
 
 
 @dataclass
@@ -36,6 +37,7 @@ class CacheConfig:
     gpu_memory_utilization: float = 0.9  # of the card, for weights, activations and the pool
     num_blocks: int | None = None  # a fixed pool size (tests); None: sized from free memory
     prefix_caching: bool = True  # full KV blocks are kept and reused by later prompts
+    mamba_ssm_cache_dtype: str = "float32"  # the hybrids' SSM state (bfloat16: half the traffic)
 
 
 @dataclass

@@ -16,6 +16,14 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N")
     p.add_argument(
+        "--quantized-weights",
+        choices=["auto", "keep", "dequantize"],
+        default="auto",
+        help="GGUF blocks: keep them packed (less memory; on CUDA, decode reads 4-8 bits a "
+        "weight), dequantize them at load, or auto: keep them when the model would not fit "
+        "dequantized in half the device's memory",
+    )
+    p.add_argument(
         "--max-kv-size", type=int, default=0, help="per-sequence KV bound in tokens (0 = off)"
     )
     p.add_argument("--keep", type=int, default=4, help="sink tokens kept when trimming")
@@ -62,6 +70,12 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         help="run decode steps eagerly",
     )
     gpu.add_argument("--block-size", type=int, default=64, help="KV pool block size in tokens")
+    p.add_argument(
+        "--mamba-ssm-cache-dtype",
+        choices=["float32", "bfloat16", "float16"],
+        default="float32",
+        help="dtype of the hybrid models' SSM state (computed in float32 either way)",
+    )
 
 
 def _count(text: str) -> int:

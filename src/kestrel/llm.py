@@ -67,7 +67,7 @@ class LLM:
             self.source = None
         else:
             self.model, self.tokenizer, self.source = load(
-                config.model.model, dtype, self.device, progress
+                config.model.model, dtype, self.device, progress, config.model.quantized_weights
             )
         self.engine = Engine(self.model, self.tokenizer, config, self.device)
         if self.source is not None:  # images in chat messages, for models that take images

@@ -45,22 +45,27 @@ class BlockPool:
 
 class StatePool:
     """The recurrent state of every running sequence, one slot each: per recurrent layer `conv`
-    (slots, K-1, C) in the model's dtype and `ssm` (slots, ...) in float32 (`layout`: the model's
-    `state_layout()`, None for a layer without state). Slot 0 is scratch (CUDA-graph padding)."""
+    (slots, K-1, C) in the model's dtype and `ssm` (slots, ...) in `ssm_dtype` (float32 unless
+    asked; the scans compute in float32 either way). `layout`: the model's `state_layout()`, None
+    for a layer without state. Slot 0 is scratch (CUDA-graph padding)."""
 
-    def __init__(self, layout: list[StateShape | None], slots: int, dtype, device):
+    def __init__(
+        self, layout: list[StateShape | None], slots: int, dtype, device, ssm_dtype=torch.float32
+    ):
         def zeros(dims, dtype):
             return None if dims is None else _zeros((slots, *dims), dtype, device)
 
         self.conv = [zeros(shape and shape.conv, dtype) for shape in layout]
-        self.ssm = [zeros(shape and shape.ssm, torch.float32) for shape in layout]
+        self.ssm = [zeros(shape and shape.ssm, ssm_dtype) for shape in layout]
         self.slots = slots
 
     @staticmethod
-    def bytes_per_slot(layout: list[StateShape | None], dtype) -> int:
-        itemsize = torch.finfo(dtype).bits // 8
+    def bytes_per_slot(layout: list[StateShape | None], dtype, ssm_dtype=torch.float32) -> int:
+        size = lambda dt: torch.finfo(dt).bits // 8  # noqa: E731
         shapes = [shape for shape in layout if shape]
-        return sum(math.prod(s.conv) * itemsize + math.prod(s.ssm) * 4 for s in shapes)
+        return sum(
+            math.prod(s.conv) * size(dtype) + math.prod(s.ssm) * size(ssm_dtype) for s in shapes
+        )
 
     def tensors(self) -> list[torch.Tensor]:
         return [t for t in self.conv + self.ssm if t is not None]
@@ -91,7 +96,9 @@ class PoolStates:
         return store if mamba_kernels.available(store) else None
 
     def read(self, layer_idx: int, attr: str, zeros) -> torch.Tensor:
-        return getattr(self.pool, attr)[layer_idx].index_select(0, self.slots)
+        store = getattr(self.pool, attr)[layer_idx]
+        states = store.index_select(0, self.slots)
+        return states.float() if attr == "ssm" else states  # SSM scans run in float32
 
     def write(self, layer_idx: int, attr: str, new: torch.Tensor) -> None:
         store = getattr(self.pool, attr)[layer_idx]

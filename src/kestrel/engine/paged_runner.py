@@ -87,6 +87,9 @@ def make_runner(model, device: torch.device, config: Config, max_model_len: int)
     return ModelRunner(model, device)
 
 
+SSM_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
 class PagedRunner(ModelRunner):
     speculates = True
 
@@ -147,11 +150,18 @@ class PagedRunner(ModelRunner):
         layout = model.state_layout()
         if not any(layout):
             return None
-        per_slot = StatePool.bytes_per_slot(layout, self.dtype)
+        ssm_dtype = SSM_DTYPES.get(self.cache_config.mamba_ssm_cache_dtype)
+        if ssm_dtype is None:
+            raise ValueError(
+                f"mamba_ssm_cache_dtype {self.cache_config.mamba_ssm_cache_dtype!r}; "
+                f"supported: {', '.join(SSM_DTYPES)}"
+            )
+        per_slot = StatePool.bytes_per_slot(layout, self.dtype, ssm_dtype)
         log.info("recurrent state: %d slots of %.1f MiB", self.max_num_seqs, per_slot / 2**20)
         # + with prefix caching, as many snapshots of cached prompts' state (cache/blocks.py)
         snapshots = self.max_num_seqs if self.cache_config.prefix_caching else 0
-        return StatePool(layout, 1 + self.max_num_seqs + snapshots, self.dtype, self.device)
+        slots = 1 + self.max_num_seqs + snapshots
+        return StatePool(layout, slots, self.dtype, self.device, ssm_dtype)
 
     def _use_pool(self, num_blocks: int) -> None:
         """A pool of `num_blocks` (block 0: scratch) and the manager of its blocks."""
@@ -283,6 +293,7 @@ class PagedRunner(ModelRunner):
 
     def _pack_host(self, chunks: list[ScheduledChunk]) -> Packed:
         """Trim and reserve each sequence's blocks; the batch's index lists on the host."""
+        self._encode_images(chunks)
         p = Packed()
         for s, chunk in enumerate(chunks):
             request, n = chunk.request, chunk.num_tokens
@@ -295,7 +306,7 @@ class PagedRunner(ModelRunner):
             p.ids.extend(_pending_ids(request, n - len(chunk.draft)) + chunk.draft)
             p.positions.extend(range(cache.offset, cache.offset + n))
             p.chunk_ends.extend([cache.offset + n - 1] * n)
-            if request.multimodal is not None:  # encodes the images at the first chunk
+            if request.multimodal is not None:
                 rope, images = self._image_inputs(request, cache, n)
                 if rope is not None:
                     p.explicit_rope.append((start, rope))

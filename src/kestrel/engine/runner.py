@@ -26,6 +26,7 @@ from kestrel.engine.request import Request
 from kestrel.engine.scheduler import ScheduledChunk, Scheduler
 from kestrel.models.base import CausalLM
 from kestrel.models.batch import ForwardBatch, SeqChunk
+from kestrel.models.layers.qwen_vision import VisionFeatures
 from kestrel.sampling import make_generator, sample, top_logprobs
 
 log = logging.getLogger("kestrel.runner")
@@ -141,6 +142,7 @@ class ModelRunner:
                 self.image_features.pop(chunk.request.request_id, None)  # the prompt is in
 
     def _pack(self, chunks: list[ScheduledChunk]) -> ForwardBatch:
+        self._encode_images(chunks)
         ids, positions, seq_chunks, rows, pool_rows = [], [], [], [], []
         start = 0
         for chunk in chunks:
@@ -163,6 +165,31 @@ class ModelRunner:
         rows = as_tensor(rows + pool_rows)  # sampling rows first (see _forward)
         return ForwardBatch(as_tensor(ids), as_tensor(positions), seq_chunks, rows)
 
+    def _encode_images(self, chunks: list[ScheduledChunk]) -> None:
+        """The images of every request in the step that has some still to prefill, encoded in
+        one vision forward (batched across requests, once per request); each request's rows
+        stay until its prompt is in."""
+        todo = [c.request for c in chunks if self._images_pending(c.request)]
+        if not todo:
+            return
+        dtype = next(self.model.parameters()).dtype
+        pixels = torch.cat([r.multimodal.pixel_values for r in todo]).to(self.device, dtype)
+        features = self.model.encode_images(
+            pixels, torch.cat([r.multimodal.image_grid_thw for r in todo])
+        )
+        rows = [sum(end - start for start, end in r.multimodal.image_spans) for r in todo]
+        deepstack = [layer.split(rows) for layer in features.deepstack]
+        for i, (request, embeds) in enumerate(zip(todo, features.embeds.split(rows), strict=True)):
+            layers = [per_request[i] for per_request in deepstack]
+            self.image_features[request.request_id] = VisionFeatures(embeds, layers)
+
+    def _images_pending(self, request: Request) -> bool:
+        prompt, first = request.multimodal, request.num_computed
+        if prompt is None or request.request_id in self.image_features:
+            return False
+        # images already in the cache (a prefix hit, or earlier chunks) are not encoded again
+        return first < len(prompt.token_ids) and any(end > first for _, end in prompt.image_spans)
+
     def _image_inputs(self, request: Request, cache: SequenceCache, n: int):
         """(3, n) M-RoPE ids and the image rows of a multimodal request's next n tokens; (None,
         None) once its prompt is in (text RoPE ids are then position + rope_delta)."""
@@ -171,13 +198,7 @@ class ModelRunner:
         prompt_len = len(prompt.token_ids)
         if first >= prompt_len:
             return None, None
-        features = self.image_features.get(request.request_id)
-        images_left = any(end > first for _, end in prompt.image_spans)  # not in a prefix hit
-        if features is None and images_left:  # once per request, at its first prefill chunk
-            dtype = next(self.model.parameters()).dtype
-            pixels = prompt.pixel_values.to(self.device, dtype)
-            features = self.model.encode_images(pixels, prompt.image_grid_thw)
-            self.image_features[request.request_id] = features
+        features = self.image_features.get(request.request_id)  # from _encode_images
         rope, images = prompt.chunk_inputs(features, first, min(n, prompt_len - first))
         if first + n > prompt_len:  # generated tokens recomputed with the prompt: text
             tail = torch.arange(prompt_len, first + n) + prompt.rope_delta

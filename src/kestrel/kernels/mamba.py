@@ -25,7 +25,7 @@ if triton is not None:
 
     @triton.jit
     def _ssd_update(
-        state,  # (S, H, P, N) fp32
+        state,  # (S, H, P, N), fp32 or half (math in fp32)
         slots,  # (b,)
         x,  # (b, H, P)
         dt,  # (b, H)
@@ -46,7 +46,7 @@ if triton is not None:
         mp, mn = p < P, n < N
         at = state + ((slot * H + h) * P + p[:, None]) * N + n[None, :]
         mask = mp[:, None] & mn[None, :]
-        s = tl.load(at, mask=mask, other=0.0)
+        s = tl.load(at, mask=mask, other=0.0).to(tl.float32)  # any stored dtype, fp32 math
         row = b * H + h
         xv = tl.load(x + row * P + p, mask=mp, other=0.0).to(tl.float32)
         d = tl.load(dt + row).to(tl.float32)
@@ -54,12 +54,12 @@ if triton is not None:
         bv = tl.load(B + row * N + n, mask=mn, other=0.0).to(tl.float32)
         cv = tl.load(C + row * N + n, mask=mn, other=0.0).to(tl.float32)
         s = s * tl.exp(d * a) + (d * xv)[:, None] * bv[None, :]
-        tl.store(at, s, mask=mask)
+        tl.store(at, s.to(state.dtype.element_ty), mask=mask)
         tl.store(y + row * P + p, tl.sum(s * cv[None, :], axis=1), mask=mp)
 
     @triton.jit
     def _selective_update(
-        state,  # (S, D, N) fp32
+        state,  # (S, D, N), fp32 or half (math in fp32)
         slots,  # (b,)
         x,  # (b, D)
         dt,  # (b, D)
@@ -79,14 +79,14 @@ if triton is not None:
         md, mn = d < D, n < N
         mask = md[:, None] & mn[None, :]
         at = state + (slot * D + d[:, None]) * N + n[None, :]
-        s = tl.load(at, mask=mask, other=0.0)
+        s = tl.load(at, mask=mask, other=0.0).to(tl.float32)  # any stored dtype, fp32 math
         a = tl.load(A + d[:, None] * N + n[None, :], mask=mask, other=0.0).to(tl.float32)
         xv = tl.load(x + b * D + d, mask=md, other=0.0).to(tl.float32)
         dv = tl.load(dt + b * D + d, mask=md, other=0.0).to(tl.float32)
         bv = tl.load(B + b * N + n, mask=mn, other=0.0).to(tl.float32)
         cv = tl.load(C + b * N + n, mask=mn, other=0.0).to(tl.float32)
         s = s * tl.exp(dv[:, None] * a) + (dv * xv)[:, None] * bv[None, :]
-        tl.store(at, s, mask=mask)
+        tl.store(at, s.to(state.dtype.element_ty), mask=mask)
         tl.store(y + b * D + d, tl.sum(s * cv[None, :], axis=1), mask=md)
 
     @triton.jit
@@ -121,7 +121,7 @@ if triton is not None:
 
 
 def ssd_update(state, slots, x, dt, B, C, A) -> torch.Tensor:
-    """Mamba2's step for b sequences, their states updated in place. state: (S, H, P, N) fp32,
+    """Mamba2's step for b sequences, their states updated in place. state: (S, H, P, N) (any float),
     slots: (b,), x: (b, H, P), dt: (b, H) (after softplus), B/C: (b, H, N), A: (H,) -> y (b, H, P)
     fp32 (before the D skip)."""
     b, H, P = x.shape
@@ -135,7 +135,7 @@ def ssd_update(state, slots, x, dt, B, C, A) -> torch.Tensor:
 
 
 def selective_update(state, slots, x, dt, B, C, A) -> torch.Tensor:
-    """Mamba's step for b sequences, their states updated in place. state: (S, D, N) fp32, slots:
+    """Mamba's step for b sequences, their states updated in place. state: (S, D, N) (any float), slots:
     (b,), x/dt: (b, D), B/C: (b, N), A: (D, N) -> y (b, D) fp32 (before the D skip)."""
     b, D = x.shape
     N = state.shape[-1]

@@ -2,10 +2,15 @@
 `gguf.quants.dequantize`: the same float16 scales, the same products in the same order.
 
 A tensor's blocks are a uint8 tensor (rows, bytes per row) in llama.cpp's block layout; each row
-is `cols / block elements` blocks. Imports nothing from kestrel.
+is `cols / block elements` blocks. Below them, the safetensors formats (MLX affine, FP8,
+NVFP4), each a function from a weight's checkpoint tensors to its float rows. Imports nothing
+from kestrel.
 """
 
+from dataclasses import dataclass
+
 import torch
+import torch.nn.functional as F
 
 QK_K = 256  # elements per k-quant super-block
 # type name -> (elements per block, bytes per block), as llama.cpp's ggml-common.h
@@ -140,3 +145,169 @@ _DEQUANTIZE = {
     "Q5_K": _q5_k,
     "Q6_K": _q6_k,
 }
+
+
+# --- safetensors formats -------------------------------------------------------------------------
+# Each format dequantizes the rows `rows` (a slice or a LongTensor of row ids) of one weight from
+# its checkpoint tensors, named by role (`qweight` plus the format's scales), to (n, cols) float32.
+
+
+WHOLE = 1 << 30  # an FP8 scale tile that spans the whole weight along that axis
+
+
+@dataclass(frozen=True)
+class Format:
+    """How one quantized weight decodes. `kind`: "gguf" (`qtype` names the block type), "mlx"
+    (affine, `bits` per value, one scale and bias per `group` inputs), "fp8" (float8_e4m3fn times
+    a scale per `block` = (rows, cols) tile) or "nvfp4" (e2m1 nibbles times an fp8 scale per
+    `group` = 16 inputs times one float32 scale)."""
+
+    kind: str
+    qtype: str = ""
+    bits: int = 0
+    group: int = 0
+    block: tuple[int, int] = (1, 1)
+
+    @property
+    def name(self) -> str:
+        """The type `kestrel inspect` lists (and QuantLinear's `qtype`)."""
+        if self.kind == "mlx":
+            return f"MLX_Q{self.bits}_G{self.group}"
+        if self.kind == "fp8":
+            tile = {(WHOLE, WHOLE): "TENSOR", (1, WHOLE): "CHANNEL"}.get(self.block)
+            return f"FP8_E4M3_{tile or f'{self.block[0]}x{self.block[1]}'}"
+        return self.qtype or self.kind.upper()
+
+
+def dequantize_rows(fmt: Format, t: dict[str, torch.Tensor], rows, cols: int) -> torch.Tensor:
+    """Rows `rows` of the weight held by tensors `t` -> (n, cols) float32."""
+    return _FORMATS[fmt.kind](fmt, t, rows, cols)
+
+
+def _gguf(fmt, t, rows, cols):
+    return dequantize(t["qweight"][rows], fmt.qtype, cols)
+
+
+def unpack_bits(words: torch.Tensor, bits: int, cols: int) -> torch.Tensor:
+    """(n, cols * bits / 32) uint32 -> (n, cols) int32: a little-endian bit stream, value i in
+    bits [i * bits, (i + 1) * bits) of the row, as MLX packs it."""
+    b = words.contiguous().view(torch.uint8).to(torch.int32)  # (n, 4 words) bytes, low first
+    if 8 % bits == 0:  # 2, 4, 8: whole values per byte
+        shifts = torch.arange(0, 8, bits, dtype=torch.int32, device=b.device)
+        return ((b.unsqueeze(-1) >> shifts) & ((1 << bits) - 1)).reshape(b.shape[0], cols)
+    start = torch.arange(cols, device=b.device) * bits  # 3, 5, 6: values straddle bytes
+    b = F.pad(b, (0, 1))
+    pair = b[:, start // 8] | (b[:, start // 8 + 1] << 8)
+    return (pair >> (start % 8).to(torch.int32)) & ((1 << bits) - 1)
+
+
+def _mlx(fmt, t, rows, cols):
+    q = unpack_bits(t["qweight"][rows], fmt.bits, cols).float()
+    scales, biases = t["scales"][rows].float(), t["biases"][rows].float()  # (n, cols / group)
+    w = q.reshape(q.shape[0], -1, fmt.group) * scales.unsqueeze(-1) + biases.unsqueeze(-1)
+    return w.reshape(q.shape[0], cols)
+
+
+def _row_ids(rows, n: int, device) -> torch.Tensor:
+    if isinstance(rows, torch.Tensor):
+        return rows.reshape(-1)
+    return torch.arange(n, device=device)[rows]
+
+
+def _fp8(fmt, t, rows, cols):
+    """fp8 * scale, the scale of tile (r // block rows, c // block cols)."""
+    w = t["qweight"][rows].float()  # (n, cols)
+    ids = _row_ids(rows, t["qweight"].shape[0], w.device)
+    col_tiles = torch.arange(cols, device=w.device) // fmt.block[1]
+    return w * t["scale"].float()[ids // fmt.block[0]][:, col_tiles]
+
+
+E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)  # the 3 magnitude bits of FP4 e2m1; bit 3 is sign
+
+
+_TABLES: dict[torch.device, torch.Tensor] = {}
+
+
+def _e2m1_table(device: torch.device) -> torch.Tensor:
+    """The 16 e2m1 codes' values on `device`, made once (no host copy inside a CUDA graph)."""
+    if device not in _TABLES:
+        _TABLES[device] = torch.tensor(E2M1 + tuple(-v for v in E2M1), device=device)
+    return _TABLES[device]
+
+
+def _nvfp4(fmt, t, rows, cols):
+    """Two e2m1 values a byte (the even element in the low nibble) times scale * scale_2."""
+    packed = t["qweight"][rows]  # (n, cols / 2) uint8
+    nibbles = torch.stack([packed & 0x0F, packed >> 4], dim=-1).reshape(packed.shape[0], cols)
+    values = _e2m1_table(packed.device)[nibbles.long()].reshape(packed.shape[0], -1, fmt.group)
+    scale = t["scale"][rows].float() * t["scale_2"].float()  # (n, cols / 16)
+    return (values * scale.unsqueeze(-1)).reshape(packed.shape[0], cols)
+
+
+_FORMATS = {"gguf": _gguf, "mlx": _mlx, "fp8": _fp8, "nvfp4": _nvfp4}
+
+
+def fp8_linear(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor) -> torch.Tensor:
+    """x (M, K) bfloat16 @ w.T on the FP8 tensor cores: x quantized per row on the fly, w (N, K)
+    float8_e4m3fn with one float32 scale per output row, w_scale (1, N)."""
+    amax = x.abs().amax(dim=-1, keepdim=True).float().clamp(min=1e-12)
+    x_scale = amax / torch.finfo(torch.float8_e4m3fn).max  # (M, 1)
+    xq = (x.float() / x_scale).to(torch.float8_e4m3fn)
+    return torch._scaled_mm(xq, w.t(), x_scale, w_scale, out_dtype=x.dtype)
+
+
+FP8_TILE = 128  # the block-scaled FP8 GEMM's tile: activations 1 x 128, weights 128 x 128
+
+
+def fp8_block_scales(w_scale: torch.Tensor) -> torch.Tensor:
+    """(N / 128, K / 128) weight tile scales in the layout the block-scaled GEMM reads: K tiles
+    padded to a multiple of 4 (cuBLAS's alignment), float32."""
+    return F.pad(w_scale.float(), (0, -w_scale.shape[1] % 4)).contiguous()
+
+
+def fp8_block_linear(x: torch.Tensor, w: torch.Tensor, w_scales: torch.Tensor) -> torch.Tensor:
+    """x (M, K) bfloat16 @ w.T with w (N, K) float8_e4m3fn in 128 x 128 tiles (DeepSeek-V3 /
+    Qwen3-FP8 style; `w_scales` from `fp8_block_scales`): x quantized per 1 x 128 group on the
+    fly, one block-scaled FP8 GEMM. cuBLAS wants the activation scales token-major with M a
+    multiple of 4, so x is zero-padded."""
+    m, k = x.shape
+    xp = F.pad(x, (0, 0, 0, -m % 4)).float().reshape(-1, k // FP8_TILE, FP8_TILE)
+    x_scale = (xp.abs().amax(dim=-1) / torch.finfo(torch.float8_e4m3fn).max).clamp(min=1e-12)
+    xq = (xp / x_scale.unsqueeze(-1)).to(torch.float8_e4m3fn).reshape(-1, k)
+    out = F.scaled_mm(
+        xq,
+        w.t(),
+        x_scale.t().contiguous().t(),  # (M, K / 128), M-major
+        F.ScalingType.BlockWise1x128,
+        w_scales.t(),
+        F.ScalingType.BlockWise128x128,
+        output_dtype=x.dtype,
+    )
+    return out[:m]
+
+
+_BLOCK_GEMM: dict[torch.device, bool] = {}
+
+
+def fp8_block_gemm_works(device: torch.device) -> bool:
+    """Whether this device's torch/cuBLAS runs the block-scaled FP8 GEMM (Hopper and later with a
+    recent cuBLAS), tried once per device on a small problem checked against its dequantization."""
+    if device.type != "cuda":
+        return False
+    if device not in _BLOCK_GEMM:
+        _BLOCK_GEMM[device] = _try_block_gemm(device)
+    return _BLOCK_GEMM[device]
+
+
+def _try_block_gemm(device) -> bool:
+    g = torch.Generator(device=device).manual_seed(0)
+    w = torch.randn(256, 256, device=device, generator=g).to(torch.float8_e4m3fn)
+    scale = torch.rand(2, 2, device=device, generator=g) + 0.5
+    x = torch.randn(3, 256, device=device, generator=g, dtype=torch.bfloat16)
+    try:
+        out = fp8_block_linear(x, w, fp8_block_scales(scale)).float()
+    except (RuntimeError, NotImplementedError, AttributeError, ValueError):
+        return False
+    dense = w.float() * scale.repeat_interleave(FP8_TILE, 0).repeat_interleave(FP8_TILE, 1)
+    expected = x.float() @ dense.t()
+    return bool(((out - expected).norm() / expected.norm()) < 0.05)

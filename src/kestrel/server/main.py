@@ -142,7 +142,9 @@ def build_engine(config: Config, log_level: str) -> Engine:
     if config.model.shape:  # random weights of a named shape (benchmarks)
         model, tokenizer = load_shape(config.model.shape, dtype, device)
     else:
-        model, tokenizer, _ = load(config.model.model, dtype, device, False)
+        model, tokenizer, _ = load(
+            config.model.model, dtype, device, False, config.model.quantized_weights
+        )
     engine = Engine(model, tokenizer, config, device)
     if faults.install_from_env(engine):
         log.warning("TEST-ONLY fault injection is on (%s is set)", faults.ENV_VAR)

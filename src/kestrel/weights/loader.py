@@ -18,6 +18,7 @@ from kestrel.models.base import CausalLM, Slot
 from kestrel.models.layers.quant import DENSE_LINEARS, quantized
 from kestrel.models.registry import ARCHITECTURES, model_class
 from kestrel.weights import gguf as gguf_weights
+from kestrel.weights import quantized as st_quant
 from kestrel.weights import safetensors as st_weights
 from kestrel.weights.embedded import EMBEDDED, embedded_path
 
@@ -140,16 +141,18 @@ def _save(obj, folder: Path) -> None:
 
 
 def keep_packed(device: torch.device, dense_bytes: int) -> bool:
-    """The one place that decides whether GGUF blocks stay quantized in memory.
+    """The one place that decides (by default: `--quantized-weights auto`) whether GGUF blocks
+    stay quantized in memory: when the model dequantized (`dense_bytes`) would take more than
+    half of the device's memory, so a model too big to run dense still loads.
 
-    On the CPU they do when the model dequantized (`dense_bytes`) would take more than half of
-    the machine's memory: the packed matmul dequantizes in torch per call and runs about 7x
-    slower than float32 today (benchmarks/results/cpu-quantized-speed.jsonl), so a model that
-    fits dequantized (the embedded ones) stays fast, and one that does not (an 8B Q4_K_M on a
-    24 GB laptop) still loads. On CUDA blocks are dequantized to the model dtype at load for
-    now, so the fused and paged GPU kernels keep their speed until quantized GPU kernels land
-    (issue 16)."""
-    return device.type == "cpu" and dense_bytes > physical_memory() // 2
+    On the CPU the packed matmul dequantizes in torch per call and runs about 7x slower than
+    float32 today (benchmarks/results/cpu-quantized-speed.jsonl), so a model that fits
+    dequantized (the embedded ones) stays fast. On CUDA decode reads the blocks in Triton GEMVs
+    (kernels/gguf_gemv.py) but larger batches dequantize per call, so models that fit stay dense
+    for throughput; `--quantized-weights keep` picks the blocks' bandwidth for single streams."""
+    if device.type == "cuda":
+        return dense_bytes > torch.cuda.get_device_properties(device).total_memory // 2
+    return dense_bytes > physical_memory() // 2
 
 
 def physical_memory() -> int:
@@ -206,9 +209,23 @@ def load_weights(
 ) -> None:
     """Fill every parameter from the checkpoint, tensor by tensor, each in its final form: a
     parameter still on the meta device is materialized on `device` at its first tensor, as
-    packed GGUF blocks (`packed`; default `keep_packed`) or a dense tensor. Fails naming
-    any parameter left unset."""
+    packed GGUF blocks (`packed`; default `keep_packed`), a quantized folder's tensors (MLX, FP8,
+    NVFP4: kept unless `packed` is False) or a dense tensor. Fails naming any parameter left
+    unset."""
     device = device or torch.device("cpu")
+    scheme = None if source.is_gguf else st_quant.read_scheme(source.path)
+    if scheme is not None:
+        target = _Target(model, device, packed is not False)  # these formats: packed by default
+        with _progress(source, st_weights.tensor_bytes(source.path), progress) as bar:
+            _load_quantized_folder(target, source, scheme, bar)
+    else:
+        target = _load_file(model, source, progress, device, packed)
+    target.log_dense()
+    _check_all_loaded(model, target.params, target.loaded(), source)
+
+
+def _load_file(model, source: ModelSource, progress: bool, device, packed) -> "_Target":
+    """A GGUF file or a float Hugging Face folder, tensor by tensor."""
     tensors, total = _checkpoint_tensors(model, source)
     if packed is None:
         packed = source.is_gguf and keep_packed(
@@ -223,8 +240,7 @@ def load_weights(
             else:
                 _load_dense(target, name, model.checkpoint_tensor, tensor, source)
                 bar.update(tensor.numel() * tensor.element_size())
-    target.log_dense()
-    _check_all_loaded(model, target.params, target.loaded(), source)
+    return target
 
 
 def _progress(source: ModelSource, total: int, progress: bool):
@@ -286,16 +302,17 @@ class _Target:
         dest.copy_(tensor)
         self.filled[slot.name] = self.filled.get(slot.name, 0) + tensor.numel()
 
-    def pack(self, name: str, blocks: torch.Tensor, qtype: str) -> None:
+    def pack(self, name: str, blocks: torch.Tensor, qtype, **scales) -> None:
         """Replace the Linear / Embedding owning parameter `name` (and its tied twins) with the
-        quantized layer over `blocks`."""
+        quantized layer over `blocks` (and the format's `scales`)."""
         dtype = self.params[name].dtype
         blocks = blocks.to(self.device)
+        scales = {role: t.to(self.device) for role, t in scales.items()}
         for alias in self.tied[name]:
             module, _ = self._owner(alias)
             parent, _, child = alias.rpartition(".")[0].rpartition(".")
             owner = self.model.get_submodule(parent) if parent else self.model
-            setattr(owner, child, quantized(module, blocks, qtype, dtype))
+            setattr(owner, child, quantized(module, blocks, qtype, dtype, **scales))
             self.filled[alias] = self.params[alias].numel()
 
     def why_dense(self, slot: Slot, qtype: str) -> str | None:
@@ -304,6 +321,11 @@ class _Target:
             return f"packed weights are off ({self.device.type}, or it fits dequantized; see keep_packed)"
         if qtype not in quant_kernels.BLOCKS:
             return f"no packed kernel for {qtype}"
+        return self.why_dense_layer(slot)
+
+    def why_dense_layer(self, slot: Slot) -> str | None:
+        """None when the parameter is a whole Linear's or Embedding's weight (in every tied
+        place), which a quantized layer can replace; else why it must be dense."""
         if slot.index or slot.transpose or not all(map(self._packable, self.tied[slot.name])):
             return "the model reads it whole (not a linear layer's or an embedding's weight)"
         return None
@@ -364,6 +386,52 @@ def _load_gguf(target: _Target, f, name: str, t, source: ModelSource) -> None:
     target.copy(slot, tensor, name, source)
 
 
+def _load_quantized_folder(target: _Target, source: ModelSource, scheme, bar) -> None:
+    """A quantized Hugging Face folder in checkpoint order: float tensors as `_load_dense`, each
+    quantized module's tensors together (at its packed values' name), unused ones skipped."""
+    with st_weights.Shards(source.path) as shards:
+        modules = st_quant.quantized_modules(scheme, shards.headers)
+        parts = {n for m in modules for n in scheme.tensor_names(m).values()}
+        for name in shards.names():
+            module = scheme.module_of(name)
+            if module in modules:
+                _load_quantized(target, shards, scheme, module, modules[module], source, bar)
+            elif name not in parts and not st_quant.is_unused(scheme, name):
+                tensor = shards.get(name)
+                _load_dense(target, name, target.model.checkpoint_tensor, tensor, source)
+                bar.update(tensor.numel() * tensor.element_size())
+
+
+def _load_quantized(target: _Target, shards, scheme, module: str, fmt, source, bar) -> None:
+    """One quantized module: kept as its checkpoint's tensors in a quantized layer where the
+    model can take one (and `target.packed`), else dequantized at load with a log line."""
+    names = scheme.tensor_names(module)
+    tensors = {role: shards.get(n) for role, n in names.items()}
+    bar.update(sum(t.numel() * t.element_size() for t in tensors.values() if t is not None))
+    slot = target.slot(f"{module}.weight")
+    if slot is None:
+        return
+    dest = target.params[slot.name][slot.index]  # meta or materialized: only its shape is read
+    shape = tuple(dest.shape[::-1] if slot.transpose else dest.shape)
+    if len(shape) != 2:
+        raise ModelLoadError(
+            f"{source.path}: tensor {names['qweight']} is quantized but fills {slot.name} of "
+            f"shape {shape}; quantized weights must be matrices"
+        )
+    try:
+        st_quant.check(fmt, module, tensors, names, shape)
+    except ModelLoadError as e:
+        raise ModelLoadError(f"{source.path}: {e}") from e
+    t = st_quant.layer_tensors(scheme, fmt, tensors, shape)
+    reason = target.why_dense_layer(slot) if target.packed else "packed weights are off"
+    if reason is None:
+        target.pack(slot.name, t.pop("qweight"), fmt, **t)
+        return
+    target.note_dense(fmt.name, reason, names["qweight"])
+    weight = quant_kernels.dequantize_rows(fmt, t, slice(None), shape[1])
+    target.copy(slot, target.model.checkpoint_tensor(slot.name, weight), names["qweight"], source)
+
+
 def _packed_rows(model: CausalLM, name: str, blocks: torch.Tensor) -> torch.Tensor | None:
     """`blocks` in the row order `gguf_tensor` gives `name` (llama's Q/K unpermute), found by
     passing row ids through it; None when the hook changes values, which blocks cannot take."""
@@ -380,11 +448,7 @@ def checkpoint_summary(model: CausalLM, source: ModelSource, device: torch.devic
     on the meta device."""
     dense = torch.finfo(dtype).bits // 8
     if not source.is_gguf:
-        unique = {id(p): p.numel() for p in model.parameters()}
-        return {
-            "types": st_weights.tensor_dtypes(source.path),
-            "resident": sum(unique.values()) * dense,
-        }
+        return _folder_summary(model, source, device, dense)
     tensors = _checkpoint_tensors(model, source)[0]
     target = _Target(model, device, keep_packed(device, _dense_bytes(tensors, dtype)))
     types: dict[str, int] = {}
@@ -396,6 +460,41 @@ def checkpoint_summary(model: CausalLM, source: ModelSource, device: torch.devic
             packed = target.why_dense(slot, t.tensor_type.name) is None
             resident += t.n_bytes if packed else t.n_elements * dense
     return {"types": types, "resident": resident}
+
+
+def _folder_summary(model: CausalLM, source: ModelSource, device, dense: int) -> dict:
+    """A Hugging Face folder's tensors by type (a quantized module counts once, as its format)
+    and resident bytes: quantized modules as stored, the rest dense."""
+    unique = {id(p): p.numel() for p in model.parameters()}
+    scheme = st_quant.read_scheme(source.path)
+    if scheme is None:
+        return {
+            "types": st_weights.tensor_dtypes(source.path),
+            "resident": sum(unique.values()) * dense,
+        }
+    headers = st_weights.headers(source.path)
+    modules = st_quant.quantized_modules(scheme, headers)
+    target, types, packed = _Target(model, device, True), {}, {}
+    for module, fmt in modules.items():
+        names = scheme.tensor_names(module)
+        types[fmt.name] = types.get(fmt.name, 0) + 1
+        slot = target.slot(f"{module}.weight")
+        if slot is not None and target.why_dense_layer(slot) is None:
+            param = target.params[slot.name]
+            packed[id(param)] = sum(_stored_bytes(headers.get(n)) for n in names.values())
+    parts = {n for m in modules for n in scheme.tensor_names(m).values()}
+    for name, entry in headers.items():
+        if name not in parts and not st_quant.is_unused(scheme, name):
+            types[entry["dtype"]] = types.get(entry["dtype"], 0) + 1
+    resident = sum(packed.get(i, n * dense) for i, n in unique.items())
+    return {"types": types, "resident": resident}
+
+
+def _stored_bytes(entry: dict | None) -> int:
+    """Bytes of one tensor as its header says (quantized layers hold them as stored)."""
+    if entry is None:
+        return 0
+    return entry["data_offsets"][1] - entry["data_offsets"][0]
 
 
 def _checkpoint_tensors(model, source: ModelSource):
@@ -433,7 +532,21 @@ def load_model(
     return model
 
 
-def load(model: str, dtype: torch.dtype, device: torch.device, progress: bool = True):
-    """(model, tokenizer, source) for a model argument."""
+QUANTIZED_WEIGHTS = {"auto": None, "keep": True, "dequantize": False}  # -> load_weights' packed
+
+
+def load(
+    model: str,
+    dtype: torch.dtype,
+    device: torch.device,
+    progress: bool = True,
+    quantized_weights: str = "auto",
+):
+    """(model, tokenizer, source) for a model argument; `quantized_weights` as the flag."""
+    if quantized_weights not in QUANTIZED_WEIGHTS:
+        raise ValueError(
+            f"quantized_weights {quantized_weights!r}; supported: {', '.join(QUANTIZED_WEIGHTS)}"
+        )
     source = resolve(model)
-    return load_model(source, dtype, device, progress), load_tokenizer(source), source
+    packed = QUANTIZED_WEIGHTS[quantized_weights]
+    return load_model(source, dtype, device, progress, packed), load_tokenizer(source), source

@@ -58,3 +58,45 @@ def tensor_dtypes(folder: Path) -> dict[str, int]:
             if name != "__metadata__":
                 counts[entry["dtype"]] = counts.get(entry["dtype"], 0) + 1
     return counts
+
+
+def headers(folder: Path) -> dict[str, dict]:
+    """Every tensor's header entry (dtype, shape, offsets) across the shards, in shard order."""
+    entries: dict[str, dict] = {}
+    for f in shard_files(folder):
+        entries.update({k: v for k, v in _header(f)[1].items() if k != "__metadata__"})
+    return entries
+
+
+class Shards:
+    """Random access to a folder's tensors by name, each shard opened once (memory-mapped), for
+    formats whose one weight spans several tensors (packed values and their scales)."""
+
+    def __init__(self, folder: Path):
+        self.where: dict[str, Path] = {}
+        self.headers: dict[str, dict] = {}  # name -> header entry (dtype, shape, offsets)
+        for f in shard_files(folder):
+            entries = {k: v for k, v in _header(f)[1].items() if k != "__metadata__"}
+            self.where.update(dict.fromkeys(entries, f))
+            self.headers.update(entries)
+        self.open: dict[Path, object] = {}
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.open.clear()
+
+    def names(self) -> list[str]:
+        return list(self.where)
+
+    def get(self, name: str) -> torch.Tensor | None:
+        f = self.where.get(name)
+        if f is None:
+            return None
+        try:
+            if f not in self.open:
+                self.open[f] = safe_open(str(f), "pt")
+            return self.open[f].get_tensor(name)
+        except SafetensorError as e:
+            raise ModelLoadError(f"{f}: truncated or corrupt safetensors file ({e})") from e

@@ -1,0 +1,80 @@
+"""The GGUF GEMVs (kernels/gguf_gemv.py) against bf16 `F.linear` on Llama-3.1-8B's projection
+shapes, one row of x (single-stream decode), on the GPU. Prints one JSON line per (type, shape):
+microseconds for both, and the rate at which the GEMV reads its blocks.
+
+    python benchmarks/gguf_gemv.py [--sweep]
+
+`--sweep` also times rows per program and warps on the gate/up shape (to choose the defaults).
+"""
+
+import argparse
+import json
+import os
+
+import torch
+import torch.nn.functional as F
+
+from kestrel.kernels.gguf_gemv import TYPES, gemv
+from kestrel.kernels.quant import BLOCKS
+
+# (out, in) of Llama-3.1-8B's q, k/v, o, gate/up and down projections
+SHAPES = [(4096, 4096), (1024, 4096), (14336, 4096), (4096, 14336)]
+
+
+def timed(fn, iters: int = 200) -> float:
+    """Microseconds per call, from a CUDA graph of `iters` calls (launch cost as in decode)."""
+    fn()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(iters):
+            fn()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    graph.replay()
+    torch.cuda.synchronize()
+    start.record()
+    graph.replay()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) * 1000 / iters
+
+
+def measure(qtype: str, out: int, cols: int) -> dict:
+    elements, size = BLOCKS[qtype]
+    blocks = torch.randint(0, 256, (out, cols // elements * size), dtype=torch.uint8).cuda()
+    x = torch.randn(1, cols, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(out, cols, device="cuda", dtype=torch.bfloat16)
+    packed_us = timed(lambda: gemv(x, blocks, qtype, cols))
+    row = dict(qtype=qtype, out=out, cols=cols, gemv_us=round(packed_us, 2))
+    row["bf16_us"] = round(timed(lambda: F.linear(x, w)), 2)
+    row["gemv_tb_s"] = round(blocks.numel() / packed_us / 1e6, 2)
+    row["speedup"] = round(row["bf16_us"] / row["gemv_us"], 2)
+    return row
+
+
+def sweep(qtype: str, out: int = 14336, cols: int = 4096) -> list:
+    elements, size = BLOCKS[qtype]
+    blocks = torch.randint(0, 256, (out, cols // elements * size), dtype=torch.uint8).cuda()
+    x = torch.randn(1, cols, device="cuda", dtype=torch.bfloat16)
+    times = [
+        (round(timed(lambda b=b, w=w: gemv(x, blocks, qtype, cols, b, w), 50), 2), b, w)
+        for b in (2, 4, 8, 16, 32)
+        for w in (1, 2, 4, 8)
+    ]
+    return sorted(times)[:5]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--sweep", action="store_true")
+    args = parser.parse_args()
+    for qtype in sorted(TYPES):
+        for out, cols in SHAPES:
+            row = measure(qtype, out, cols)
+            row.update(device=torch.cuda.get_device_name(), commit=os.environ.get("KESTREL_COMMIT"))
+            print(json.dumps(row), flush=True)
+        if args.sweep:
+            print(json.dumps(dict(qtype=qtype, sweep_us_block_n_warps=sweep(qtype))), flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,79 @@
+"""GGUF blocks kept packed on CUDA (GPU only; skipped elsewhere): the Triton GEMVs equal the
+PyTorch decoding followed by a matmul, for every type they read, inside CUDA graphs too; a packed
+tiny model decodes the tokens of the same file dequantized at load; `--quantized-weights auto`
+keeps blocks packed only for a model that would not fit dense in half the GPU."""
+
+import pytest
+import torch
+from tests.test_gguf_quantized import tiny_llama_gguf
+from tests.test_paged_cache import prompts, run_to_end
+
+from kestrel.config import CacheConfig
+from kestrel.engine.paged_runner import PagedRunner
+from kestrel.engine.request import Request
+from kestrel.kernels.gguf_gemv import TYPES, gemv
+from kestrel.kernels.quant import BLOCKS, dequantize
+from kestrel.models.layers.quant import QuantLinear
+from kestrel.sampling import SamplingParams
+from kestrel.weights.loader import keep_packed, load_model, resolve
+
+pytestmark = pytest.mark.gpu
+CUDA = torch.device("cuda")
+SCALE_OFFSETS = {"Q8_0": [0], "Q4_K": [0, 2], "Q5_K": [0, 2], "Q6_K": [208]}  # f16 fields
+
+
+@pytest.fixture(autouse=True)
+def cache_dir(tmp_path, monkeypatch):
+    monkeypatch.setenv("KESTREL_CACHE_DIR", str(tmp_path / "cache"))
+
+
+def random_blocks(qtype: str, rows: int, cols: int) -> torch.Tensor:
+    """Random bytes in `qtype`'s layout with small, finite float16 scales: (rows, row bytes)."""
+    elements, size = BLOCKS[qtype]
+    blocks = torch.randint(0, 256, (rows, cols // elements, size), dtype=torch.uint8)
+    for offset in SCALE_OFFSETS[qtype]:
+        scales = (torch.rand(rows, cols // elements) * 0.02 + 0.001).half()
+        blocks[:, :, offset : offset + 2] = scales.view(torch.uint8).reshape(rows, -1, 2)
+    return blocks.reshape(rows, -1).to(CUDA)
+
+
+@pytest.mark.parametrize("qtype", sorted(TYPES))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gemv_equals_dequantize_then_matmul(qtype, dtype):
+    """Rows not a multiple of the tile, Q8_0 with a row that ends inside a tile (576 columns)."""
+    torch.manual_seed(0)
+    cols = 576 if qtype == "Q8_0" else 768
+    blocks = random_blocks(qtype, 37, cols)
+    x = torch.randn(3, cols, device=CUDA).to(dtype)
+    expected = x.float() @ dequantize(blocks, qtype, cols).T
+    tol = dict(rtol=2e-2, atol=2e-1) if dtype == torch.bfloat16 else dict(rtol=1e-4, atol=1e-3)
+    torch.testing.assert_close(gemv(x, blocks, qtype, cols).float(), expected, **tol)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = gemv(x, blocks, qtype, cols)
+    graph.replay()
+    torch.testing.assert_close(captured.float(), expected, **tol)
+
+
+@pytest.mark.parametrize("quant", ["Q4_K", "Q6_K", "Q8_0"])
+def test_packed_gguf_decodes_the_tokens_of_the_dequantized_file(quant, tmp_path):
+    """fp32 on CUDA, paged runner with graphs: decode through the GEMVs, prefill through the
+    dequantized matmul; greedy tokens equal those of the file dequantized at load."""
+    path = tiny_llama_gguf(tmp_path / f"{quant}.gguf", quant)
+
+    def tokens(packed: bool):
+        model = load_model(resolve(str(path)), torch.float32, CUDA, False, packed)
+        assert any(isinstance(m, QuantLinear) for m in model.modules()) == packed
+        runner = PagedRunner(model, CUDA, 4, 64, 256, CacheConfig(block_size=16, num_blocks=64))
+        params = SamplingParams(temperature=0)
+        requests = [Request(f"q{i}", p, params, 12) for i, p in enumerate(prompts(9, 5, 14))]
+        run_to_end(runner, requests, max_num_seqs=4, prefill_chunk_size=8)
+        return [r.output_ids for r in requests]
+
+    assert tokens(packed=True) == tokens(packed=False)
+
+
+def test_auto_keeps_blocks_packed_only_for_models_too_big_to_run_dense():
+    total = torch.cuda.get_device_properties(CUDA).total_memory
+    assert not keep_packed(CUDA, 16 << 30 if total > 64 << 30 else 1 << 30)
+    assert keep_packed(CUDA, total)

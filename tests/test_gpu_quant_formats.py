@@ -1,0 +1,100 @@
+"""Quantized safetensors checkpoints on CUDA (GPU only; skipped elsewhere): FP8 weights with one
+scale per row or per tensor multiply on the FP8 tensor cores (`torch._scaled_mm`, activations
+quantized per row on the fly), 128 x 128 tiled ones on the block-scaled GEMM, and agree with
+the dequantized weights to FP8 activation rounding; the other formats dequantize inside the layer
+and agree to bfloat16 rounding; the weights stay in their checkpoint bytes on the GPU, and decode
+under CUDA graphs gives the eager tokens."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from tests.quant_writer import fp8_quantize
+from tests.reference import chunked_logits
+from tests.test_paged_cache import prompts, run_to_end
+from tests.test_quant_formats import FORMATS, PROMPT, write_pair
+
+from kestrel.config import CacheConfig
+from kestrel.engine.paged_runner import PagedRunner
+from kestrel.engine.request import Request
+from kestrel.kernels.quant import Format, fp8_block_gemm_works
+from kestrel.models.layers.quant import QuantLinear
+from kestrel.sampling import SamplingParams
+from kestrel.weights.loader import load_model, resolve
+
+pytestmark = pytest.mark.gpu
+CUDA = torch.device("cuda")
+
+
+def relative_error(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.float() - b.float()).norm() / b.float().norm()).item()
+
+
+@pytest.mark.parametrize("rows", [1, 7, 256])
+def test_fp8_row_scaled_linear_uses_the_tensor_cores_and_matches_dequantized(rows):
+    torch.manual_seed(0)
+    w = torch.randn(512, 256)
+    q, scale, dequantized = fp8_quantize(w, (1, 256))
+    layer = QuantLinear(q.to(CUDA), Format("fp8", block=(1, 256)), 256, scale=scale.to(CUDA))
+    assert layer.fp8_scale is not None  # the _scaled_mm path
+    x = torch.randn(rows, 256, device=CUDA, dtype=torch.bfloat16)
+    expected = F.linear(x.float(), dequantized.to(CUDA))
+    assert relative_error(layer(x), expected) < 0.04  # e4m3 activations: 3 mantissa bits
+
+
+@pytest.mark.parametrize("rows", [1, 7, 256])
+def test_fp8_block_scaled_linear_uses_the_tensor_cores_and_matches_dequantized(rows):
+    # 128 x 128 tiles (DeepSeek-V3 / Qwen3-FP8): H200 with torch's block-scaled scaled_mm
+    assert fp8_block_gemm_works(CUDA)
+    torch.manual_seed(0)
+    w = torch.randn(384, 512)
+    q, scale, dequantized = fp8_quantize(w, (128, 128))
+    layer = QuantLinear(q.to(CUDA), Format("fp8", block=(128, 128)), 512, scale=scale.to(CUDA))
+    assert layer.fp8_tiles is not None and layer.fp8_scale is None
+    x = torch.randn(rows, 512, device=CUDA, dtype=torch.bfloat16)
+    expected = F.linear(x.float(), dequantized.to(CUDA))
+    assert relative_error(layer(x), expected) < 0.04
+
+
+def load(folder, dtype=torch.bfloat16):
+    return load_model(resolve(str(folder)), dtype, CUDA, progress=False)
+
+
+@pytest.mark.parametrize("key", sorted(FORMATS))
+def test_quantized_checkpoint_on_cuda_matches_its_dequantized_values(key, tmp_path):
+    quant, floats = write_pair(tmp_path, key)
+    model, reference = load(quant), load(floats, torch.float32)
+    with torch.no_grad():
+        got = chunked_logits(model, PROMPT, 5)
+        expected = chunked_logits(reference, PROMPT, 5)
+    layers = [m for m in model.modules() if isinstance(m, QuantLinear)]
+    fp8_cores = any(m.fp8_scale is not None or m.fp8_tiles is not None for m in layers)
+    assert fp8_cores == key.startswith("fp8")  # fp8-block's head (320 rows) dequantizes
+    assert relative_error(got, expected) < (0.06 if fp8_cores else 0.02)
+
+
+def test_quantized_weights_stay_in_checkpoint_bytes_on_the_gpu(tmp_path):
+    quant, floats = write_pair(tmp_path, "nvfp4-modelopt")
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    model = load(quant)
+    packed = torch.cuda.memory_allocated() - before
+    dense = load(floats)
+    assert packed < (torch.cuda.memory_allocated() - before - packed) / 2  # bf16 embedding in both
+    del model, dense
+
+
+@pytest.mark.parametrize("key", ["fp8-channel", "fp8-block", "nvfp4-modelopt", "mlx-4"])
+def test_cuda_graph_decode_gives_the_eager_tokens(key, tmp_path):
+    quant, _ = write_pair(tmp_path, key)
+    model = load(quant)
+    outputs = []
+    for graphs in (False, True):
+        config = CacheConfig(block_size=16, num_blocks=200)
+        runner = PagedRunner(model, CUDA, 4, 9, 256, config, cuda_graphs=graphs)
+        reqs = [
+            Request(f"q{i}", p, SamplingParams(temperature=0), 16)
+            for i, p in enumerate(prompts(9, 4, 13))
+        ]
+        run_to_end(runner, reqs, max_num_seqs=4, prefill_chunk_size=5)
+        outputs.append([r.output_ids for r in reqs])
+    assert outputs[0] == outputs[1]

@@ -1,0 +1,363 @@
+"""Quantized safetensors checkpoints stay quantized (models/layers/quant.py): per format (MLX
+affine, FP8 block-wise and compressed-tensors, NVFP4 ModelOpt and compressed-tensors), a tiny
+llama written in that format gives the logits of its dequantized values, loaded from a float
+checkpoint by kestrel and by transformers, while holding the checkpoint's bytes; bad files fail at
+load naming the tensor."""
+
+import json
+import logging
+
+import pytest
+import torch
+import transformers
+from safetensors.torch import load_file, save_file
+from tests.family_suite import one_thread  # noqa: F401  (tiny tensors: one thread is faster)
+from tests.quant_writer import mlx_quantize, quant_config, quantize_state, write_folder
+from tests.reference import assert_close, chunked_logits
+from tests.test_gguf_quantized import CONFIG, PROMPT
+from tests.test_models_glm4_moe_lite import CONFIG as GLM
+from tests.test_models_glm4_moe_lite import randomize_correction_bias
+
+from kestrel.errors import ModelLoadError, UnsupportedModelError
+from kestrel.models.layers.quant import QuantEmbedding, QuantLinear
+from kestrel.weights.loader import build_model, checkpoint_summary, load_model, resolve
+
+# the GGUF tests' tiny llama: its vocab 320 is not a multiple of 128, so the FP8 head's last
+# scale tile is clipped
+# format -> (quantizer options, whether it stores the embedding quantized, expected layer type)
+FORMATS = {
+    "mlx-4": ("mlx", dict(bits=4, group=64), True, "MLX_Q4_G64"),
+    "mlx-8": ("mlx", dict(bits=8, group=32), True, "MLX_Q8_G32"),
+    "mlx-3": ("mlx", dict(bits=3, group=32), True, "MLX_Q3_G32"),
+    "fp8-block": ("fp8", dict(block=(128, 128)), False, "FP8_E4M3_128x128"),
+    "fp8-channel": ("compressed-fp8", dict(strategy="channel"), False, "FP8_E4M3_CHANNEL"),
+    "fp8-tensor": ("compressed-fp8", dict(strategy="tensor"), False, "FP8_E4M3_TENSOR"),
+    "fp8-modelopt": ("modelopt-fp8", {}, False, "FP8_E4M3_TENSOR"),
+    "nvfp4-modelopt": ("nvfp4", {}, False, "NVFP4"),
+    "nvfp4-compressed": ("compressed-nvfp4", {}, False, "NVFP4"),
+}
+
+
+def float_llama(tied: bool, family: str = "Llama"):
+    """A tiny random llama (or another family of transformers' `<family>ForCausalLM`)."""
+    torch.manual_seed(0)
+    config = getattr(transformers, f"{family}Config")(**CONFIG, tie_word_embeddings=tied)
+    model = getattr(transformers, f"{family}ForCausalLM")(config)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name or name.endswith(".bias"):
+                p.add_(torch.randn_like(p) * 0.2)
+    return model
+
+
+def write_pair(tmp_path, key: str, tied: bool = True, family: str = "Llama"):
+    """(quantized folder, float folder of its dequantized values) for format `key`."""
+    fmt, options, embedding, _ = FORMATS[key]
+    model = float_llama(tied, family)
+    state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    if tied:
+        state.pop("lm_head.weight")
+    tensors, dequantized = quantize_state(state, fmt, embedding, **options)
+    config_key, value = quant_config(fmt, **options)
+    quant = write_folder(tmp_path / key, model.config, tensors, {config_key: value})
+    return quant, write_folder(tmp_path / f"{key}-float", model.config, dequantized)
+
+
+def load(folder, packed=None):
+    return load_model(resolve(str(folder)), torch.float32, torch.device("cpu"), False, packed)
+
+
+def resident_bytes(model) -> int:
+    tensors = {id(t): t for t in [*model.parameters(), *model.buffers()] if t is not None}
+    return sum(t.numel() * t.element_size() for t in tensors.values())
+
+
+@pytest.mark.parametrize("key", sorted(FORMATS))
+def test_quantized_logits_equal_the_dequantized_checkpoint(key, tmp_path):
+    quant, floats = write_pair(tmp_path, key)
+    model = load(quant)
+    expected = chunked_logits(load(floats), PROMPT, len(PROMPT))
+    assert expected.abs().max() > 0.1
+    assert_close(chunked_logits(model, PROMPT, len(PROMPT)), expected)
+    assert_close(chunked_logits(model, PROMPT, 5), expected)
+    assert_close(chunked_logits(load(quant, packed=False), PROMPT, 5), expected)
+    with torch.no_grad():
+        hf = transformers.LlamaForCausalLM.from_pretrained(floats, dtype=torch.float32)
+        assert_close(hf(torch.tensor([PROMPT])).logits[0], expected)
+
+
+@pytest.mark.parametrize("key", sorted(FORMATS))
+def test_every_quantized_matrix_stays_in_its_checkpoint_bytes(key, tmp_path):
+    quant, floats = write_pair(tmp_path, key)
+    model = load(quant)
+    _, _, embedding, qtype = FORMATS[key]
+    layers = [m for m in model.modules() if isinstance(m, QuantLinear)]
+    assert len(layers) == 2 * 7 + (1 if embedding else 0)  # the tied head reads the embedding's
+    assert {m.qtype for m in layers} == {qtype}
+    assert isinstance(model.model.embed_tokens, QuantEmbedding) == embedding
+    stored = sum(
+        t.numel() * t.element_size() for t in load_file(quant / "model.safetensors").values()
+    )
+    # what the layers hold is the checkpoint as stored (+ float32 FP8 scales, a row scale each)
+    assert resident_bytes(model) < resident_bytes(load(floats)) / 3
+    assert abs(resident_bytes(model) - 2 * stored) < stored  # float32 norms/embedding from bf16
+    meta = build_model(model.config, torch.float32, torch.device("meta"))  # as `kestrel inspect`
+    summary = checkpoint_summary(meta, resolve(str(quant)), torch.device("cpu"), torch.float32)
+    assert summary["resident"] == pytest.approx(resident_bytes(model), rel=0.05)
+    assert sum(
+        n for t, n in summary["types"].items() if t.startswith(("MLX", "FP8", "NVFP4"))
+    ) == len(layers)
+
+
+def test_untied_mlx_head_is_its_own_quantized_layer(tmp_path):
+    quant, floats = write_pair(tmp_path, "mlx-4", tied=False)
+    model = load(quant)
+    assert isinstance(model.lm_head, QuantLinear)
+    assert model.lm_head.qweight is not model.model.embed_tokens.qweight
+    assert_close(chunked_logits(model, PROMPT, 4), chunked_logits(load(floats), PROMPT, 4))
+
+
+def test_mlx_per_module_override_and_float_module(tmp_path):
+    # o_proj of layer 0 at 8 bits in groups of 32; down_proj of layer 1 left float (`false`)
+    quant, floats = write_pair(tmp_path, "mlx-4")
+    tensors, dense = load_file(quant / "model.safetensors"), load_file(floats / "model.safetensors")
+    o, down = "model.layers.0.self_attn.o_proj", "model.layers.1.mlp.down_proj"
+    packed, dense[f"{o}.weight"] = mlx_quantize(
+        float_llama(True).state_dict()[f"{o}.weight"], 8, 32
+    )
+    tensors.update({f"{o}.{k}": v for k, v in packed.items()})
+    for role in ("scales", "biases"):
+        tensors.pop(f"{down}.{role}")
+    tensors[f"{down}.weight"] = dense[f"{down}.weight"]
+    save_file(tensors, str(quant / "model.safetensors"))
+    save_file(dense, str(floats / "model.safetensors"))
+    config = json.loads((quant / "config.json").read_text())
+    config["quantization"].update({o: {"bits": 8, "group_size": 32}, down: False})
+    (quant / "config.json").write_text(json.dumps(config))
+    model = load(quant)
+    assert model.model.layers[0].self_attn.o_proj.qtype == "MLX_Q8_G32"
+    assert type(model.model.layers[1].mlp.down_proj) is torch.nn.Linear
+    assert_close(chunked_logits(model, PROMPT, 5), chunked_logits(load(floats), PROMPT, 5))
+
+
+def test_dense_only_layer_is_dequantized_at_load_with_a_log_line(tmp_path, caplog, monkeypatch):
+    monkeypatch.setattr("kestrel.weights.loader.DENSE_LINEARS", frozenset({"down_proj"}))
+    quant, floats = write_pair(tmp_path, "fp8-block")
+    with caplog.at_level(logging.INFO, logger="kestrel.weights"):
+        model = load(quant)
+    assert "2 FP8_E4M3_128x128 tensors dequantized at load: the model reads it whole" in caplog.text
+    assert type(model.model.layers[0].mlp.down_proj) is torch.nn.Linear
+    assert_close(chunked_logits(model, PROMPT, 5), chunked_logits(load(floats), PROMPT, 5))
+
+
+# --- bad files ----------------------------------------------------------------------------------
+
+
+def edit(folder, change) -> None:
+    tensors = load_file(folder / "model.safetensors")
+    change(tensors)
+    save_file(tensors, str(folder / "model.safetensors"))
+
+
+Q = "model.layers.0.self_attn.q_proj"
+
+
+def test_mlx_scales_of_the_wrong_shape_name_the_tensor(tmp_path):
+    quant, _ = write_pair(tmp_path, "mlx-4")
+    edit(quant, lambda t: t.update({f"{Q}.scales": t[f"{Q}.scales"][:, :2].contiguous()}))
+    with pytest.raises(ModelLoadError, match=rf"{Q}.scales has shape \(256, 2\).*needs \(256, 4\)"):
+        load(quant)
+
+
+def test_mlx_packed_weight_not_matching_bits_names_the_tensor(tmp_path):
+    quant, _ = write_pair(tmp_path, "mlx-4")
+    config = json.loads((quant / "config.json").read_text())
+    config["quantization"]["bits"] = 8  # the words hold 4-bit values
+    (quant / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ModelLoadError, match=r"\.weight has shape .*needs .*uint32 words of 8-bit"):
+        load(quant)
+
+
+def test_missing_fp8_scales_name_the_tensor(tmp_path):
+    quant, _ = write_pair(tmp_path, "fp8-block")
+    edit(quant, lambda t: t.pop(f"{Q}.weight_scale_inv"))
+    with pytest.raises(ModelLoadError, match=rf"missing tensor {Q}.weight_scale_inv"):
+        load(quant)
+
+
+def test_nvfp4_block_scales_of_the_wrong_shape_name_the_tensor(tmp_path):
+    quant, _ = write_pair(tmp_path, "nvfp4-modelopt")
+    edit(
+        quant, lambda t: t.update({f"{Q}.weight_scale": t[f"{Q}.weight_scale"][:, :8].contiguous()})
+    )
+    with pytest.raises(ModelLoadError, match=rf"{Q}.weight_scale has shape \(256, 8\).*one per 16"):
+        load(quant)
+
+
+def test_unknown_quant_method_names_it(tmp_path):
+    quant, _ = write_pair(tmp_path, "fp8-block")
+    config = json.loads((quant / "config.json").read_text())
+    config["quantization_config"]["quant_method"] = "awq9"
+    (quant / "config.json").write_text(json.dumps(config))
+    with pytest.raises(UnsupportedModelError, match="unknown quantization method 'awq9'"):
+        load(quant)
+
+
+def test_inspect_lists_quantized_layers_by_format_and_their_resident_bytes(tmp_path, capsys):
+    from kestrel.cli import main
+
+    quant, _ = write_pair(tmp_path, "mlx-4")
+    assert main(["inspect", "-m", str(quant)]) == 0
+    info = json.loads(capsys.readouterr().out)
+    # 14 projections and the embedding (the tied head reads it), 5 float32 norms
+    assert info["tensor_types"] == {"MLX_Q4_G64": 15, "F32": 5}
+    stored = sum(
+        t.numel() * t.element_size() for t in load_file(quant / "model.safetensors").values()
+    )
+    norm_elements = 5 * 256
+    assert info["resident_bytes"]["cpu"] == stored  # quantized as stored, float32 norms as is
+    assert info["resident_bytes"]["cuda"] == stored - 2 * norm_elements  # bfloat16 norms
+
+
+def split_experts(state: dict, intermediate: int) -> dict:
+    """Stacked expert tensors -> one 2-D tensor per expert and projection, as FP8 MoE releases
+    (DeepSeek-V3, Qwen3-MoE-FP8) store them."""
+    out = {}
+    for name, t in state.items():
+        prefix = name.removesuffix("gate_up_proj").removesuffix("down_proj")
+        if name.endswith("experts.gate_up_proj"):
+            for e, w in enumerate(t):
+                out[f"{prefix}{e}.gate_proj.weight"] = w[:intermediate]
+                out[f"{prefix}{e}.up_proj.weight"] = w[intermediate:]
+        elif name.endswith("experts.down_proj"):
+            out.update({f"{prefix}{e}.down_proj.weight": w for e, w in enumerate(t)})
+        else:
+            out[name] = t
+    return out
+
+
+def stack_experts(state: dict, template: dict) -> dict:
+    """The inverse of `split_experts`, for the float checkpoint transformers reads."""
+    out = {k: v for k, v in state.items() if ".experts." not in k}
+    for name, t in template.items():
+        if name.endswith(("experts.gate_up_proj", "experts.down_proj")):
+            prefix, proj = name.rsplit(".", 1)
+            parts = ["gate_proj", "up_proj"] if proj == "gate_up_proj" else ["down_proj"]
+            out[name] = torch.stack(
+                [
+                    torch.cat([state[f"{prefix}.{e}.{p}.weight"] for p in parts])
+                    for e in range(len(t))
+                ]
+            )
+    return out
+
+
+def test_fp8_moe_experts_and_mla_kv_b_proj_dequantize_at_load_beside_fp8_layers(tmp_path, caplog):
+    # glm4_moe_lite: MLA (kv_b_proj is read whole) and routed experts (stacked in the model)
+    config = transformers.Glm4MoeLiteConfig(**GLM)
+    torch.manual_seed(0)
+    model = transformers.Glm4MoeLiteForCausalLM(config)
+    with torch.no_grad():
+        randomize_correction_bias(model)
+    state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    tensors, dequantized = quantize_state(
+        split_experts(state, GLM["moe_intermediate_size"]), "fp8", False, block=(128, 128)
+    )
+    key, value = quant_config("fp8", block=(128, 128))
+    quant = write_folder(tmp_path / "glm-fp8", config, tensors, {key: value})
+    floats = write_folder(tmp_path / "glm-float", config, stack_experts(dequantized, state))
+    with caplog.at_level(logging.INFO, logger="kestrel.weights"):
+        kestrel = load(quant)
+    assert "FP8_E4M3_128x128 tensors dequantized at load: the model reads it whole" in caplog.text
+    dense = [r.message for r in caplog.records if "dequantized at load" in r.message]
+    assert len(dense) == 1 and "(e.g. model.layers.0.self_attn.kv_b_proj.weight)" in dense[0]
+    assert dense[0].startswith(f"{3 + 2 * 8 * 3} FP8")  # 3 kv_b_proj, 2 layers x 8 experts x 3
+    attn = kestrel.model.layers[1].self_attn
+    assert isinstance(attn.q_a_proj, QuantLinear) and type(attn.kv_b_proj) is torch.nn.Linear
+    assert isinstance(kestrel.model.layers[1].mlp.shared_experts.gate_proj, QuantLinear)
+    ids = [(i * 37 + 11) % 128 for i in range(20)]
+    expected = chunked_logits(load(floats), ids, len(ids))
+    assert_close(chunked_logits(kestrel, ids, 6), expected)
+    with torch.no_grad():
+        hf = transformers.Glm4MoeLiteForCausalLM.from_pretrained(floats, dtype=torch.float32)
+        assert_close(hf(torch.tensor([ids])).logits[0], expected)
+
+
+def test_fp8_modules_to_not_convert_stay_in_float(tmp_path):
+    model = float_llama(tied=False)
+    state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    tensors, dequantized = quantize_state(state, "fp8", False, keep=("lm_head",))
+    key, value = quant_config("fp8")
+    value["modules_to_not_convert"] = ["lm_head"]
+    quant = write_folder(tmp_path / "fp8", model.config, tensors, {key: value})
+    floats = write_folder(tmp_path / "float", model.config, dequantized)
+    kestrel = load(quant)
+    assert type(kestrel.lm_head) is torch.nn.Linear
+    assert isinstance(kestrel.model.layers[0].mlp.up_proj, QuantLinear)
+    assert_close(chunked_logits(kestrel, PROMPT, 5), chunked_logits(load(floats), PROMPT, 5))
+
+
+def test_weight_stored_quantized_where_the_config_says_float_names_it(tmp_path):
+    quant, _ = write_pair(tmp_path, "mlx-4")
+    config = json.loads((quant / "config.json").read_text())
+    config["quantization"][Q] = False
+    (quant / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ModelLoadError, match=rf"tensor {Q}.weight is stored quantized \(U32\)"):
+        load(quant)
+
+
+def test_truncated_quantized_file_fails_naming_it(tmp_path):
+    quant, _ = write_pair(tmp_path, "nvfp4-compressed")
+    path = quant / "model.safetensors"
+    path.write_bytes(path.read_bytes()[:-1000])
+    with pytest.raises(ModelLoadError, match="model.safetensors: truncated or corrupt"):
+        load(quant)
+
+
+def test_unsupported_compressed_tensors_format_names_it(tmp_path):
+    quant, _ = write_pair(tmp_path, "fp8-channel")
+    config = json.loads((quant / "config.json").read_text())
+    config["quantization_config"]["format"] = "pack-quantized"  # int4 weights: not served
+    (quant / "config.json").write_text(json.dumps(config))
+    with pytest.raises(UnsupportedModelError, match="compressed-tensors format 'pack-quantized'"):
+        load(quant)
+
+
+def test_scales_in_another_shard_than_their_weights(tmp_path):
+    # sharded checkpoints may split one module's tensors; each is found through the index
+    quant, floats = write_pair(tmp_path, "fp8-block")
+    tensors = load_file(quant / "model.safetensors")
+    (quant / "model.safetensors").unlink()
+    scales = {k: v for k, v in tensors.items() if k.endswith("_scale_inv")}
+    weights = {k: v for k, v in tensors.items() if k not in scales}
+    save_file(scales, str(quant / "model-00001-of-00002.safetensors"))
+    save_file(weights, str(quant / "model-00002-of-00002.safetensors"))
+    weight_map = {k: f"model-0000{1 if k in scales else 2}-of-00002.safetensors" for k in tensors}
+    (quant / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    model = load(quant)
+    assert isinstance(model.model.layers[1].mlp.down_proj, QuantLinear)
+    assert_close(chunked_logits(model, PROMPT, 5), chunked_logits(load(floats), PROMPT, 5))
+
+
+def test_inputs_not_whole_groups_name_the_tensor(tmp_path):
+    quant, _ = write_pair(tmp_path, "mlx-4")
+    config = json.loads((quant / "config.json").read_text())
+    config["quantization"]["group_size"] = 96
+    (quant / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ModelLoadError, match=r"\.weight: 256 inputs are not whole groups of 96"):
+        load(quant)
+
+
+@pytest.mark.parametrize("key", ["mlx-4", "fp8-channel"])
+def test_quantized_projections_keep_their_float_biases(key, tmp_path):
+    # qwen2's q/k/v projections have biases, stored in float beside the quantized weights
+    quant, floats = write_pair(tmp_path, key, family="Qwen2")
+    model = load(quant)
+    q_proj = model.model.layers[0].self_attn.q_proj
+    assert isinstance(q_proj, QuantLinear) and q_proj.bias is not None
+    assert not q_proj.bias.is_meta
+    expected = chunked_logits(load(floats), PROMPT, len(PROMPT))
+    assert_close(chunked_logits(model, PROMPT, 5), expected)
+    with torch.no_grad():
+        hf = transformers.Qwen2ForCausalLM.from_pretrained(floats, dtype=torch.float32)
+        assert_close(hf(torch.tensor([PROMPT])).logits[0], expected)
