@@ -7,7 +7,10 @@ scheduler reads its part without importing torch.
 
 from dataclasses import dataclass, field, fields
 
+from kestrel.errors import InvalidRequestError
 from kestrel.weights.embedded import DEFAULT_MODEL
+
+SPECULATIVE_METHODS = ("ngram",)  # the draft-model and MTP methods are issue 20's later slices
 
 
 @dataclass
@@ -53,6 +56,33 @@ class SchedulerConfig:
 
 
 @dataclass
+class SpeculativeConfig:
+    """Speculative decoding (engine/speculative.py): propose up to `num_speculative_tokens`
+    tokens per decode and verify them in one forward; the output is unchanged."""
+
+    speculative: str | None = None  # the method: "ngram" (prompt lookup); None: off
+    num_speculative_tokens: int = 5  # most tokens proposed per step
+    ngram_min: int = 2  # shortest n-gram matched...
+    ngram_max: int = 4  # ...and longest (tried first)
+
+    def __post_init__(self):
+        if self.speculative not in (None, *SPECULATIVE_METHODS):
+            raise InvalidRequestError(
+                f"unknown method {self.speculative!r}; supported: {', '.join(SPECULATIVE_METHODS)}",
+                param="speculative",
+            )
+        for name in ("num_speculative_tokens", "ngram_min", "ngram_max"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or not 1 <= value <= 64:
+                raise InvalidRequestError(f"must be an integer in [1, 64], got {value!r}", name)
+        if self.ngram_min > self.ngram_max:
+            raise InvalidRequestError(
+                f"must be at most --ngram-max ({self.ngram_max}), got {self.ngram_min}",
+                "ngram_min",
+            )
+
+
+@dataclass
 class ParallelConfig:
     """How the work is spread over the machine."""
 
@@ -84,6 +114,7 @@ class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    speculation: SpeculativeConfig = field(default_factory=SpeculativeConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     server: ServerConfig = field(default_factory=ServerConfig)
 

@@ -55,6 +55,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         choices=sorted(SHAPES),
         help="random weights of a named shape instead of -m (benchmarks)",
     )
+    add_speculative_args(p)
     gpu = p.add_argument_group("CUDA")
     gpu.add_argument(
         "--gpu-memory-utilization",
@@ -75,3 +76,31 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         default="float32",
         help="dtype of the hybrid models' SSM state (computed in float32 either way)",
     )
+
+
+def _count(text: str) -> int:
+    """A token count in [1, 64] (argparse names the flag when it raises)."""
+    value = int(text)
+    if not 1 <= value <= 64:
+        raise ValueError(text)
+    return value
+
+
+_count.__name__ = "integer in [1, 64]"  # argparse's message: "invalid integer in [1, 64] value"
+
+
+def add_speculative_args(p: argparse.ArgumentParser) -> None:
+    from kestrel.config import SPECULATIVE_METHODS
+
+    spec = p.add_argument_group("speculative decoding")
+    spec.add_argument(
+        "--speculative",
+        choices=SPECULATIVE_METHODS,
+        default=None,
+        help="propose tokens and verify them in one forward (ngram: prompt lookup); output unchanged",
+    )
+    spec.add_argument(
+        "--num-speculative-tokens", type=_count, default=5, help="most tokens proposed per step"
+    )
+    spec.add_argument("--ngram-min", type=_count, default=2, help="shortest n-gram matched")
+    spec.add_argument("--ngram-max", type=_count, default=4, help="longest n-gram matched (first)")

@@ -218,3 +218,44 @@ def top_logprobs(logits: torch.Tensor, token: int, k: int) -> dict[int, float]:
         values, ids = logprobs.topk(k)
         result.update(zip(ids.tolist(), values.tolist(), strict=True))
     return result
+
+
+def verify_draft(
+    logits: torch.Tensor,
+    draft: list[int],
+    params: SamplingParams,
+    generator,
+    prompt_ids,
+    output_ids,
+) -> list[int]:
+    """Speculative decoding's verification: (k+1, V) raw logits of the rows that fed the pending
+    token and the k `draft` tokens -> the accepted draft tokens and one more (a correction, or
+    the bonus token after all k). Each row is processed as a plain step would be, its output so
+    far being the tokens accepted before it (penalties see them). Greedy: a draft token is
+    accepted when it is the argmax, so the tokens are exactly the plain ones. Sampled: the
+    draft is deterministic, so token d is accepted with the target's probability p(d), and on
+    rejection the token is drawn from p with d removed, renormalised; each token then follows
+    p exactly (standard rejection sampling with a one-hot proposal)."""
+    tokens: list[int] = []
+    for i, row in enumerate(logits):
+        processed = process_logits(row, params, prompt_ids, output_ids + tokens)
+        if params.greedy:
+            token = int(processed.argmax())
+            tokens.append(token)
+            if i == len(draft) or token != draft[i]:
+                return tokens
+            continue
+        probs = truncate(processed, params).softmax(-1)
+        if i == len(draft):  # every draft token accepted: the bonus token
+            tokens.append(int(torch.multinomial(probs, 1, generator=generator)))
+            return tokens
+        d = draft[i]
+        u = torch.rand((), generator=generator, device=probs.device)
+        if u < probs[d]:
+            tokens.append(d)
+            continue
+        residual = probs.clone()
+        residual[d] = 0.0
+        tokens.append(int(torch.multinomial(residual, 1, generator=generator)))
+        return tokens
+    return tokens

@@ -128,10 +128,13 @@ def drive(runner, prompts, outputs, args, max_num_seqs: int, progress: bool) -> 
     from kestrel.engine.request import Request
     from kestrel.engine.runner import run_step
     from kestrel.engine.scheduler import Scheduler
+    from kestrel.engine.speculative import make_proposer
     from kestrel.sampling import SamplingParams
 
     config = bench_config(args, max_num_seqs)
     scheduler = Scheduler(config.scheduler, runner.block_manager(config.scheduler.kv_capacity))
+    if runner.speculates:
+        scheduler.proposer = make_proposer(config.speculation)
     params = SamplingParams(temperature=args.temperature, ignore_eos=True, max_tokens=None)
     requests = [
         Request(f"b{i}", p, params, o, config.cache.max_kv_size, config.cache.keep)
@@ -148,9 +151,10 @@ def drive(runner, prompts, outputs, args, max_num_seqs: int, progress: bool) -> 
             if res.token is None:
                 continue
             req = res.request
-            req.output_ids.append(res.token)
+            tokens = (res.tokens or [res.token])[: req.max_tokens - len(req.output_ids)]
+            req.output_ids += tokens
             first.setdefault(req.request_id, time.perf_counter())
-            bar.update(1)
+            bar.update(len(tokens))
             if len(req.output_ids) >= req.max_tokens:
                 req.finish("length")
         for req in scheduler.remove_finished():
@@ -163,6 +167,18 @@ def drive(runner, prompts, outputs, args, max_num_seqs: int, progress: bool) -> 
         "output_tokens": sum(len(r.output_ids) for r in requests),
         "ttft_s": ttft,
         "tokens": [r.output_ids for r in requests],
+        **speculation(scheduler.num_draft_tokens, scheduler.num_accepted_tokens),
+    }
+
+
+def speculation(drafted: int, accepted: int) -> dict:
+    """Speculative decoding's counts and acceptance rate (nothing when it proposed nothing)."""
+    if not drafted:
+        return {}
+    return {
+        "draft_tokens": drafted,
+        "accepted_tokens": accepted,
+        "acceptance_rate": accepted / drafted,
     }
 
 
@@ -172,7 +188,8 @@ def kestrel_latency(args, runner, work: Workload) -> dict:
     ttft = drive(runner, prompts, [1], args, 1, False)["elapsed_s"]
     full = drive(runner, prompts, outputs, args, 1, not args.no_progress)
     decode = (outputs[0] - 1) / max(full["elapsed_s"] - ttft, 1e-9)
-    return {"ttft_s": ttft, "decode_tok_s": decode, "total_s": full["elapsed_s"]}
+    spec = {k: full[k] for k in ("draft_tokens", "accepted_tokens", "acceptance_rate") if k in full}
+    return {"ttft_s": ttft, "decode_tok_s": decode, "total_s": full["elapsed_s"], **spec}
 
 
 def kestrel_throughput(args, runner, work: Workload, max_num_seqs: int) -> dict:
@@ -188,6 +205,7 @@ def kestrel_throughput(args, runner, work: Workload, max_num_seqs: int) -> dict:
         "generated_tokens": run["output_tokens"],
         "ttft_p50_s": _pct(run["ttft_s"], 50),
         "ttft_p99_s": _pct(run["ttft_s"], 99),
+        **{k: run[k] for k in ("draft_tokens", "accepted_tokens", "acceptance_rate") if k in run},
     }
 
 
@@ -238,8 +256,12 @@ def engine_throughput(args, engine, work: Workload, structured=None) -> dict:
     run.calls = 0
     run([[1] * 8] * 2, [2, 2], False)  # warm-up
     prompts = work.prompts(args.vocab)
+    before = (engine.scheduler.num_draft_tokens, engine.scheduler.num_accepted_tokens)
     elapsed, produced, ttft = run(prompts, work.outputs(), not args.no_progress)
+    drafted = engine.scheduler.num_draft_tokens - before[0]
+    accepted = engine.scheduler.num_accepted_tokens - before[1]
     return {
+        **speculation(drafted, accepted),
         "output_tok_s": produced / elapsed,
         "total_tok_s": (produced + sum(map(len, prompts))) / elapsed,
         "elapsed_s": elapsed,

@@ -101,6 +101,15 @@ class BlockTable:
         if new:
             self.held += tuple((logical, self.manager.allocate()) for logical in new)
 
+    def truncate(self, end: int) -> None:
+        """Speculative decoding's rollback: positions from `end` on were never written (their
+        tokens were rejected); blocks that hold only such positions go back now (the step ran)."""
+        size = self.manager.block_size
+        kept = tuple((lg, ph) for lg, ph in self.held if lg * size < end)
+        for _, phys in self.held[len(kept) :]:
+            self.manager.drop(phys)
+        self.held = kept
+
     def blocks_needed(self, offset: int, m: int, max_kv_size: int | None, keep: int) -> int:
         """New blocks that `make_room` and `reserve` of m tokens would take (nothing changes)."""
         saved = (self.live_start, self.keep, self.held)

@@ -11,6 +11,7 @@ from kestrel.engine.paged_runner import make_runner
 from kestrel.engine.request import Request
 from kestrel.engine.runner import ModelRunner, StepResult, run_step  # noqa: F401
 from kestrel.engine.scheduler import Scheduler
+from kestrel.engine.speculative import make_proposer
 from kestrel.errors import InvalidRequestError
 from kestrel.models.qwen_vl_processor import MultimodalPrompt
 from kestrel.sampling import SamplingParams, check_token_ids
@@ -34,6 +35,8 @@ class RequestOutput:
     num_generated_tokens: int = 0
     num_cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
     embedding: list[float] | None = None  # an embedding request's vector (its only output)
+    num_draft_tokens: int = 0  # speculative decoding: tokens proposed so far...
+    num_accepted_tokens: int = 0  # ...and accepted
 
 
 @dataclass
@@ -49,6 +52,8 @@ class EngineLoad:
     prefix_hit_tokens: int = 0  # of which were found
     prefix_cached_blocks: int = 0
     prefix_evictions: int = 0
+    draft_tokens: int = 0  # speculative decoding: tokens proposed...
+    accepted_tokens: int = 0  # ...and accepted
 
 
 class _TextState:
@@ -83,6 +88,8 @@ class Engine:
             scheduler=replace(self.config.scheduler, kv_capacity=blocks.token_capacity),
         )
         self.scheduler = Scheduler(self.config.scheduler, blocks)
+        if self.runner.speculates:  # the reference runner decodes token by token
+            self.scheduler.proposer = make_proposer(self.config.speculation)
         multimodal = getattr(model, "multimodal", False)
         self.intake = RequestFactory(
             tokenizer, self.config, self.vocab_size, self.ctx_size, multimodal, text.hidden_size
@@ -151,15 +158,22 @@ class Engine:
             return self._output(request, embedding=result.embedding)
         if result.token is None:
             return None  # a prefill chunk that did not reach the end of the prompt
-        request.output_ids.append(result.token)
-        try:
-            new_text = self._append_text(request, result.token)
-        except Exception as error:
-            log.exception("request %s failed in detokenization", request.request_id)
-            request.finish("error")
-            return self._output(request, error=error)
-        logprobs = [result.logprobs] if result.logprobs is not None else []
-        return self._output(request, new_text, [result.token], logprobs)
+        tokens = result.tokens or [result.token]
+        one = [result.logprobs] if result.logprobs is not None else []
+        logprobs = result.token_logprobs or one
+        texts = []
+        for token in tokens:  # a stop or max_tokens inside an accepted run ends it there
+            request.output_ids.append(token)
+            try:
+                texts.append(self._append_text(request, token))
+            except Exception as error:
+                log.exception("request %s failed in detokenization", request.request_id)
+                request.finish("error")
+                return self._output(request, error=error)
+            if request.finished:
+                break
+        n = len(texts)
+        return self._output(request, "".join(texts), tokens[:n], logprobs[:n])
 
     def _append_text(self, request: Request, token: int) -> str:
         if self.fault_hook:
@@ -194,6 +208,8 @@ class Engine:
             len(request.output_ids),
             request.num_cached_tokens or 0,
             embedding,
+            request.num_draft_tokens,
+            request.num_accepted_tokens,
         )
 
     def abort(self, request_id: str) -> bool:
@@ -218,6 +234,8 @@ class Engine:
             self.runner.kv_tokens_in_use(),
             scheduler.blocks.tokens_trimmed,
             scheduler.num_preempted,
+            draft_tokens=scheduler.num_draft_tokens,
+            accepted_tokens=scheduler.num_accepted_tokens,
         )
         if prefix is not None:
             load.prefix_queried_tokens, load.prefix_hit_tokens = (

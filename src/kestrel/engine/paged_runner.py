@@ -4,6 +4,12 @@ the device and CUDA graphs for decode steps.
 
 It serves every family on CUDA and on the CPU (PyTorch fallbacks, no graphs there); the CPU is
 also how its packing and paging are tested against the reference runner without a GPU.
+
+Speculative decoding: a chunk with a draft (ScheduledChunk.draft) feeds its pending token and the
+k proposed ones like a small prefill chunk, in the same forward as every other chunk, and its
+k + 1 rows are all sampled: sampling.verify_draft keeps the proposed tokens the model would have
+produced, and the cache's offset steps back over the rejected ones (the scheduler gives back
+their blocks); a later token writes over their keys before any query may see them.
 """
 
 import itertools
@@ -23,7 +29,7 @@ from kestrel.engine.runner import ModelRunner, StepResult, pooled_rows
 from kestrel.engine.scheduler import ScheduledChunk
 from kestrel.kernels.attention import tile_rows
 from kestrel.models.batch import ForwardBatch, ImageRows
-from kestrel.sampling import SamplingParams
+from kestrel.sampling import SamplingParams, top_logprobs, verify_draft
 
 log = logging.getLogger("kestrel.paged_runner")
 
@@ -50,7 +56,8 @@ class Packed:
     tiles: list[tuple[int, int, int]] = field(default_factory=list)  # (seq, start, len)
     seqs: list[tuple] = field(default_factory=list)  # (blocks, n_sink, main_start, live, keep)
     state_slots: list[int] = field(default_factory=list)  # per sequence (0: no recurrent state)
-    rows: list[int] = field(default_factory=list)  # sampling rows
+    rows: list[int] = field(default_factory=list)  # sampling rows (one per plain chunk)
+    verify_rows: list[int] = field(default_factory=list)  # speculative chunks' k + 1 rows each
     pool_rows: list[int] = field(default_factory=list)  # embedding requests' pooled rows
     # multimodal prompt chunks: (start, (3, len) M-RoPE ids) and (start, ImageRows)
     explicit_rope: list[tuple[int, torch.Tensor]] = field(default_factory=list)
@@ -84,6 +91,8 @@ SSM_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": t
 
 
 class PagedRunner(ModelRunner):
+    speculates = True
+
     def __init__(
         self,
         model,
@@ -265,16 +274,18 @@ class PagedRunner(ModelRunner):
         decode = all(c.num_tokens == 1 and c.samples for c in chunks) and not packed.images
         decode = decode and not packed.explicit_rope
         size = next((b for b in sorted(self.graphs) if b >= len(chunks)), None)
-        sampling = [c.request for c in chunks if c.samples]
+        sampling = [c.request for c in chunks if c.samples and not c.draft]
+        speculative = [c for c in chunks if c.draft]
         masks = self._start_masks(sampling)  # on the host, while the device runs the forward
         if decode and size is not None:
             logits, hidden = self._replay(packed, size)[: len(chunks)], None  # nothing pooled
         else:
             batch = self._to_batch(packed, tile_tokens=1 if decode else None)
-            logits, hidden = self._forward(batch, len(sampling))
+            logits, hidden = self._forward(batch, len(packed.rows) + len(packed.verify_rows))
         self._advance(chunks)
-        masked, failed = self._apply_masks(masks, logits)
-        results = self._sample_batch(sampling, logits, masked)
+        plain, verify = logits[: len(sampling)], logits[len(sampling) :]
+        masked, failed = self._apply_masks(masks, plain)
+        results = self._sample_batch(sampling, plain, masked) + self._verify(speculative, verify)
         return self._finish(chunks, self._accept(results, failed), hidden)
 
     def _pack_batch(self, chunks) -> PagedBatch:
@@ -292,7 +303,7 @@ class PagedRunner(ModelRunner):
             cache.make_room(n, request.max_kv_size, request.keep)  # planned: no-ops then
             cache.reserve(n)
             start = len(p.ids)
-            p.ids.extend(_pending_ids(request, n))
+            p.ids.extend(_pending_ids(request, n - len(chunk.draft)) + chunk.draft)
             p.positions.extend(range(cache.offset, cache.offset + n))
             p.chunk_ends.extend([cache.offset + n - 1] * n)
             if request.multimodal is not None:
@@ -308,7 +319,9 @@ class PagedRunner(ModelRunner):
             p.seqs.append((blocks, n_sink, main_start, cache.live_start, cache.keep))
             p.state_slots.append(cache.state_slot)
             p.tiles.append((s, start, n))
-            if chunk.samples:
+            if chunk.draft:
+                p.verify_rows.extend(range(start, start + n))
+            elif chunk.samples:
                 p.rows.append(start + n - 1)
             p.pool_rows.extend(pooled_rows(chunk, start))
         return p
@@ -399,6 +412,47 @@ class PagedRunner(ModelRunner):
 
     # -- sampling on the device ---------------------------------------------------------------
 
+    def _verify(self, chunks: list[ScheduledChunk], logits: torch.Tensor) -> list[StepResult]:
+        """Each speculative chunk's tokens from its k + 1 rows of (R, V) `logits`, its cache's
+        offset stepped back over the rejected draft tokens. Greedy rows' argmaxes come in one
+        host read; the rest verify row by row (penalties, seeds, temperature)."""
+        if not chunks:
+            return []
+        fast = [_batchable(c.request) and c.request.params.greedy for c in chunks]
+        argmax = logits.argmax(-1).tolist() if any(fast) and not self.fault_hook else None
+        results, at = [], 0
+        for chunk, is_fast in zip(chunks, fast, strict=True):
+            rows = logits[at : at + len(chunk.draft) + 1]
+            at += len(rows)
+            picks = argmax[at - len(rows) : at] if is_fast and argmax is not None else None
+            results.append(self._verify_one(chunk, rows, picks))
+        return results
+
+    def _verify_one(self, chunk: ScheduledChunk, rows: torch.Tensor, picks) -> StepResult:
+        """(k+1, V) rows -> the chunk's tokens (`picks`: the rows' argmaxes, for greedy)."""
+        request = chunk.request
+        try:
+            if self.fault_hook:
+                self.fault_hook("sample", request)
+            if picks is not None:
+                tokens = _accept_greedy(chunk.draft, picks)
+            else:
+                generator = self._generator(request)
+                params, prompt, output = request.params, request.prompt_ids, request.output_ids
+                tokens = verify_draft(rows, chunk.draft, params, generator, prompt, output)
+        except Exception as error:
+            log.exception("request %s failed in sampling", request.request_id)
+            return StepResult(request, error=error)
+        self.caches[request.request_id].offset -= len(chunk.draft) + 1 - len(tokens)
+        k = request.params.logprobs
+        logprobs = (
+            None
+            if k is None
+            else [top_logprobs(r, t, k) for r, t in zip(rows, tokens, strict=False)]
+        )
+        first = None if logprobs is None else logprobs[0]
+        return StepResult(request, tokens[0], first, tokens=tokens, token_logprobs=logprobs)
+
     def _sample_batch(
         self, requests: list[Request], raw: torch.Tensor, logits: torch.Tensor
     ) -> list[StepResult]:
@@ -438,7 +492,7 @@ def build_batch(
         for col in zip(*[(len(b), ns, ms, ls, k) for b, ns, ms, ls, k in p.seqs], strict=False)
     ]
     tile_columns = map(list, zip(*tiles, strict=False))
-    rows = p.rows + p.pool_rows  # sampling rows first (ModelRunner._forward)
+    rows = p.rows + p.verify_rows + p.pool_rows  # sampling rows first (ModelRunner._forward)
     flat = [p.ids, p.positions, p.chunk_ends, p.rope_ids, p.slots, rows, *tile_columns, *per_seq]
     # recurrent-state groups: chunks of one length together (one-token chunks first), as (first
     # row, state slot) runs
@@ -503,6 +557,15 @@ def _pending_ids(request: Request, n: int) -> list[int]:
         return request.output_ids[start - len(prompt) : start - len(prompt) + n]
     ids = prompt[start : start + n]
     return ids + request.output_ids[: n - len(ids)] if len(ids) < n else ids
+
+
+def _accept_greedy(draft: list[int], picks: list[int]) -> list[int]:
+    """The greedy verification of `draft` by the argmaxes of its k + 1 rows: the draft tokens
+    up to the first that differs from the argmax, then that row's argmax."""
+    for i, token in enumerate(draft):
+        if picks[i] != token:
+            return draft[:i] + [picks[i]]
+    return draft + [picks[-1]]
 
 
 def _batchable(request: Request) -> bool:

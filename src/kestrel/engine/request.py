@@ -36,6 +36,8 @@ class Request:
     output_ids: list[int] = field(default_factory=list)
     num_computed: int = 0  # tokens already written into the cache
     num_cached_tokens: int | None = None  # prompt tokens a prefix hit gave it (set at admission)
+    num_draft_tokens: int = 0  # speculative decoding: tokens proposed for it...
+    num_accepted_tokens: int = 0  # ...and of those, accepted
     status: Status = Status.WAITING
     finish_reason: str | None = None
     arrival_time: float = field(default_factory=time.monotonic)

@@ -42,6 +42,10 @@ class StepResult:
     logprobs: dict[int, float] | None = None
     error: BaseException | None = None
     embedding: list[float] | None = None
+    # a speculative chunk's tokens: its accepted draft tokens and one more (`token` is the
+    # first), with their log-probs when asked; None: one token, as `token`
+    tokens: list[int] | None = None
+    token_logprobs: list[dict[int, float]] | None = None
 
 
 def pooled_rows(chunk: ScheduledChunk, start: int) -> range:
@@ -56,6 +60,8 @@ def pooled_rows(chunk: ScheduledChunk, start: int) -> range:
 
 
 class ModelRunner:
+    speculates = False  # verifies speculative chunks (ScheduledChunk.draft); the paged runner
+
     def __init__(self, model: CausalLM, device: torch.device):
         self.model = model
         self.device = device
@@ -288,5 +294,7 @@ def run_step(scheduler: Scheduler, runner: ModelRunner) -> list[StepResult]:
     if not plan.chunks:
         return []
     results = runner.execute(plan.chunks)
-    scheduler.computed(plan.chunks, {r.request.request_id for r in results if r.error})
+    failed = {r.request.request_id for r in results if r.error}
+    accepted = {r.request.request_id: len(r.tokens) - 1 for r in results if r.tokens}
+    scheduler.computed(plan.chunks, failed, accepted)
     return results

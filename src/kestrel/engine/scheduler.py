@@ -15,12 +15,20 @@ A step therefore never runs out of blocks in the middle of a forward. A request 
 and each step's full blocks are cached once the step ran (`computed`). The paged runner's pool is
 the manager's blocks; the reference runner's memory is counted in one-token blocks
 (`kv_capacity`, or unlimited).
+
+Speculative decoding (`proposer`, engine/speculative.py): a decode that may speculate is planned
+as a chunk of 1 + k tokens, its pending token then the k proposed ones (`ScheduledChunk.draft`),
+blocks taken for all of them. After the step `computed` keeps only the accepted ones: the
+rejected tokens' positions go back (blocks holding only them are returned), so nothing of them
+stays where later tokens look. A decode speculates only where that is exact: no trim in the step
+(a trim for 1 + k tokens would hide keys one token would still see), no recurrent state (it
+cannot be rolled back), no grammar, and room in the step's budget and the pool.
 """
 
 from collections import deque
 from dataclasses import dataclass, field
 
-from kestrel.cache.blocks import BlockManager
+from kestrel.cache.blocks import BlockManager, tokens_to_trim
 from kestrel.config import SchedulerConfig
 from kestrel.engine.request import Request, Status
 from kestrel.errors import InvalidRequestError
@@ -37,10 +45,11 @@ class ScheduledChunk:
 
     request: Request
     num_tokens: int
+    draft: list[int] = field(default_factory=list)  # proposed tokens fed after the pending one
 
     @property
     def completes(self) -> bool:
-        return self.num_tokens == self.request.num_pending
+        return self.num_tokens - len(self.draft) == self.request.num_pending
 
     @property
     def samples(self) -> bool:
@@ -66,6 +75,8 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preempted = 0  # over the scheduler's life (a metric)
+        self.proposer = None  # speculative decoding's (engine/speculative.py); None: off
+        self.num_draft_tokens = self.num_accepted_tokens = 0  # over its life (metrics)
 
     def add(self, request: Request) -> None:
         """Queue a request; InvalidRequestError if it could not fit the KV memory even alone."""
@@ -90,10 +101,11 @@ class Scheduler:
                 continue
             if preempted and request.status is Status.WAITING:
                 continue  # preempted earlier in this loop, to make room for an older one
-            if not self._make_room(kv, request, 1, preempted):
+            draft = self._propose(kv, request, budget)
+            if not self._make_room(kv, request, 1 + len(draft), preempted):
                 break  # it was the newest: preempted itself
-            chunks.append(ScheduledChunk(request, 1))
-            budget -= 1
+            chunks.append(ScheduledChunk(request, 1 + len(draft), draft))
+            budget -= 1 + len(draft)
         for request in self.running:  # then prefill chunks, oldest first
             if request.is_prefilling and budget > 0:
                 budget -= self._prefill(kv, request, budget, chunks)
@@ -116,6 +128,32 @@ class Scheduler:
                 budget -= self._prefill(kv, request, budget, chunks)
         return SchedulerOutput(chunks, preempted)
 
+    def _propose(self, kv: "_KVPlan", request: Request, budget: int) -> list[int]:
+        """The tokens a decode feeds after its pending one ([]: a plain decode). Never past
+        max_tokens (the step adds at most 1 + len(draft) tokens), and only where verifying
+        them is exact and they fit the pool now."""
+        if self.proposer is None or not self._may_speculate(request):
+            return []
+        most = min(request.max_tokens - len(request.output_ids), budget) - 1
+        draft = self.proposer.propose(request.all_ids, most)
+        # speculation never preempts: it leaves a block for each running sequence's next token
+        if draft and not self.blocks.fits(kv.needed(request, 1 + len(draft)) + len(self.running)):
+            return []
+        if draft and request.max_kv_size:
+            live = self.blocks.table(request.request_id).live_tokens(request.num_computed)
+            if tokens_to_trim(live, 1 + len(draft), request.max_kv_size, request.keep):
+                return []  # a trim for 1 + k tokens would hide keys one token still sees
+        return draft
+
+    def _may_speculate(self, request: Request) -> bool:
+        limit = self.blocks.prefix_tokens  # past it, keys depend on the chunks (LongRoPE)
+        return (
+            not self.blocks.state_slots  # recurrent state cannot be rolled back
+            and request.params.structured_output is None  # grammars advance token by token
+            and request.multimodal is None
+            and (limit is None or len(request.all_ids) + self.proposer.k <= limit)
+        )
+
     def _reuse_prefix(self, request: Request) -> None:
         """Start a request that holds nothing from the cached blocks of its longest cached
         prefix (a new request, or a preempted one being recomputed)."""
@@ -136,22 +174,38 @@ class Scheduler:
             prefix.queried_tokens += len(request.prompt_ids)
             prefix.hit_tokens += request.num_cached_tokens
 
-    def computed(self, chunks: list[ScheduledChunk], failed: set[str]) -> None:
+    def computed(
+        self, chunks: list[ScheduledChunk], failed: set[str], accepted: dict[str, int] | None = None
+    ) -> None:
         """The step ran: each chunk's tokens are in its cache, and the blocks they filled are
-        cached for later prompts (not those of chunks that failed: their keys were undone)."""
+        cached for later prompts (not those of chunks that failed: their keys were undone).
+        `accepted`: per request id, how many of its chunk's draft tokens were accepted; the
+        rest are rolled back (a chunk with a draft missing from it: none accepted)."""
         for chunk in chunks:
             request = chunk.request
-            request.num_computed += chunk.num_tokens
+            kept = self._keep_accepted(chunk, (accepted or {}).get(request.request_id, 0))
+            request.num_computed += chunk.num_tokens - len(chunk.draft) + len(kept)
             table = self.blocks.tables.get(request.request_id)
+            if table is not None and chunk.draft:
+                table.truncate(request.num_computed)
             if table is not None and request.request_id not in failed:
                 self.blocks.publish(
                     table,
                     request.num_computed,
                     request.prompt_ids,
-                    request.output_ids,
+                    request.output_ids + kept,  # the accepted tokens join the output after
                     request.image_keys,
                     snapshot=request.num_computed == self._snapshot_at(request),
                 )
+
+    def _keep_accepted(self, chunk: ScheduledChunk, accepted: int) -> list[int]:
+        """The chunk's accepted draft tokens, counted in its request's speculation totals."""
+        if chunk.draft:
+            chunk.request.num_draft_tokens += len(chunk.draft)
+            chunk.request.num_accepted_tokens += accepted
+            self.num_draft_tokens += len(chunk.draft)
+            self.num_accepted_tokens += accepted
+        return chunk.draft[:accepted]
 
     def _chunk(self, request: Request) -> int:
         """The request's next prefill chunk; it ends where its recurrent state is to be
@@ -234,19 +288,19 @@ class _KVPlan:
         self.blocks = blocks
         blocks.commit()  # the last step ran: what it gave back may be handed out again
 
-    def _needed(self, request: Request, n: int) -> int:
+    def needed(self, request: Request, n: int) -> int:
         table = self.blocks.table(request.request_id)
         return table.blocks_needed(request.num_computed, n, request.max_kv_size, request.keep)
 
     def fit(self, request: Request, n: int) -> int:
         """The most of n tokens `request` may add with the blocks free now."""
         most = -(-n // self.blocks.block_size) + 1  # n tokens never take more new blocks
-        if self.blocks.fits(most) or self.blocks.fits(self._needed(request, n)):
+        if self.blocks.fits(most) or self.blocks.fits(self.needed(request, n)):
             return n
         low, high = 0, n  # blocks needed only grow with the tokens: the largest that fits
         while low < high:
             mid = (low + high + 1) // 2
-            if self.blocks.fits(self._needed(request, mid)):
+            if self.blocks.fits(self.needed(request, mid)):
                 low = mid
             else:
                 high = mid - 1

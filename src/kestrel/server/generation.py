@@ -15,7 +15,13 @@ from kestrel.engine.engine import RequestOutput
 from kestrel.models.qwen_vl_processor import MultimodalPrompt
 from kestrel.sampling import SamplingParams
 from kestrel.server.errors import ClientDisconnected, sse_error
-from kestrel.server.protocol import PromptTokensDetails, TokenLogprob, TopLogprob, Usage
+from kestrel.server.protocol import (
+    CompletionTokensDetails,
+    PromptTokensDetails,
+    TokenLogprob,
+    TopLogprob,
+    Usage,
+)
 
 log = logging.getLogger("kestrel.server")
 
@@ -38,6 +44,8 @@ class Choice:
     prompt_tokens: int = 0
     generated_tokens: int = 0
     cached_tokens: int = 0
+    draft_tokens: int = 0  # speculative decoding's proposals, and of them accepted
+    accepted_tokens: int = 0
     embedding: list[float] | None = None  # an embedding request's vector
 
     def add(self, output: RequestOutput) -> None:
@@ -48,6 +56,8 @@ class Choice:
         self.prompt_tokens = output.num_prompt_tokens
         self.generated_tokens = output.num_generated_tokens
         self.cached_tokens = output.num_cached_tokens
+        self.draft_tokens = output.num_draft_tokens
+        self.accepted_tokens = output.num_accepted_tokens
         self.embedding = output.embedding or self.embedding
 
 
@@ -118,11 +128,19 @@ class Generation:
         completion = sum(c.generated_tokens for c in self.choices)
         # each prompt counts once (as prompt_tokens does): its first choice's hit
         cached = sum(c.cached_tokens for c in self.choices[:: self.n])
+        drafted = sum(c.draft_tokens for c in self.choices)
+        accepted = sum(c.accepted_tokens for c in self.choices)
+        details = None
+        if drafted:
+            details = CompletionTokensDetails(
+                accepted_prediction_tokens=accepted, rejected_prediction_tokens=drafted - accepted
+            )
         return Usage(
             prompt_tokens=self.prompt_tokens,
             completion_tokens=completion,
             total_tokens=self.prompt_tokens + completion,
             prompt_tokens_details=PromptTokensDetails(cached_tokens=cached),
+            completion_tokens_details=details,
         )
 
 

@@ -90,6 +90,16 @@ class EngineCollector:
             "cached KV blocks evicted for new ones",
             load.prefix_evictions,
         )
+        yield _counter(
+            "kestrel_spec_decode_draft_tokens",
+            "tokens proposed by speculative decoding",
+            load.draft_tokens,
+        )
+        yield _counter(
+            "kestrel_spec_decode_accepted_tokens",
+            "proposed tokens the model accepted",
+            load.accepted_tokens,
+        )
         finished = CounterMetricFamily(
             "kestrel_requests_finished", "engine requests by finish reason", labels=["reason"]
         )

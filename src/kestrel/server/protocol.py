@@ -728,11 +728,19 @@ class PromptTokensDetails(_Response):
     cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
 
 
+class CompletionTokensDetails(_Response):
+    """Speculative decoding's proposed tokens (OpenAI's predicted-output fields)."""
+
+    accepted_prediction_tokens: int = 0
+    rejected_prediction_tokens: int = 0
+
+
 class Usage(_Response):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
     prompt_tokens_details: PromptTokensDetails | None = None
+    completion_tokens_details: CompletionTokensDetails | None = None  # when speculating
 
 
 class TopLogprob(_Response):
