@@ -47,10 +47,11 @@ def load_kestrel(folder: Path):
 def chunked_logits(model, ids: list[int], chunk: int, max_kv_size=None, keep=0) -> torch.Tensor:
     """Prefill `ids` in chunks of `chunk` tokens; (len(ids), V) logits for every position."""
     cache = SequenceCache(model.cache_specs())
+    device = next(iter(model.state_dict().values())).device
     out = []
     with torch.no_grad():
         for start in range(0, len(ids), chunk):
-            piece = torch.tensor(ids[start : start + chunk])
+            piece = torch.tensor(ids[start : start + chunk], device=device)
             cache.make_room(len(piece), max_kv_size, keep)
             out.append(model(ForwardBatch.single(cache, piece)))
             cache.advance(len(piece))

@@ -203,7 +203,8 @@ def unpack_bits(words: torch.Tensor, bits: int, cols: int) -> torch.Tensor:
 
 
 def _mlx(fmt, t, rows, cols):
-    q = unpack_bits(t["qweight"][rows], fmt.bits, cols).float()
+    words = t["qweight"].view(torch.int32)[rows]  # CUDA cannot index uint32 tensors
+    q = unpack_bits(words, fmt.bits, cols).float()
     scales, biases = t["scales"][rows].float(), t["biases"][rows].float()  # (n, cols / group)
     w = q.reshape(q.shape[0], -1, fmt.group) * scales.unsqueeze(-1) + biases.unsqueeze(-1)
     return w.reshape(q.shape[0], cols)
