@@ -1,0 +1,160 @@
+"""Tensor parallel (Megatron-style): each rank holds a slice of every large weight, and one
+all-reduce per attention block and per MLP joins the partial sums.
+
+- Attention: q/k/v split by heads (column parallel), o_proj by the same heads' input columns
+  (row parallel, then all-reduce). With fewer KV heads than ranks, each KV head is kept by the
+  ranks whose query heads read it (replicated).
+- Gated MLP: gate/up split along the intermediate width, down_proj along its input.
+- Embedding and head split along the vocabulary (padded to equal shards): a token's row comes
+  from the rank that holds it (all-reduce), the logits from every rank side by side (all-gather).
+
+`shard_model` rewires a loaded model in place, as layers/fused.py does, so model files keep one
+definition. A model with a Linear that no rule here covers is refused, naming it.
+"""
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kestrel.distributed.group import TPGroup
+from kestrel.models.layers.attention import Attention
+from kestrel.models.layers.mlp import GatedMLP
+
+
+class ColumnParallelLinear(nn.Module):
+    """Output rows `rows` of a Linear: x (..., in) -> this rank's slice of the outputs."""
+
+    def __init__(self, linear: nn.Linear, rows: slice):
+        super().__init__()
+        self.weight = nn.Parameter(linear.weight.data[rows].clone(), requires_grad=False)
+        bias = linear.bias
+        self.bias = None if bias is None else nn.Parameter(bias.data[rows].clone(), False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+class RowParallelLinear(nn.Module):
+    """Input columns `cols` of a Linear: this rank's slice of the inputs -> the full outputs,
+    summed over ranks; the bias is added once, after the sum."""
+
+    def __init__(self, linear: nn.Linear, cols: slice, tp: TPGroup):
+        super().__init__()
+        self.weight = nn.Parameter(linear.weight.data[:, cols].clone(), requires_grad=False)
+        self.bias = linear.bias
+        self.tp = tp
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.tp.all_reduce(F.linear(x, self.weight))
+        return out if self.bias is None else out + self.bias
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Rows [start, start + n) of the vocabulary (zero-padded to n): each rank embeds the ids it
+    holds and zeros elsewhere, and the all-reduce gives every rank the full rows."""
+
+    def __init__(self, weight: torch.Tensor, tp: TPGroup):
+        super().__init__()
+        self.weight = nn.Parameter(vocab_shard(weight, tp), requires_grad=False)
+        self.start, self.tp = tp.rank * self.weight.shape[0], tp
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        local = ids - self.start
+        held = (local >= 0) & (local < self.weight.shape[0])
+        rows = F.embedding(local.clamp(0, self.weight.shape[0] - 1), self.weight)
+        return self.tp.all_reduce(rows * held[..., None].to(rows.dtype))
+
+
+class VocabParallelHead(nn.Module):
+    """The output head's rows for this rank's vocabulary shard; logits gathered to (..., V)."""
+
+    def __init__(self, shard: nn.Parameter, vocab: int, tp: TPGroup):
+        super().__init__()
+        self.weight = shard  # vocab_shard's rows, or the tied embedding's own shard
+        self.vocab, self.tp = vocab, tp
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.tp.all_gather_last(F.linear(x, self.weight))[..., : self.vocab]
+
+
+def vocab_shard(weight: torch.Tensor, tp: TPGroup) -> torch.Tensor:
+    """This rank's rows of a (V, H) table, V padded with zero rows to a multiple of the ranks."""
+    n = -(-weight.shape[0] // tp.size)
+    shard = weight.data[tp.rank * n : (tp.rank + 1) * n]
+    return torch.cat([shard, shard.new_zeros(n - shard.shape[0], shard.shape[1])]).clone()
+
+
+def shard_model(model: nn.Module, tp: TPGroup) -> nn.Module:
+    """Rewire `model` (loaded whole) to hold this rank's slices; returns it."""
+    uncovered = _uncovered_linears(model)
+    if uncovered:
+        raise ValueError(
+            f"tensor parallel does not cover {type(model).__name__}'s layers "
+            f"{', '.join(uncovered[:4])}{' ...' if len(uncovered) > 4 else ''}; it covers "
+            "GQA attention, gated MLPs, the embedding and the head"
+        )
+    for module in list(model.modules()):
+        if isinstance(module, Attention):
+            _shard_attention(module, tp)
+        elif isinstance(module, GatedMLP):
+            _shard_mlp(module, tp)
+    _shard_vocab(model, tp)
+    return model
+
+
+def _uncovered_linears(model: nn.Module) -> list[str]:
+    covered = {
+        id(getattr(m, n))
+        for m in model.modules()
+        if isinstance(m, (Attention, GatedMLP))
+        for n in ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+        if hasattr(m, n)
+    }
+    covered.add(id(getattr(model, "lm_head", None)))
+    return [
+        name
+        for name, m in model.named_modules()
+        if isinstance(m, nn.Linear) and id(m) not in covered
+    ]
+
+
+def _shard_attention(attn: Attention, tp: TPGroup) -> None:
+    hq, hkv, d = attn.num_heads, attn.num_kv_heads, attn.head_dim
+    if hq % tp.size or (hkv % tp.size and tp.size % hkv):
+        raise ValueError(f"{hq} query and {hkv} KV heads do not split over {tp.size} ranks")
+    q_heads = hq // tp.size
+    first_q = tp.rank * q_heads
+    kv_heads = max(1, hkv // tp.size)
+    first_kv = first_q // (hq // hkv)  # the KV head this rank's first query head reads
+    attn.q_proj = ColumnParallelLinear(attn.q_proj, _heads(first_q, q_heads, d))
+    attn.k_proj = ColumnParallelLinear(attn.k_proj, _heads(first_kv, kv_heads, d))
+    attn.v_proj = ColumnParallelLinear(attn.v_proj, _heads(first_kv, kv_heads, d))
+    attn.o_proj = RowParallelLinear(attn.o_proj, _heads(first_q, q_heads, d), tp)
+    attn.num_heads, attn.num_kv_heads = q_heads, kv_heads
+
+
+def _heads(first: int, count: int, dim: int) -> slice:
+    return slice(first * dim, (first + count) * dim)
+
+
+def _shard_mlp(mlp: GatedMLP, tp: TPGroup) -> None:
+    width = mlp.gate_proj.out_features
+    if width % tp.size:
+        raise ValueError(f"MLP width {width} does not split over {tp.size} ranks")
+    part = width // tp.size
+    cols = slice(tp.rank * part, (tp.rank + 1) * part)
+    mlp.gate_proj = ColumnParallelLinear(mlp.gate_proj, cols)
+    mlp.up_proj = ColumnParallelLinear(mlp.up_proj, cols)
+    mlp.down_proj = RowParallelLinear(mlp.down_proj, cols, tp)
+
+
+def _shard_vocab(model: nn.Module, tp: TPGroup) -> None:
+    backbone = model.model
+    table = backbone.embed_tokens.weight
+    tied = getattr(model, "lm_head", None) is not None and model.lm_head.weight is table
+    backbone.embed_tokens = VocabParallelEmbedding(table, tp)
+    if getattr(model, "lm_head", None) is not None:
+        shard = backbone.embed_tokens.weight
+        if not tied:
+            shard = nn.Parameter(vocab_shard(model.lm_head.weight, tp), requires_grad=False)
+        model.lm_head = VocabParallelHead(shard, table.shape[0], tp)
