@@ -1,5 +1,5 @@
 """Tensor parallel on the CPU: two gloo processes, each holding half of every attention block, MLP,
-embedding and head, generate exactly what one process holding the whole model generates (greedy
+expert, embedding and head, generate exactly what one process holding the whole model generates (greedy
 tokens equal, first-step log-probs within 1e-4 in fp32), through the reference runner with
 chunked prefill and a `--max-kv-size` trim."""
 
@@ -37,9 +37,11 @@ def one_kv_head(window):
 
 
 # (name, model factory): GQA with a vocabulary that does not split evenly (97), every layer
-# sliding (Mistral), gemma3's sliding/global mix, and replicated KV heads
+# sliding (Mistral), gemma3's sliding/global mix, replicated KV heads, and EXAONE-MoE (sigmoid,
+# group-limited routing over experts split along their width, a shared expert, a dense layer)
 MODELS = [
     ("llama", lambda: tiny_model("llama")),
+    ("exaone_moe", lambda: tiny_model("exaone_moe")),
     ("mistral-sliding", lambda: tiny_model("llama", window=7)),
     ("gemma3", lambda: tiny_model("gemma3", window=6)),
     ("one-kv-head", lambda: one_kv_head(None)),

@@ -5,6 +5,9 @@ all-reduce per attention block and per MLP joins the partial sums.
   (row parallel, then all-reduce). With fewer KV heads than ranks, each KV head is kept by the
   ranks whose query heads read it (replicated).
 - Gated MLP: gate/up split along the intermediate width, down_proj along its input.
+- Routed experts: every expert split the same way along its width (the router is replicated, so
+  each rank routes every token alike); one all-reduce joins the experts' partial sums, and the
+  shared experts are a gated MLP as above.
 - Embedding and head split along the vocabulary (padded to equal shards): a token's row comes
   from the rank that holds it (all-reduce), the logits from every rank side by side (all-gather).
 
@@ -19,6 +22,7 @@ from torch import nn
 from kestrel.distributed.group import TPGroup
 from kestrel.models.layers.attention import Attention
 from kestrel.models.layers.mlp import GatedMLP
+from kestrel.models.layers.moe import Experts
 
 
 class ColumnParallelLinear(nn.Module):
@@ -77,6 +81,29 @@ class VocabParallelHead(nn.Module):
         return self.tp.all_gather_last(F.linear(x, self.weight))[..., : self.vocab]
 
 
+class ParallelExperts(nn.Module):
+    """An Experts stack holding this rank's slice of each expert's width: its output is a
+    partial sum over the width, joined by one all-reduce."""
+
+    def __init__(self, experts: Experts, tp: TPGroup):
+        super().__init__()
+        width = experts.intermediate
+        if width % tp.size:
+            raise ValueError(f"expert width {width} does not split over {tp.size} ranks")
+        part = width // tp.size
+        cols = slice(tp.rank * part, (tp.rank + 1) * part)
+        w = experts.in_proj.data  # (E, 2I, H) gate rows then up rows, or (E, I, H) ungated
+        rows = torch.cat([w[:, cols], w[:, width:][:, cols]], 1) if experts.gated else w[:, cols]
+        name = "gate_up_proj" if experts.gated else "up_proj"
+        setattr(experts, name, nn.Parameter(rows.clone(), requires_grad=False))
+        experts.down_proj = nn.Parameter(experts.down_proj.data[:, :, cols].clone(), False)
+        experts.intermediate = part
+        self.experts, self.tp = experts, tp
+
+    def forward(self, x, weights, ids) -> torch.Tensor:
+        return self.tp.all_reduce(self.experts(x, weights, ids))
+
+
 def vocab_shard(weight: torch.Tensor, tp: TPGroup) -> torch.Tensor:
     """This rank's rows of a (V, H) table, V padded with zero rows to a multiple of the ranks."""
     n = -(-weight.shape[0] // tp.size)
@@ -91,13 +118,15 @@ def shard_model(model: nn.Module, tp: TPGroup) -> nn.Module:
         raise ValueError(
             f"tensor parallel does not cover {type(model).__name__}'s layers "
             f"{', '.join(uncovered[:4])}{' ...' if len(uncovered) > 4 else ''}; it covers "
-            "GQA attention, gated MLPs, the embedding and the head"
+            "GQA attention, gated MLPs, routed experts, the embedding and the head"
         )
     for module in list(model.modules()):
         if isinstance(module, Attention):
             _shard_attention(module, tp)
         elif isinstance(module, GatedMLP):
             _shard_mlp(module, tp)
+        elif isinstance(getattr(module, "experts", None), Experts):
+            module.experts = ParallelExperts(module.experts, tp)
     _shard_vocab(model, tp)
     return model
 
@@ -111,6 +140,9 @@ def _uncovered_linears(model: nn.Module) -> list[str]:
         if hasattr(m, n)
     }
     covered.add(id(getattr(model, "lm_head", None)))
+    # a gate on the shared experts' output (hidden -> 1) is small: every rank keeps it whole
+    gates = [m.shared_expert_gate for m in model.modules() if hasattr(m, "shared_expert_gate")]
+    covered |= {id(g) for g in gates}
     return [
         name
         for name, m in model.named_modules()
