@@ -48,4 +48,3 @@ def test_cuda_greedy_with_speculation_equals_without(cuda_tiny, tokenizer):
     for key in plain:
         assert spec[key][:3] == plain[key][:3], key
     assert sum(v[4] for v in spec.values()) > 0  # drafts were accepted
-
