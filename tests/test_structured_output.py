@@ -247,6 +247,16 @@ def test_a_constraint_that_cannot_compile_is_a_400_naming_it(client, body, param
     assert _chat(client, "Hello", max_tokens=4).choices[0].message.content  # still serving
 
 
+def test_a_constraint_the_grammar_engine_fails_on_mid_output_is_a_400_naming_it(client):
+    """llguidance loses its way on a choice of one unassigned code point with SmolLM2's
+    tokenizer (found by the schema fuzzer): the request gets a 400 naming the field, not a 500,
+    and the server keeps serving."""
+    with pytest.raises(openai.BadRequestError) as error:
+        _chat(client, "Hello", extra_body={"guided_choice": ["\U00094f6f"]})
+    assert error.value.body["param"] == "guided_choice", error.value.body
+    assert _chat(client, "Hello", max_tokens=4).choices[0].message.content  # still serving
+
+
 def test_llama_completion_bad_grammar_is_a_400(server):
     status, body = server.post("/completion", {"prompt": "x", "grammar": "root ::= ("})
     assert status == 400 and body["error"]["param"] == "grammar", body

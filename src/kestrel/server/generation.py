@@ -12,6 +12,7 @@ from fastapi.responses import StreamingResponse
 
 from kestrel.engine.client import EngineClient, GenerateRequest, OutputStream
 from kestrel.engine.engine import RequestOutput
+from kestrel.errors import InvalidRequestError
 from kestrel.models.qwen_vl_processor import MultimodalPrompt
 from kestrel.sampling import SamplingParams
 from kestrel.server.errors import ClientDisconnected, sse_error
@@ -76,6 +77,7 @@ class Generation:
     ):
         self.engine = engine
         self.request_id = request_id
+        self.constraint = params.structured_output
         self.n = params.n
         self.prompt_tokens = sum(
             len(p.token_ids if isinstance(p, MultimodalPrompt) else p) for p in prompts
@@ -103,10 +105,23 @@ class Generation:
         async for output in self.stream:
             if output.error is not None:
                 log.error("request %s failed: %r", output.request_id, output.error)
-                raise output.error
+                raise self._failure(output.error)
             choice = self.choices[self.index[output.request_id]]
             choice.add(output)
             yield choice, output
+
+    def _failure(self, error: BaseException) -> BaseException:
+        """The error to answer with. The grammar engine's failures are ValueErrors (in the
+        engine process: an EngineError naming one); llguidance fails mid-output on some strings
+        with some tokenizers (a choice of one unassigned code point, with SmolLM2's), so that
+        is the constraint's fault: a 400 naming its field, not a 500."""
+        text = str(error)
+        grammar = isinstance(error, ValueError) or text.startswith("ValueError:")
+        if self.constraint is None or not grammar:
+            return error
+        param = self.constraint.param
+        message = f"{param}: the output could not be kept to this constraint ({text})"
+        return InvalidRequestError(message, param=param)
 
     async def collect(self, http: Request) -> list[Choice]:
         """Run to the end; abort (and raise ClientDisconnected) if the client leaves first."""
