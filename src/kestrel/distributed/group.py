@@ -4,6 +4,7 @@ rendezvous (`torchrun`'s RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT, or an ex
 init_method), over NCCL on CUDA and gloo on the CPU."""
 
 from dataclasses import dataclass
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -37,8 +38,6 @@ def join(
 ) -> TPGroup:
     """Join the group of `size` ranks as `rank` (NCCL on CUDA, gloo elsewhere). A rank that
     does not arrive within `timeout_s` fails the others' collectives instead of hanging them."""
-    from datetime import timedelta
-
     backend = "nccl" if device.type == "cuda" else "gloo"
     dist.init_process_group(
         backend, init_method=init_method, rank=rank, world_size=size,

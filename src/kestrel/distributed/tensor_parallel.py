@@ -131,13 +131,20 @@ def shard_model(model: nn.Module, tp: TPGroup) -> nn.Module:
     return model
 
 
+# the Linears each shared layer's rule shards
+SHARDED_LINEARS = {
+    Attention: ("q_proj", "k_proj", "v_proj", "o_proj"),
+    GatedMLP: ("gate_proj", "up_proj", "down_proj"),
+}
+
+
 def _uncovered_linears(model: nn.Module) -> list[str]:
     covered = {
-        id(getattr(m, n))
+        id(getattr(m, name))
         for m in model.modules()
-        if isinstance(m, (Attention, GatedMLP))
-        for n in ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-        if hasattr(m, n)
+        for kind, names in SHARDED_LINEARS.items()
+        if isinstance(m, kind)
+        for name in names
     }
     covered.add(id(getattr(model, "lm_head", None)))
     # a gate on the shared experts' output (hidden -> 1) is small: every rank keeps it whole
@@ -181,12 +188,11 @@ def _shard_mlp(mlp: GatedMLP, tp: TPGroup) -> None:
 
 
 def _shard_vocab(model: nn.Module, tp: TPGroup) -> None:
-    backbone = model.model
+    backbone, head = model.model, getattr(model, "lm_head", None)
     table = backbone.embed_tokens.weight
-    tied = getattr(model, "lm_head", None) is not None and model.lm_head.weight is table
     backbone.embed_tokens = VocabParallelEmbedding(table, tp)
-    if getattr(model, "lm_head", None) is not None:
-        shard = backbone.embed_tokens.weight
-        if not tied:
-            shard = nn.Parameter(vocab_shard(model.lm_head.weight, tp), requires_grad=False)
+    if head is not None:
+        shard = backbone.embed_tokens.weight  # a tied head reads the embedding's own shard
+        if head.weight is not table:
+            shard = nn.Parameter(vocab_shard(head.weight, tp), requires_grad=False)
         model.lm_head = VocabParallelHead(shard, table.shape[0], tp)
