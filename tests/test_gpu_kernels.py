@@ -6,12 +6,8 @@ with and without a window; the fused norm / activation / RoPE kernels on random 
 
 import pytest
 import torch
+from tests.kernel_checks import check_fused, check_paged_attention
 
-from kestrel.cache import paged
-from kestrel.cache.blocks import BlockManager
-from kestrel.cache.paged import BlockPool, PagedSequenceCache
-from kestrel.cache.sequence import CacheSpec, KVShape
-from kestrel.engine.paged_runner import Packed, build_batch
 from kestrel.kernels import attention, fused
 from kestrel.kernels.moe import fused_experts, route
 from kestrel.models.layers.moe import Experts, grouped_matmul, route_topk
@@ -20,66 +16,21 @@ pytestmark = pytest.mark.gpu
 DTYPES = [torch.float32, torch.bfloat16]
 
 
-def random_sequences(pool: BlockPool, chunk: int):
-    """Three sequences: plain, trimmed with 3 sinks, and all-sliding (window 20), each about to
-    take `chunk` new tokens; returns the packed host lists of that chunk."""
-    half = pool.num_blocks // 2  # blocks [1, half) for the full layers, the rest for the window
-    full = BlockManager(half - 1, pool.block_size, first_id=1)
-    window = BlockManager(pool.num_blocks - half, pool.block_size, 20, first_id=half)
-    plain = PagedSequenceCache([CacheSpec("full")], full.table("plain"))
-    trimmed = PagedSequenceCache([CacheSpec("full")], full.table("trimmed"))
-    sliding = PagedSequenceCache([CacheSpec("sliding", 20)], window.table("sliding"))
-    for cache, length in ((plain, 37), (trimmed, 90), (sliding, 70)):
-        cache.reserve(length)
-        cache.advance(length)
-    trimmed.trim_front(51, keep=3)
-    p = Packed()
-    bs = pool.block_size
-    for s, cache in enumerate((plain, trimmed, sliding)):
-        cache.reserve(chunk)
-        start = len(p.ids)
-        p.ids += [0] * chunk
-        p.positions += list(range(cache.offset, cache.offset + chunk))
-        p.chunk_ends += [cache.offset + chunk - 1] * chunk
-        held = dict(cache.blocks.held)
-        p.slots += [held[q // bs] * bs + q % bs for q in range(cache.offset, cache.offset + chunk)]
-        blocks, n_sink, main_start = cache.table()
-        p.seqs.append((blocks, n_sink, main_start, cache.live_start, cache.keep))
-        p.tiles.append((s, start, chunk))
-        p.rows.append(start + chunk - 1)
-    return p
-
-
-def check_paged_attention(
-    device, dtype, chunk, window, hq=8, hkv=2, d=64, bs=16, value_dim=None, tile_tokens=4
-):
-    """`value_dim`: the MLA latent (values are the keys' first `value_dim` dims, no V pool)."""
-    torch.manual_seed(chunk)
-    pool = BlockPool([KVShape(hkv, d, value_dim)], 40, bs, dtype, device)
-    for t in pool.k + pool.v:
-        if t is not None:
-            t.normal_()
-    p = random_sequences(pool, chunk)
-    batch = build_batch(p, pool, 1 if chunk == 1 else tile_tokens, device, use_triton=True)
-    q = torch.randn(len(p.ids), hq, d, device=device, dtype=dtype)
-    args = (q, pool.k[0], pool.v[0], batch.attention, d**-0.5, window, value_dim)
-    expected = paged.paged_attention_torch(*args)
-    actual = attention.paged_attention_triton(*args)
-    tol = 2e-2 if dtype == torch.bfloat16 else 1e-4
-    torch.testing.assert_close(actual.float(), expected.float(), rtol=tol, atol=tol)
-
-
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("chunk", [1, 7])
 @pytest.mark.parametrize("window", [None, 16])
 def test_paged_attention_kernel_matches_fallback(dtype, chunk, window):
-    check_paged_attention("cuda", dtype, chunk, window)
+    check_paged_attention(attention.paged_attention_triton, "cuda", dtype, chunk, window)
 
 
 @pytest.mark.parametrize("hq,hkv,d", [(14, 2, 64), (4, 1, 256), (32, 8, 128)])
 def test_paged_attention_kernel_head_shapes(hq, hkv, d):
-    check_paged_attention("cuda", torch.bfloat16, 1, None, hq, hkv, d)
-    check_paged_attention("cuda", torch.bfloat16, 5, None, hq, hkv, d)
+    check_paged_attention(
+        attention.paged_attention_triton, "cuda", torch.bfloat16, 1, None, hq, hkv, d
+    )
+    check_paged_attention(
+        attention.paged_attention_triton, "cuda", torch.bfloat16, 5, None, hq, hkv, d
+    )
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -89,7 +40,19 @@ def test_paged_attention_kernel_head_shapes(hq, hkv, d):
 def test_paged_attention_kernel_wide_heads_in_big_blocks(dtype, hq, hkv, d, tile_tokens):
     # gemma4's shapes on the default 64-token blocks: the kernel splits groups and blocks
     for chunk in (1, 9):
-        check_paged_attention("cuda", dtype, chunk, None, hq, hkv, d, 64, None, tile_tokens)
+        check_paged_attention(
+            attention.paged_attention_triton,
+            "cuda",
+            dtype,
+            chunk,
+            None,
+            hq,
+            hkv,
+            d,
+            64,
+            None,
+            tile_tokens,
+        )
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -97,45 +60,19 @@ def test_paged_attention_kernel_wide_heads_in_big_blocks(dtype, hq, hkv, d, tile
 def test_paged_attention_kernel_latent_values_inside_keys(dtype, hq, rank, rope):
     # MLA in latent space: GLM-4.7-Flash's, MiniCPM3's and a tiny test model's shapes
     for chunk, bs in ((1, 64), (6, 64), (6, 16)):
-        check_paged_attention("cuda", dtype, chunk, None, hq, 1, rank + rope, bs, rank, 1)
-
-
-def check_fused(device, dtype):
-    torch.manual_seed(0)
-    x = torch.randn(5, 96, device=device, dtype=dtype)
-    w = torch.randn(96, device=device, dtype=dtype)
-    wide = torch.randn(5, 160, device=device, dtype=dtype)
-    for unit in (False, True):
-        for rows in (x, wide[:, 32:128]):  # contiguous, and a column slice of a fused GEMM
-            torch.testing.assert_close(
-                fused.rms_norm(rows, w, 1e-6, unit),
-                fused.rms_norm_torch(rows, w, 1e-6, unit),
-                rtol=1e-2,
-                atol=1e-2,
-            )
-    gate_up = torch.randn(5, 2 * 1100, device=device, dtype=dtype)
-    for act in ("silu", "gelu_pytorch_tanh"):
-        torch.testing.assert_close(
-            fused.act_mul(gate_up, act), fused.act_mul_torch(gate_up, act), rtol=1e-2, atol=1e-2
+        check_paged_attention(
+            attention.paged_attention_triton,
+            "cuda",
+            dtype,
+            chunk,
+            None,
+            hq,
+            1,
+            rank + rope,
+            bs,
+            rank,
+            1,
         )
-    hq, hkv, d = 6, 2, 32
-    qkv = torch.randn(5, (hq + 2 * hkv) * d, device=device, dtype=dtype)
-    angles = torch.rand(5, d // 2, device=device) * 10
-    cos, sin = torch.cat([angles, angles], -1).cos(), torch.cat([angles, angles], -1).sin()
-    q, k = fused.rope_qk(qkv, cos, sin, hq, hkv, d)
-    t = qkv.shape[0]
-    tol = dict(rtol=1e-2, atol=1e-2)  # one bf16 ulp where a sum cancels
-    q_ref = fused.rope_torch(qkv[:, : hq * d].view(t, hq, d), cos, sin)
-    k_ref = fused.rope_torch(qkv[:, hq * d : (hq + hkv) * d].view(t, hkv, d), cos, sin)
-    torch.testing.assert_close(q, q_ref, **tol)
-    torch.testing.assert_close(k, k_ref, **tol)
-    caches = [torch.randn(4, 4, hkv, d, device=device, dtype=dtype) for _ in range(2)]
-    slots = torch.randperm(16, device=device)[:t]
-    q2 = fused.rope_store(qkv, cos, sin, hq, hkv, d, *caches, slots)
-    torch.testing.assert_close(q2, q, rtol=0, atol=0)
-    torch.testing.assert_close(caches[0].view(16, hkv, d)[slots], k, rtol=0, atol=0)
-    v = qkv[:, (hq + hkv) * d :].view(t, hkv, d)
-    torch.testing.assert_close(caches[1].view(16, hkv, d)[slots], v, rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

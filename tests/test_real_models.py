@@ -5,6 +5,9 @@ import torch
 
 from kestrel import LLM, SamplingParams
 from kestrel.cache.sequence import SequenceCache
+from kestrel.engine import engine
+from kestrel.engine.paged_runner import PagedRunner
+from kestrel.engine.runner import ModelRunner
 from kestrel.models.batch import ForwardBatch
 from kestrel.weights.loader import resolve
 
@@ -129,3 +132,29 @@ def test_packed_weights_decode_as_dequantized_at_load(alias, prompt):
     assert any(isinstance(m, QuantLinear) for m in packed.modules())
     expected = greedy(load_model(source, torch.float32, cpu, progress=False, packed=False), ids, 32)
     assert greedy(packed, ids, 32) == expected
+
+
+# the fast CPU runner (paged pool, native kernels, fused projections) against the reference
+# runner (caches that grow per sequence, PyTorch attention): chunked prefill, a --max-kv-size
+# trim with sinks during decode, and (gemma3) sliding windows of 512 across chunks of 128
+RUNNER_CASES = [
+    ("smollm2", 150, dict(prefill_chunk_size=32, max_kv_size=96, keep=4)),
+    ("gemma3-270m", 150, dict(prefill_chunk_size=32, max_kv_size=96, keep=4)),
+    ("gemma3-270m", 700, dict(prefill_chunk_size=128)),
+]
+
+
+@pytest.mark.parametrize("alias, prompt_tokens, settings", RUNNER_CASES)
+def test_fast_cpu_runner_decodes_as_the_reference_runner(
+    alias, prompt_tokens, settings, monkeypatch
+):
+    fast = LLM(alias, progress=False, device="cpu", **settings)
+    assert isinstance(fast.engine.runner, PagedRunner)
+    text = "Rome was founded, the story goes, by twins raised by a wolf. " * 80
+    ids = fast.tokenizer(text)["input_ids"][:prompt_tokens]
+    params = SamplingParams(max_tokens=64, **GREEDY)
+    fast_tokens = fast.generate(ids, params)[0].outputs[0].token_ids
+    monkeypatch.setattr(engine, "make_runner", lambda model, device, *_: ModelRunner(model, device))
+    reference = LLM(alias, progress=False, device="cpu", **settings)
+    assert type(reference.engine.runner) is ModelRunner
+    assert reference.generate(ids, params)[0].outputs[0].token_ids == fast_tokens

@@ -94,6 +94,18 @@ def test_under_any_capacity_all_finish_with_their_solo_output(capacity):
         assert preemptions > 0  # the case this test is about actually happened
 
 
+def test_prefills_that_fill_the_pool_between_them_preempt_rather_than_stall():
+    # both prompts admitted by their first chunks, then their partial prompts fill the pool with
+    # no decode to preempt for: the newer one makes room for the older
+    specs = [(100, 5), (100, 5)]
+    requests = [make_request(i, *spec) for i, spec in enumerate(specs)]
+    outputs, peak, preemptions = run(
+        requests, max_num_seqs=2, prefill_chunk_size=8, kv_capacity=120
+    )
+    assert outputs == _solo(specs) and peak <= 120
+    assert preemptions > 0
+
+
 def test_kv_bounded_requests_recompute_with_the_same_chunks():
     # KV-bounded (trimming) requests: their output depends on chunk boundaries, which recompute
     # must reproduce; their footprint is at most the bound

@@ -1,10 +1,20 @@
 """Tensor parallel on the CPU: two gloo processes, each holding half of every attention block, MLP,
-expert, embedding and head, generate exactly what one process holding the whole model generates (greedy
-tokens equal, first-step log-probs within 1e-4 in fp32), through the reference runner with
-chunked prefill and a `--max-kv-size` trim."""
+expert, embedding and head, generate exactly what one process holding the whole model generates
+(greedy tokens equal, first-step log-probs within 1e-4 in fp32) with chunked prefill and a
+`--max-kv-size` trim: the sharded layers through the reference runner, then whole engines
+(`LLM(..., tensor_parallel_size=2)`, `kestrel serve -tp 2`) whose workers kestrel starts; a
+worker killed under a running server makes it answer 503 and exit non-zero."""
 
+import json
+import os
+import signal
 import socket
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
 
+import openai
 import pytest
 import torch
 import torch.multiprocessing as mp
@@ -14,9 +24,12 @@ from kestrel.distributed.group import TPGroup, join, leave
 from kestrel.distributed.tensor_parallel import shard_model
 from kestrel.engine.request import Request
 from kestrel.engine.runner import ModelRunner
+from kestrel.llm import LLM
 from kestrel.models.layers.attention import Attention
 from kestrel.sampling import SamplingParams
 from kestrel.weights.loader import build_model
+from server_fixtures import child_pids, start_server
+from server_fixtures import tiny_model as server_tiny_model
 from test_paged_cache import prompts, run_to_end, tiny_model
 
 CPU = torch.device("cpu")
@@ -89,3 +102,127 @@ def test_a_family_it_does_not_cover_is_refused_by_name():
         ValueError, match="does not cover MiniCPM3ForCausalLM.s layers .*self_attn.q_a_proj"
     ):
         shard_model(model, TPGroup(0, 2))
+
+
+# -- the engine over ranks: `LLM(..., tensor_parallel_size=2)` and `kestrel serve -tp 2` ---------
+
+KV_BOUND = 12  # below the longer prompts: they are trimmed (4 sinks kept)
+LONG_TEXT = " ".join(f"word{i}" for i in range(40))
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory, smollm2_tokenizer) -> dict[str, str]:
+    """A dense family (the tiny Llama) and an MoE one (EXAONE-MoE: sigmoid group-limited
+    routing, a shared expert, a dense layer), saved with SmolLM2's tokenizer."""
+    from tests.test_families_server import FAMILIES
+
+    folder = tmp_path_factory.mktemp("exaone_moe")
+    FAMILIES["exaone_moe"].build(folder, len(smollm2_tokenizer))
+    smollm2_tokenizer.save_pretrained(folder)
+    return {"llama": server_tiny_model(), "exaone_moe": str(folder)}
+
+
+def generate_with(model: str, **settings) -> list[tuple[list[int], dict]]:
+    """Four prompts at once in 5-token chunks, one of them under a KV bound: each one's greedy
+    tokens and first-step log-probs."""
+    llm = LLM(model, progress=False, prefill_chunk_size=5, max_num_seqs=4, **settings)
+    params = SamplingParams(temperature=0, max_tokens=10, logprobs=5, ignore_eos=True)
+    prompts = ["Hello", "The quick brown fox", LONG_TEXT[:60], LONG_TEXT]
+    results = llm.generate(prompts[:3], params)
+    bounded = llm.engine.add_request("bounded", prompts[3], params, max_kv_size=KV_BOUND)
+    while llm.engine.has_unfinished():
+        llm.engine.step()
+    llm.shutdown()
+    outputs = [(r.outputs[0].token_ids, r.outputs[0].logprobs[0]) for r in results]
+    return [*outputs, (bounded.output_ids, None)]
+
+
+@pytest.mark.parametrize("family", ["llama", "exaone_moe"])
+def test_llm_over_two_ranks_generates_what_one_process_generates(checkpoints, family):
+    want = generate_with(checkpoints[family])
+    got = generate_with(checkpoints[family], tensor_parallel_size=2)
+    assert [tokens for tokens, _ in got] == [tokens for tokens, _ in want]
+    for (_, got_logprobs), (_, want_logprobs) in zip(got[:3], want[:3], strict=True):
+        assert got_logprobs.keys() == want_logprobs.keys()
+        assert all(abs(got_logprobs[t] - v) < 1e-4 for t, v in want_logprobs.items())
+
+
+def test_heads_that_do_not_split_are_refused_before_any_worker_is_left(checkpoints):
+    with pytest.raises(ValueError, match="4 query and 2 KV heads do not split over 3 ranks"):
+        LLM(checkpoints["llama"], progress=False, tensor_parallel_size=3)
+    assert not [pid for pid in child_pids(os.getpid()) if "worker_main" in _cmdline(pid)]
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/cmdline") as f:
+            return f.read()
+    except FileNotFoundError:
+        return ""  # exited since it was listed
+
+
+def test_serve_over_two_ranks_answers_the_openai_client_as_one_process(checkpoints):
+    prompts = ["Hello", "The quick brown fox", LONG_TEXT]
+    llm = LLM(checkpoints["llama"], progress=False)
+    want = [r.outputs[0].text for r in llm.generate(prompts, SamplingParams(temperature=0))]
+    server = start_server(["-m", checkpoints["llama"], "-a", "tiny", "-tp", "2"])
+    try:
+        client = server.client()
+        with ThreadPoolExecutor(len(prompts)) as pool:  # batched together
+            replies = list(
+                pool.map(
+                    lambda p: client.completions.create(
+                        model="tiny", prompt=p, max_tokens=16, temperature=0
+                    ),
+                    prompts,
+                )
+            )
+        assert [r.choices[0].text for r in replies] == want
+        assert "tensor parallel: 2 ranks on cpu" in server.log()
+    finally:
+        server.stop()
+
+
+def test_a_killed_worker_makes_the_server_answer_503_and_exit_nonzero(checkpoints):
+    server = start_server(
+        ["-m", checkpoints["llama"], "-a", "tiny", "-tp", "2", "--no-restart-engine"]
+    )
+    try:
+        (engine,) = child_pids(server.process.pid)
+        (worker,) = child_pids(engine)
+        client = server.client()
+        stream = client.completions.create(
+            model="tiny",
+            prompt="a long story",
+            max_tokens=4000,
+            stream=True,
+            extra_body={"ignore_eos": True},
+        )
+        next(iter(stream))  # in flight
+        os.kill(worker, signal.SIGKILL)
+        killed = time.monotonic()
+        with pytest.raises(openai.APIError):
+            for _ in stream:
+                pass
+        with pytest.raises((openai.APIStatusError, openai.APIConnectionError)) as refused:
+            client.completions.create(model="tiny", prompt="Hello", max_tokens=2)
+        if isinstance(refused.value, openai.APIStatusError):
+            assert refused.value.status_code == 503
+        assert server.process.wait(30 - (time.monotonic() - killed)) != 0
+        assert "tensor-parallel rank 1 exited (code -9)" in server.log()
+    finally:
+        server.stop()
+
+
+def test_bench_engine_runs_over_two_ranks_and_other_modes_are_refused(checkpoints):
+    bench = [sys.executable, "-m", "kestrel", "bench", "-m", checkpoints["llama"], "-tp", "2"]
+    work = ["--num-requests", "3", "--prompt-tokens", "16", "--output-tokens", "8"]
+    done = subprocess.run(
+        [*bench, "engine", *work, "--no-progress"], capture_output=True, text=True
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    record = json.loads(done.stdout.splitlines()[-1])
+    assert record["tensor_parallel_size"] == 2 and record["generated_tokens"] == 3 * 8
+    refused = subprocess.run([*bench, "latency"], capture_output=True, text=True)
+    assert refused.returncode != 0
+    assert "--tensor-parallel-size runs only as `kestrel bench engine`" in refused.stderr

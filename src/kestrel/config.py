@@ -87,6 +87,11 @@ class ParallelConfig:
     """How the work is spread over the machine."""
 
     threads: int = 0  # CPU threads; 0: torch's default
+    tensor_parallel_size: int = 1  # ranks (processes, one device each) sharing every layer
+
+    def __post_init__(self):
+        if not isinstance(self.tensor_parallel_size, int) or self.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be >= 1, not {self.tensor_parallel_size}")
 
 
 @dataclass

@@ -56,6 +56,13 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         help="random weights of a named shape instead of -m (benchmarks)",
     )
     add_speculative_args(p)
+    p.add_argument_group("parallel").add_argument(
+        "-tp",
+        "--tensor-parallel-size",
+        type=_positive,
+        default=1,
+        help="split every layer over this many processes, one device each (CUDA: GPUs 0..N-1)",
+    )
     gpu = p.add_argument_group("CUDA")
     gpu.add_argument(
         "--gpu-memory-utilization",
@@ -76,6 +83,16 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         default="float32",
         help="dtype of the hybrid models' SSM state (computed in float32 either way)",
     )
+
+
+def _positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise ValueError(text)
+    return value
+
+
+_positive.__name__ = "positive integer"
 
 
 def _count(text: str) -> int:

@@ -5,7 +5,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kestrel.config import build_config
+from kestrel.config import Config, build_config
 from kestrel.engine.engine import Engine, RequestOutput
 from kestrel.media import MediaLimits, image_part_params
 from kestrel.models.qwen_vl_processor import MultimodalPrompt, chat_prompt, load_processor
@@ -35,6 +35,29 @@ def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype
     return DTYPES[dtype]
 
 
+def load_model(config: Config, device: torch.device, progress: bool = True):
+    """(model, tokenizer, source) of `config` on `device`: the checkpoint, or random weights of
+    a named shape (source None)."""
+    dtype = resolve_dtype(config.model.dtype, device)
+    if config.model.shape:
+        return (*load_shape(config.model.shape, dtype, device), None)
+    model = config.model
+    return load(model.model, dtype, device, progress, model.quantized_weights)
+
+
+def load_engine(config: Config, progress: bool = True, exit_with_workers: bool = False):
+    """(Engine, source) of `config`: in this process, or with tensor parallel as rank 0 of
+    processes started here (distributed/workers.py; `exit_with_workers`: a worker's death ends
+    this process, as the server's engine process wants)."""
+    if config.parallel.tensor_parallel_size > 1:
+        from kestrel.distributed.workers import start_ranks
+
+        return start_ranks(config, progress, exit_with_workers)
+    device = resolve_device(config.model.device)
+    model, tokenizer, source = load_model(config, device, progress)
+    return Engine(model, tokenizer, config, device), source
+
+
 @dataclass
 class CompletionOutput:
     index: int
@@ -60,22 +83,20 @@ class LLM:
         `shape` loads random weights of a named shape instead of `model`."""
         config = config or build_config(model=model, **{"max_queue_depth": 1 << 30, **settings})
         self.config = config
-        self.device = resolve_device(config.model.device)
-        dtype = resolve_dtype(config.model.dtype, self.device)
-        if config.model.shape:
-            self.model, self.tokenizer = load_shape(config.model.shape, dtype, self.device)
-            self.source = None
-        else:
-            self.model, self.tokenizer, self.source = load(
-                config.model.model, dtype, self.device, progress, config.model.quantized_weights
-            )
-        self.engine = Engine(self.model, self.tokenizer, config, self.device)
+        self.engine, self.source = load_engine(config, progress)
+        self.model, self.tokenizer = self.engine.runner.model, self.engine.tokenizer
+        self.device = self.engine.device
         if self.source is not None:  # images in chat messages, for models that take images
             limits = MediaLimits(allowed_local_media_path=config.server.allowed_local_media_path)
             self.engine.processor = load_processor(
                 getattr(self.model, "multimodal", False), self.source.path, self.tokenizer, limits
             )
         self._ids = itertools.count()
+
+    def shutdown(self) -> None:
+        """Stop the tensor-parallel workers, if any (done at exit otherwise)."""
+        if hasattr(self.engine, "workers"):
+            self.engine.shutdown()
 
     def generate(self, prompts, params: SamplingParams | None = None) -> list[GenerationResult]:
         """Each prompt is a string or a list of token ids; one result per prompt, in order."""

@@ -56,6 +56,12 @@ class Workload:
         return [rng.randint(max(1, o // 2), o * 3 // 2) for _ in range(self.num_requests)]
 
 
+def source_name(model: str) -> str:
+    from kestrel.weights.loader import resolve
+
+    return resolve(model).name
+
+
 def load_model(args, device, dtype):
     """(model, config, label): random weights of --shape, or the checkpoint of -m."""
     from kestrel.weights.loader import load_model as load_checkpoint
@@ -221,6 +227,22 @@ def kestrel_engine(args, model, config, device, max_num_seqs: int):
 
         tokenizer = load_tokenizer(resolve(args.model))
     return Engine(model, tokenizer, bench_config(args, max_num_seqs), device)
+
+
+def parallel_engine(args, modes: list[str], work: Workload):
+    """With --tensor-parallel-size > 1, rank 0's engine over ranks kestrel starts; else None.
+    Only the engine mode runs over ranks (the others drive one process's runner)."""
+    if args.tensor_parallel_size == 1:
+        return None
+    if modes != ["engine"]:
+        raise SystemExit(
+            "kestrel bench: --tensor-parallel-size runs only as `kestrel bench engine`"
+        )
+    from kestrel.llm import load_engine
+
+    seqs = min(args.max_num_seqs, work.num_requests)
+    engine, _ = load_engine(bench_config(args, seqs), progress=not args.no_progress)
+    return engine
 
 
 def engine_throughput(args, engine, work: Workload, structured=None) -> dict:
@@ -389,15 +411,21 @@ def run_bench(args) -> int:
     )
     for peer in args.peer:  # first, while the card is free of kestrel's KV pool
         _run_peer(peer, args, dtype, device, modes, latency, batch, env, out)
-    model, config, label = load_model(args, device, dtype)
+    parallel = parallel_engine(args, modes, batch)  # None: one process
+    if parallel is not None:  # the model is rank 0's shard: the ceilings are one device's
+        model, config = parallel.runner.model, parallel.runner.model.config
+        label = args.shape or source_name(args.model)
+    else:
+        model, config, label = load_model(args, device, dtype)
     args.vocab = decoder_config(config).vocab_size
     kv_per_token = model.kv_bytes_per_token(dtype)
     base = {"engine": "kestrel", "model": label, "dtype": str(dtype).removeprefix("torch."), **env}
+    base["tensor_parallel_size"] = args.tensor_parallel_size
     for mode in modes:
         work = latency if mode == "latency" else batch
         seqs = 1 if mode == "latency" else min(args.max_num_seqs, work.num_requests)
         if mode == "engine":  # the Engine builds its own runner
-            engine = kestrel_engine(args, model, config, device, seqs)
+            engine = parallel or kestrel_engine(args, model, config, device, seqs)
             runner = engine.runner
             numbers = engine_throughput(args, engine, work)
             if args.json_schema:  # the same engine and workload, every request constrained
@@ -428,6 +456,8 @@ def run_bench(args) -> int:
         del runner
         if device.type == "cuda":
             torch.cuda.empty_cache()
+    if parallel is not None:
+        parallel.shutdown()
     return 0
 
 

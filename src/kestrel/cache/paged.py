@@ -17,6 +17,7 @@ import torch
 from kestrel.cache.blocks import BlockTable
 from kestrel.cache.mask import visible_mask
 from kestrel.cache.sequence import CacheSpec, KVShape, SequenceCache, StateShape, kv_bytes
+from kestrel.kernels import cpu_native
 from kestrel.kernels import mamba as mamba_kernels
 from kestrel.kernels.attention import attend, paged_attention_triton, triton, write_kv
 
@@ -212,6 +213,8 @@ def paged_attention(q, k_cache, v_cache, meta, scale, window=None, use_triton=Tr
     None: the values are the keys' first `value_dim` dims."""
     if use_triton and triton is not None and q.is_cuda:
         return paged_attention_triton(q, k_cache, v_cache, meta, scale, window, value_dim)
+    if q.device.type == "cpu" and cpu_native.available():
+        return cpu_native.paged_attention(q, k_cache, v_cache, meta, scale, window, value_dim)
     return paged_attention_torch(q, k_cache, v_cache, meta, scale, window, value_dim)
 
 

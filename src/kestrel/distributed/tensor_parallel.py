@@ -15,27 +15,28 @@ all-reduce per attention block and per MLP joins the partial sums.
 definition. A model with a Linear that no rule here covers is refused, naming it.
 """
 
+import copy
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from kestrel.distributed.group import TPGroup
+from kestrel.models.base import head_dim
 from kestrel.models.layers.attention import Attention
 from kestrel.models.layers.mlp import GatedMLP
 from kestrel.models.layers.moe import Experts
 
 
-class ColumnParallelLinear(nn.Module):
-    """Output rows `rows` of a Linear: x (..., in) -> this rank's slice of the outputs."""
-
-    def __init__(self, linear: nn.Linear, rows: slice):
-        super().__init__()
-        self.weight = nn.Parameter(linear.weight.data[rows].clone(), requires_grad=False)
-        bias = linear.bias
-        self.bias = None if bias is None else nn.Parameter(bias.data[rows].clone(), False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+def column_parallel(linear: nn.Linear, rows: slice) -> nn.Linear:
+    """Output rows `rows` of a Linear: x (..., in) -> this rank's slice of the outputs. A plain
+    Linear, so layers/fused.py still concatenates q/k/v and gate/up into one matmul."""
+    weight = linear.weight.data[rows]
+    part = nn.Linear(weight.shape[1], weight.shape[0], linear.bias is not None, device="meta")
+    part.weight = nn.Parameter(weight.clone(), requires_grad=False)
+    if linear.bias is not None:
+        part.bias = nn.Parameter(linear.bias.data[rows].clone(), requires_grad=False)
+    return part
 
 
 class RowParallelLinear(nn.Module):
@@ -128,7 +129,20 @@ def shard_model(model: nn.Module, tp: TPGroup) -> nn.Module:
         elif isinstance(getattr(module, "experts", None), Experts):
             module.experts = ParallelExperts(module.experts, tp)
     _shard_vocab(model, tp)
+    model.config = _sharded_config(model.config, tp)
     return model
+
+
+def _sharded_config(config, tp: TPGroup):
+    """A copy of the config with this rank's attention heads: the paged pool sizes each
+    layer's KV by it (models/base.py's kv_layout)."""
+    config = copy.deepcopy(config)
+    text = config.get_text_config()
+    text.head_dim = head_dim(text)  # before the head count it may be derived from changes
+    text.num_attention_heads //= tp.size
+    kv_heads = getattr(text, "num_key_value_heads", None) or text.num_attention_heads * tp.size
+    text.num_key_value_heads = max(1, kv_heads // tp.size)
+    return config
 
 
 # the Linears each shared layer's rule shards
@@ -165,9 +179,9 @@ def _shard_attention(attn: Attention, tp: TPGroup) -> None:
     first_q = tp.rank * q_heads
     kv_heads = max(1, hkv // tp.size)
     first_kv = first_q // (hq // hkv)  # the KV head this rank's first query head reads
-    attn.q_proj = ColumnParallelLinear(attn.q_proj, _heads(first_q, q_heads, d))
-    attn.k_proj = ColumnParallelLinear(attn.k_proj, _heads(first_kv, kv_heads, d))
-    attn.v_proj = ColumnParallelLinear(attn.v_proj, _heads(first_kv, kv_heads, d))
+    attn.q_proj = column_parallel(attn.q_proj, _heads(first_q, q_heads, d))
+    attn.k_proj = column_parallel(attn.k_proj, _heads(first_kv, kv_heads, d))
+    attn.v_proj = column_parallel(attn.v_proj, _heads(first_kv, kv_heads, d))
     attn.o_proj = RowParallelLinear(attn.o_proj, _heads(first_q, q_heads, d), tp)
     attn.num_heads, attn.num_kv_heads = q_heads, kv_heads
 
@@ -182,8 +196,8 @@ def _shard_mlp(mlp: GatedMLP, tp: TPGroup) -> None:
         raise ValueError(f"MLP width {width} does not split over {tp.size} ranks")
     part = width // tp.size
     cols = slice(tp.rank * part, (tp.rank + 1) * part)
-    mlp.gate_proj = ColumnParallelLinear(mlp.gate_proj, cols)
-    mlp.up_proj = ColumnParallelLinear(mlp.up_proj, cols)
+    mlp.gate_proj = column_parallel(mlp.gate_proj, cols)
+    mlp.up_proj = column_parallel(mlp.up_proj, cols)
     mlp.down_proj = RowParallelLinear(mlp.down_proj, cols, tp)
 
 

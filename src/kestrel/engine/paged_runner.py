@@ -27,6 +27,7 @@ from kestrel.config import CacheConfig, Config
 from kestrel.engine.request import Request
 from kestrel.engine.runner import ModelRunner, StepResult, pooled_rows
 from kestrel.engine.scheduler import ScheduledChunk
+from kestrel.kernels import cpu_native
 from kestrel.kernels.attention import tile_rows
 from kestrel.models.batch import ForwardBatch, ImageRows
 from kestrel.sampling import SamplingParams, top_logprobs, verify_draft
@@ -119,7 +120,7 @@ class PagedRunner(ModelRunner):
         # the PyTorch attention gathers a sequence's keys once per tile: one tile per chunk
         heads = model.config.get_text_config().num_attention_heads
         self.tile_tokens = self._tile_tokens(heads) if self.use_triton else token_budget
-        if self.use_triton:  # fused Triton norms/RoPE/MLP
+        if self.use_triton or cpu_native.available():  # fused norms/RoPE/MLP, one qkv matmul
             from kestrel.models.layers.fused import fuse_model
 
             fuse_model(model)

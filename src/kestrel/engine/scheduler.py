@@ -6,15 +6,15 @@ either (the budget is at least one chunk plus one token per running sequence).
 
 The scheduler owns KV memory: a `BlockManager` (cache/blocks.py) whose blocks every chunk takes
 before it is planned, trims and sliding windows included. A waiting request starts only when its
-first chunk's blocks are free, and when the running decodes outgrow the pool the newest running
-requests are preempted: their blocks go back (`SchedulerOutput.preempted`, the runner drops their
-caches) and they wait at the front of the queue to be recomputed from their tokens, prompt and
-output alike, so they finish with the output they would have had (vLLM's recompute preemption).
-A step therefore never runs out of blocks in the middle of a forward. A request that holds nothing
-(new, or preempted) starts from the cached blocks of its longest cached prefix (cache/prefix.py),
-and each step's full blocks are cached once the step ran (`computed`). The paged runner's pool is
-the manager's blocks; the reference runner's memory is counted in one-token blocks
-(`kv_capacity`, or unlimited).
+first chunk's blocks are free, and when the running decodes outgrow the pool (or the running
+prefills fill it between them, none able to go on) the newest running requests are preempted: their
+blocks go back (`SchedulerOutput.preempted`, the runner drops their caches) and they wait at the
+front of the queue to be recomputed from their tokens, prompt and output alike, so they finish with
+the output they would have had (vLLM's recompute preemption). A step therefore never runs out of
+blocks in the middle of a forward. A request that holds nothing (new, or preempted) starts from the
+cached blocks of its longest cached prefix (cache/prefix.py), and each step's full blocks are
+cached once the step ran (`computed`). The paged runner's pool is the manager's blocks; the
+reference runner's memory is counted in one-token blocks (`kv_capacity`, or unlimited).
 
 Speculative decoding (`proposer`, engine/speculative.py): a decode that may speculate is planned
 as a chunk of 1 + k tokens, its pending token then the k proposed ones (`ScheduledChunk.draft`),
@@ -109,6 +109,8 @@ class Scheduler:
         for request in self.running:  # then prefill chunks, oldest first
             if request.is_prefilling and budget > 0:
                 budget -= self._prefill(kv, request, budget, chunks)
+        if not chunks and self.running:
+            budget -= self._unstall(kv, budget, chunks, preempted)
         most = min(self.config.max_num_seqs, self.blocks.max_sequences or self.config.max_num_seqs)
         while self.waiting and len(self.running) < most:
             request = self.waiting[0]  # FIFO: starts when its first chunk fits
@@ -236,6 +238,17 @@ class Scheduler:
             chunks.append(ScheduledChunk(request, fit))
             kv.grow(request, fit)
         return fit
+
+    def _unstall(self, kv: "_KVPlan", budget: int, chunks: list, preempted: list) -> int:
+        """Nothing was planned though requests run: all of them are prefilling and their partial
+        prompts fill the pool, so none would ever finish. The newest are preempted until the
+        oldest's next chunk fits, and it is planned; tokens planned."""
+        oldest = self.running[0]  # a decode would have been planned, or preempted itself
+        n = min(self._chunk(oldest), budget)
+        if not self._make_room(kv, oldest, n, preempted):
+            return 0
+        chunks.append(ScheduledChunk(oldest, n))
+        return n
 
     def _make_room(self, kv: "_KVPlan", request: Request, n: int, preempted: list) -> bool:
         """Preempt the newest running requests until `request` can grow by n tokens; False if

@@ -1,6 +1,6 @@
-"""Fused kernels for the decode-bound GPU path, each with the PyTorch fallback it equals:
-RMSNorm (one kernel instead of seven), the gated MLP's activation-times-up, and RoPE on q and k
-of a fused qkv projection.
+"""Fused kernels for the decode-bound path, each with the PyTorch fallback it equals: RMSNorm (one
+kernel instead of seven), the gated MLP's activation-times-up, and RoPE on q and k of a fused qkv
+projection. Triton on CUDA; kestrel's native CPU kernels (kernels/cpu_native.py) on the CPU.
 
 models/layers/fused.py rewires a loaded model to use them (`fuse_model`). This module imports nothing
 from kestrel: kernels are the bottom of the import graph.
@@ -8,6 +8,8 @@ from kestrel: kernels are the bottom of the import graph.
 
 import torch
 import torch.nn.functional as F
+
+from kestrel.kernels import cpu_native
 
 try:
     import triton
@@ -30,13 +32,26 @@ def _triton_ok(x: torch.Tensor) -> bool:
     return triton is not None and x.is_cuda
 
 
+def _native_ok(x: torch.Tensor) -> bool:
+    return x.device.type == "cpu" and cpu_native.available()
+
+
+# the activations the fused kernels compute
+KERNEL_ACTIVATIONS = ("silu", "gelu_pytorch_tanh", "gelu_tanh")
+
+
 # -- RMSNorm ------------------------------------------------------------------------------------
 
 
 def rms_norm(x, weight, eps: float, unit_offset: bool) -> torch.Tensor:
     """x: (..., H) -> (..., H), the same arithmetic as layers.RMSNorm."""
     rowwise = x.dim() == 2 and x.stride(-1) == 1  # e.g. a column slice of a fused GEMM
-    if not _triton_ok(x) or not (x.is_contiguous() or rowwise):
+    if not (x.is_contiguous() or rowwise):
+        return rms_norm_torch(x, weight, eps, unit_offset)
+    if _native_ok(x):
+        rows = x if rowwise else x.view(-1, x.shape[-1])
+        return cpu_native.rms_norm(rows, weight, eps, unit_offset).view(x.shape)
+    if not _triton_ok(x):
         return rms_norm_torch(x, weight, eps, unit_offset)
     h = x.shape[-1]
     rows = x.numel() // h
@@ -69,7 +84,9 @@ def rms_norm_torch(x, weight, eps, unit_offset) -> torch.Tensor:
 
 def act_mul(gate_up: torch.Tensor, act: str) -> torch.Tensor:
     """(T, 2I) [gate | up] -> (T, I) act(gate) * up."""
-    if not _triton_ok(gate_up) or act not in ("silu", "gelu_pytorch_tanh", "gelu_tanh"):
+    if act in KERNEL_ACTIVATIONS and _native_ok(gate_up) and gate_up.stride(-1) == 1:
+        return cpu_native.act_mul(gate_up, act != "silu")
+    if not _triton_ok(gate_up) or act not in KERNEL_ACTIVATIONS:
         return act_mul_torch(gate_up, act)
     t, two_i = gate_up.shape
     out = gate_up.new_empty(t, two_i // 2)
@@ -107,6 +124,8 @@ def rope_store(qkv, cos, sin, hq, hkv, d, k_cache, v_cache, slot_mapping) -> tor
     """rope_qk, but k (rotated) and v go straight into their cache slots; returns q (T, hq, d).
     The same arithmetic as rope_qk followed by attention.write_kv."""
     t = qkv.shape[0]
+    if _native_ok(qkv) and qkv.stride(-1) == 1 and cos.dtype == torch.float32:
+        return cpu_native.rope_store(qkv, cos, sin, hq, hkv, d, k_cache, v_cache, slot_mapping)
     if not _triton_ok(qkv):
         from kestrel.kernels.attention import write_kv
 

@@ -3,14 +3,17 @@
 
 A tensor's blocks are a uint8 tensor (rows, bytes per row) in llama.cpp's block layout; each row
 is `cols / block elements` blocks. Below them, the safetensors formats (MLX affine, FP8,
-NVFP4), each a function from a weight's checkpoint tensors to its float rows. Imports nothing
-from kestrel.
+NVFP4), each a function from a weight's checkpoint tensors to its float rows. On the CPU the
+layers' GGUF rows decode in the native kernels (kernels/cpu_native.py), which equal these.
+Imports nothing from kestrel outside kestrel.kernels.
 """
 
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+
+from kestrel.kernels import cpu_native
 
 QK_K = 256  # elements per k-quant super-block
 # type name -> (elements per block, bytes per block), as llama.cpp's ggml-common.h
@@ -186,7 +189,10 @@ def dequantize_rows(fmt: Format, t: dict[str, torch.Tensor], rows, cols: int) ->
 
 
 def _gguf(fmt, t, rows, cols):
-    return dequantize(t["qweight"][rows], fmt.qtype, cols)
+    blocks = t["qweight"][rows]
+    if not blocks.is_cuda and cpu_native.serves(fmt.qtype):
+        return cpu_native.gguf_dequantize(blocks, fmt.qtype, cols)
+    return dequantize(blocks, fmt.qtype, cols)
 
 
 def unpack_bits(words: torch.Tensor, bits: int, cols: int) -> torch.Tensor:

@@ -128,24 +128,14 @@ def build_engine(config: Config, log_level: str) -> Engine:
     when their variable is set."""
     import torch
 
-    from kestrel.llm import resolve_device, resolve_dtype
-    from kestrel.weights.loader import load
-    from kestrel.weights.shapes import load_shape
+    from kestrel.llm import load_engine
 
     logging.basicConfig(
         level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
     if config.parallel.threads > 0:
         torch.set_num_threads(config.parallel.threads)
-    device = resolve_device(config.model.device)
-    dtype = resolve_dtype(config.model.dtype, device)
-    if config.model.shape:  # random weights of a named shape (benchmarks)
-        model, tokenizer = load_shape(config.model.shape, dtype, device)
-    else:
-        model, tokenizer, _ = load(
-            config.model.model, dtype, device, False, config.model.quantized_weights
-        )
-    engine = Engine(model, tokenizer, config, device)
+    engine, _ = load_engine(config, progress=False, exit_with_workers=True)
     if faults.install_from_env(engine):
         log.warning("TEST-ONLY fault injection is on (%s is set)", faults.ENV_VAR)
     return engine

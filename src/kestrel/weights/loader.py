@@ -13,6 +13,7 @@ from torch import nn
 from tqdm import tqdm
 
 from kestrel.errors import ModelLoadError
+from kestrel.kernels import cpu_native
 from kestrel.kernels import quant as quant_kernels
 from kestrel.models.base import CausalLM, Slot
 from kestrel.models.layers.quant import DENSE_LINEARS, quantized
@@ -142,19 +143,22 @@ def _save(obj, folder: Path) -> None:
 
 def keep_packed(device: torch.device, dense_bytes: int) -> bool:
     """The one place that decides (by default: `--quantized-weights auto`) whether GGUF blocks
-    stay quantized in memory: when the model dequantized (`dense_bytes`) would take more than
-    half of the device's memory, so a model too big to run dense still loads.
+    stay quantized in memory.
 
-    On the CPU the packed matmul dequantizes in torch per call and runs about 7x slower than
-    float32 today (benchmarks/results/cpu-quantized-speed.jsonl), so a model that fits
-    dequantized (the embedded ones) stays fast. On CUDA decode reads the blocks in Triton GEMVs
-    (kernels/gguf_gemv.py) but larger batches dequantize per call, so models that fit stay dense
-    for throughput; `--quantized-weights keep` picks the blocks' bandwidth for single streams."""
+    On the CPU they do wherever kestrel's native kernels load (kernels/cpu_native.py): decode
+    multiplies straight from the blocks, reading a quarter to an eighth of float32's bytes, and
+    prefill dequantizes tiles for the BLAS GEMM. Without them (no compiler) the packed matmul
+    dequantizes in torch per call, several times slower than float32, so blocks stay packed only
+    when the model dequantized (`dense_bytes`) would take more than half of the memory.
+
+    On CUDA decode reads the blocks in Triton GEMVs (kernels/gguf_gemv.py) but larger batches
+    dequantize per call, so models that fit in half the GPU stay dense for throughput;
+    `--quantized-weights keep` picks the blocks' bandwidth for single streams."""
     if device.type == "cuda":
         if not torch.cuda.is_available():  # `kestrel inspect --device cuda` on a CPU machine
             return False
         return dense_bytes > torch.cuda.get_device_properties(device).total_memory // 2
-    return dense_bytes > physical_memory() // 2
+    return cpu_native.available() or dense_bytes > physical_memory() // 2
 
 
 def physical_memory() -> int:

@@ -1,10 +1,12 @@
 """`fuse_model`: rewire a loaded model's Attention / GatedMLP / RMSNorm instances to the fused
-kernels of kernels/fused.py on CUDA: q/k/v (and gate/up) weights become views of one concatenated
-tensor, so names and memory stay the same and one GEMM replaces three (two). Model files are
-untouched; the CPU path never calls this.
+kernels of kernels/fused.py (Triton on CUDA, the native kernels on the CPU): q/k/v (and gate/up)
+weights, or their GGUF blocks when all are of one type, become views of one concatenated tensor,
+so names and memory stay the same and one matmul replaces three (two). Model files are
+untouched; the paged runner calls this, the reference runner never does.
 """
 
 import types
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -15,6 +17,7 @@ from kestrel.models.layers.attention import Attention, cached_attention
 from kestrel.models.layers.mla import MultiHeadLatentAttention
 from kestrel.models.layers.mlp import GatedMLP
 from kestrel.models.layers.norm import RMSNorm
+from kestrel.models.layers.quant import QuantLinear
 from kestrel.models.layers.rope import RotaryEmbedding
 
 
@@ -23,49 +26,65 @@ def fuse_model(model: torch.nn.Module) -> None:
     for module in model.modules():
         if isinstance(module, RMSNorm):
             module.forward = types.MethodType(_norm_forward, module)
-        elif (
-            isinstance(module, GatedMLP)
-            and module.gate_proj.bias is None
-            and _dense(module, ["gate_proj", "up_proj"])
-        ):
-            module.gate_up = _concat_weights(module, ["gate_proj", "up_proj"])
-            module.forward = types.MethodType(_mlp_forward, module)
+        elif isinstance(module, GatedMLP) and module.gate_proj.bias is None:
+            if gate_up := _concat_projection(module, ["gate_proj", "up_proj"]):
+                module.gate_up = gate_up
+                module.forward = types.MethodType(_mlp_forward, module)
         elif isinstance(module, MultiHeadLatentAttention) and _latent_fusable(module):
-            module.down_weight = _concat_weights(module, LATENT_DOWN)
-            module.project = types.MethodType(_latent_project, module)
+            if down := _concat_projection(module, LATENT_DOWN):
+                module.latent_down = down
+                module.project = types.MethodType(_latent_project, module)
         elif isinstance(module, Attention) and _fusable(module):
-            module.qkv_weight = _concat_weights(module, ["q_proj", "k_proj", "v_proj"])
             biases = [getattr(module, n).bias for n in ("q_proj", "k_proj", "v_proj")]
-            module.qkv_bias = None if biases[0] is None else torch.cat(biases)
-            module.forward = types.MethodType(_attention_forward, module)
+            bias = None if biases[0] is None else torch.cat(biases)
+            if qkv := _concat_projection(module, ["q_proj", "k_proj", "v_proj"], bias):
+                module.qkv = qkv
+                module.forward = types.MethodType(_attention_forward, module)
 
 
 # MLA's two down-projections of the hidden state (low-rank queries, latent + rope key)
 LATENT_DOWN = ["q_a_proj", "kv_a_proj_with_mqa"]
 
 
-def _concat_weights(module, names: list[str]) -> torch.Tensor:
-    """Concatenate the Linear weights along the output axis; the Linears keep views of it."""
-    fused = torch.cat([getattr(module, n).weight for n in names])
+def _concat_projection(module, names: list[str], bias=None) -> Callable | None:
+    """x -> the Linears `names`' outputs side by side, from one concatenated weight (plain
+    Linears) or one block of GGUF rows (quantized Linears of one type; the bias then added
+    after); the Linears keep views of it. None where neither applies (other quantized kinds,
+    mixed types): those keep their own forwards."""
+    linears = [getattr(module, n) for n in names]
+    if all(type(linear) is torch.nn.Linear for linear in linears):
+        weight = _concat_into(linears, "weight")
+        return lambda x: F.linear(x, weight, bias)
+    first = linears[0]
+    if all(
+        isinstance(linear, QuantLinear)
+        and linear.fmt.kind == "gguf"
+        and (linear.qtype, linear.in_features) == (first.qtype, first.in_features)
+        for linear in linears
+    ):
+        joined = QuantLinear(_concat_into(linears, "qweight"), first.qtype, first.in_features)
+        return joined.forward if bias is None else lambda x: joined(x) + bias
+    return None
+
+
+def _concat_into(linears, name: str) -> torch.Tensor:
+    """Concatenate the Linears' tensors `name` along the output axis; they keep views of it."""
+    fused = torch.cat([getattr(linear, name) for linear in linears])
     start = 0
-    for n in names:
-        linear = getattr(module, n)
-        rows = linear.weight.shape[0]
-        linear.weight = torch.nn.Parameter(fused[start : start + rows], requires_grad=False)
+    for linear in linears:
+        rows = getattr(linear, name).shape[0]
+        view = fused[start : start + rows]
+        if name == "weight":
+            linear.weight = torch.nn.Parameter(view, requires_grad=False)
+        else:
+            setattr(linear, name, view)  # a buffer: reassigning keeps it registered
         start += rows
     return fused
 
 
-def _dense(module, names: list[str]) -> bool:
-    """Whether the projections are plain Linears: packed (quantized) ones have no weight tensor
-    to concatenate and keep their own forward."""
-    return all(isinstance(getattr(module, n), torch.nn.Linear) for n in names)
-
-
 def _fusable(attn: Attention) -> bool:
     return (
-        _dense(attn, ["q_proj", "k_proj", "v_proj"])
-        and attn.q_norm is None
+        attn.q_norm is None
         and type(attn.rope) is RotaryEmbedding
         and attn.rope.attention_scaling == 1.0
     )
@@ -73,7 +92,7 @@ def _fusable(attn: Attention) -> bool:
 
 def _latent_project(self, x):
     # one GEMM for both down-projections; their outputs are row-strided views of it
-    q_a, kv_a = F.linear(x, self.down_weight).split(
+    q_a, kv_a = self.latent_down(x).split(
         [self.q_a_proj.out_features, self.kv_a_proj_with_mqa.out_features], dim=-1
     )
     q = self.q_b_proj(self.q_a_layernorm(q_a))
@@ -81,12 +100,8 @@ def _latent_project(self, x):
 
 
 def _latent_fusable(attn: MultiHeadLatentAttention) -> bool:
-    # low-rank queries (not minicpm3-style q_proj), plain Linears without biases
-    return (
-        hasattr(attn, "q_a_proj")
-        and _dense(attn, LATENT_DOWN)
-        and all(getattr(attn, n).bias is None for n in LATENT_DOWN)
-    )
+    # low-rank queries (not minicpm3-style q_proj), Linears without biases
+    return hasattr(attn, "q_a_proj") and all(getattr(attn, n).bias is None for n in LATENT_DOWN)
 
 
 def _norm_forward(self, x):
@@ -94,7 +109,7 @@ def _norm_forward(self, x):
 
 
 def _mlp_forward(self, x):
-    return self.down_proj(act_mul(F.linear(x, self.gate_up), _act_name(self.act)))
+    return self.down_proj(act_mul(self.gate_up(x), _act_name(self.act)))
 
 
 def _act_name(act) -> str:
@@ -103,7 +118,7 @@ def _act_name(act) -> str:
 
 def _attention_forward(self, x, batch, rope_cos_sin=None):
     t = x.shape[0]
-    qkv = F.linear(x, self.qkv_weight, self.qkv_bias)  # (T, (Hq + 2 Hkv) D)
+    qkv = self.qkv(x)  # (T, (Hq + 2 Hkv) D)
     hq, hkv, d = self.num_heads, self.num_kv_heads, self.head_dim
     cos, sin = rope_cos_sin if rope_cos_sin is not None else self.rope(batch.positions)
     meta = getattr(batch, "attention", None)

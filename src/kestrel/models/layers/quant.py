@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kestrel.kernels import gguf_gemv
+from kestrel.kernels import cpu_native, gguf_gemv
 from kestrel.kernels.quant import (
     FP8_TILE,
     Format,
@@ -68,6 +68,8 @@ class QuantLinear(_Quantized):
         rows = x.reshape(-1, self.in_features)
         if self.fmt.kind == "gguf" and gguf_gemv.serves(rows, self.qtype):  # decode on CUDA
             out = gguf_gemv.gemv(rows, self.qweight, self.qtype, self.in_features)
+        elif self.fmt.kind == "gguf" and not x.is_cuda and cpu_native.serves(self.qtype):
+            out = cpu_native.gguf_mm(rows, self.qweight, self.qtype, self.in_features)
         elif fp8_cores and x.is_cuda and x.dtype == torch.bfloat16:
             out = self._fp8_matmul(rows)
         else:

@@ -1,0 +1,306 @@
+"""Tensor parallel serving: one process per rank, every rank running the same Engine in lockstep.
+
+Rank 0 is the process that asked for the engine (the server's engine process, an `LLM`, a
+benchmark). It starts ranks 1..N-1 as fresh interpreters, each with a pipe to it. Every rank
+loads the model, keeps its shard (tensor_parallel.py) and builds the same Engine; rank 0's
+`LockstepEngine` sends each call that changes what an engine holds (add, abort, step) down the
+pipes before it runs the call itself. So every rank's scheduler, a replica fed the same inputs,
+plans the same steps, every forward's collectives meet, and no block table crosses a pipe. The
+logits are gathered whole on every rank and a sampled request gets one seed for all of them, so
+every rank samples the same tokens; only rank 0's outputs go anywhere.
+
+Startup: ranks load first and join the process group only once all have loaded, so a rank that
+fails to load is reported by rank and cause rather than as a rendezvous timeout. Failure after
+that: a worker that exits makes rank 0's next send fail, and in the server's engine process
+(`exit_with_workers`) ends it within a fraction of a second (the server then answers 503 and
+restarts the engine or exits); a collective that a hung rank never joins fails after
+`COLLECTIVE_TIMEOUT_S`; a worker whose rank 0 is gone exits.
+"""
+
+import atexit
+import contextlib
+import gc
+import logging
+import os
+import pickle
+import random
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import replace
+from multiprocessing.connection import Connection
+
+import torch
+
+from kestrel.config import Config
+from kestrel.distributed.group import TPGroup, join, leave
+from kestrel.distributed.tensor_parallel import shard_model
+from kestrel.engine.engine import Engine
+from kestrel.engine.request import Request
+
+log = logging.getLogger("kestrel.distributed")
+
+# a collective that some rank does not join within this long fails on the others (a hung rank)
+COLLECTIVE_TIMEOUT_S = 60.0
+
+
+class LockstepEngine(Engine):
+    """Rank 0's Engine: every add, abort and step goes to the workers' engines first."""
+
+    def __init__(self, model, tokenizer, config: Config, device, workers: "Workers"):
+        super().__init__(model, tokenizer, config, device)
+        self.workers = workers
+
+    def add(self, request: Request) -> None:
+        if request.params.seed is None and not request.params.greedy:
+            # every rank must draw the same tokens: one seed, chosen here, for all of them
+            request.params = replace(request.params, seed=random.getrandbits(63))
+        self.workers.send("add", request)
+        super().add(request)
+
+    def abort(self, request_id: str) -> bool:
+        self.workers.send("abort", request_id)
+        return super().abort(request_id)
+
+    def step(self):
+        self.workers.send("step")
+        return super().step()
+
+    def shutdown(self) -> None:
+        """Stop the workers and leave the process group (at exit, if not before)."""
+        self.workers.stop()
+        leave()
+
+
+def start_ranks(config: Config, progress: bool, exit_with_workers: bool):
+    """(rank 0's LockstepEngine, source): the workers started, every rank loaded and joined."""
+    size = config.parallel.tensor_parallel_size
+    config = _rank_config(config)
+    address = f"tcp://127.0.0.1:{_free_port()}"
+    workers = Workers(config, size, address)
+    try:
+        model, tokenizer, source, device = load_shard(config, 0, size, progress)
+        workers.wait("loaded")
+        join(0, size, device, address, COLLECTIVE_TIMEOUT_S)
+        engine = LockstepEngine(model, tokenizer, config, device, workers)
+        pools = workers.wait("ready")
+    except BaseException:
+        workers.stop()
+        leave()
+        raise
+    own = engine.scheduler.blocks.num_blocks
+    if any(pool != own for pool in pools):
+        engine.shutdown()
+        raise RuntimeError(
+            f"the ranks sized different KV pools ({[own, *pools]} blocks): set --kv-cache-tokens "
+            "so that every rank holds the same"
+        )
+    if exit_with_workers:
+        workers.watch()
+    atexit.register(engine.shutdown)
+    log.info("tensor parallel: %d ranks on %s", size, device.type)
+    return engine, source
+
+
+def _rank_config(config: Config) -> Config:
+    """GGUF blocks are dequantized: a row-parallel slice of a packed row cuts its blocks."""
+    if config.model.quantized_weights == "keep":
+        raise ValueError("--quantized-weights keep does not split over --tensor-parallel-size")
+    return replace(config, model=replace(config.model, quantized_weights="dequantize"))
+
+
+def load_shard(config: Config, rank: int, size: int, progress: bool):
+    """(model, tokenizer, source, device): the model loaded on this rank's device, then cut to
+    this rank's shard (the whole model is loaded first: it must fit one device)."""
+    from kestrel.llm import load_model, resolve_device
+
+    device = resolve_device(config.model.device)
+    if device.type == "cuda":
+        device = torch.device("cuda", (device.index or 0) + rank)
+        torch.cuda.set_device(device)
+    elif not config.parallel.threads:  # the ranks share the machine's cores
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // size))
+    model, tokenizer, source = load_model(config, device, progress)
+    shard_model(model, TPGroup(rank, size))
+    gc.collect()  # the whole weights the shard was cut from
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return model, tokenizer, source, device
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Workers:
+    """Ranks 1..N-1 as child processes, a pipe to each."""
+
+    def __init__(self, config: Config, size: int, address: str):
+        self.processes: list[subprocess.Popen] = []
+        self.pipes: list[Connection] = []
+        self._watching = False
+        level = logging.getLogger().getEffectiveLevel()
+        for rank in range(1, size):
+            ours, theirs = socket.socketpair()
+            entry = f"from kestrel.distributed.workers import worker_main; worker_main({theirs.fileno()})"
+            process = subprocess.Popen([sys.executable, "-c", entry], pass_fds=[theirs.fileno()])
+            theirs.close()
+            self.processes.append(process)
+            self.pipes.append(Connection(ours.detach()))
+            _send(self.pipes[-1], (config, rank, size, address, level))
+
+    def send(self, *message) -> None:
+        data = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
+        for rank, pipe in enumerate(self.pipes, 1):
+            try:
+                pipe.send_bytes(data)
+            except OSError as error:
+                self._lost(rank)
+                raise RuntimeError(f"tensor-parallel rank {rank} {self._status(rank)}") from error
+
+    def wait(self, kind: str) -> list:
+        """Each worker's next message, which must be `kind`; raises naming the rank that failed
+        or exited instead."""
+        payloads = []
+        for rank, pipe in enumerate(self.pipes, 1):
+            while not pipe.poll(0.2):
+                if self.processes[rank - 1].poll() is not None:
+                    raise RuntimeError(
+                        f"tensor-parallel rank {rank} {self._status(rank)} while starting"
+                    )
+            try:
+                got, *payload = _receive(pipe)
+            except EOFError:
+                raise RuntimeError(
+                    f"tensor-parallel rank {rank} {self._status(rank)} while starting"
+                ) from None
+            if got != kind:  # "failed", with the rank's error
+                raise RuntimeError(f"tensor-parallel rank {rank} failed to start: {payload[0]}")
+            payloads.extend(payload)
+        return payloads
+
+    def _status(self, rank: int) -> str:
+        process = self.processes[rank - 1]
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            process.wait(1.0)
+        code = process.poll()
+        return "is running" if code is None else f"exited (code {code})"
+
+    def watch(self) -> None:
+        """End this process as soon as a worker exits (the server's engine process: the server
+        then sees its engine die and answers 503 rather than failing requests one by one)."""
+        self._watching = True
+
+        def run() -> None:
+            while self._watching:
+                for rank, process in enumerate(self.processes, 1):
+                    if process.poll() is not None:
+                        self._lost(rank)
+                time.sleep(0.1)
+
+        threading.Thread(target=run, name="kestrel-tp-watch", daemon=True).start()
+
+    def _lost(self, rank: int) -> None:
+        """A worker is gone: when watching, this process ends with it."""
+        if self._watching:
+            log.critical(
+                "tensor-parallel rank %d %s: the engine exits with it", rank, self._status(rank)
+            )
+            sys.stderr.flush()
+            os._exit(1)
+
+    def stop(self, timeout: float = 10.0) -> None:
+        self._watching = False
+        with contextlib.suppress(RuntimeError):
+            self.send("stop")
+        for process in self.processes:
+            try:
+                process.wait(timeout)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
+        for pipe in self.pipes:
+            pipe.close()
+        self.processes, self.pipes = [], []
+
+
+# -- a worker ---------------------------------------------------------------------------------
+
+
+def worker_main(fd: int) -> None:
+    """Rank r: load and shard, join, build the Engine, then run what rank 0 sends until "stop"
+    or until rank 0 is gone."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is rank 0's to handle
+    _exit_with_parent()
+    pipe = Connection(fd)
+    config, rank, size, address, level = _receive(pipe)
+    logging.basicConfig(
+        level=level, format=f"%(asctime)s %(levelname)s rank {rank} %(name)s: %(message)s"
+    )
+    try:
+        model, tokenizer, _, device = load_shard(config, rank, size, progress=False)
+        _send(pipe, ("loaded",))
+        join(rank, size, device, address, COLLECTIVE_TIMEOUT_S)
+        engine = Engine(model, tokenizer, config, device)
+        _send(pipe, ("ready", engine.scheduler.blocks.num_blocks))
+    except BaseException as error:
+        log.exception("rank %d failed to start", rank)
+        with contextlib.suppress(OSError):
+            _send(pipe, ("failed", f"{type(error).__name__}: {error}"))
+        _exit(1)
+    code = 0
+    try:
+        _follow(pipe, engine)
+    except BaseException:
+        log.exception("rank %d failed", rank)
+        code = 1
+    _exit(code)
+
+
+def _follow(pipe: Connection, engine: Engine) -> None:
+    while True:
+        try:
+            kind, *args = _receive(pipe)
+        except EOFError:
+            return  # rank 0 is gone
+        if kind == "stop":
+            return
+        if kind == "add":
+            # an add that raises raises on rank 0 too, which answers it: nothing to do here
+            with contextlib.suppress(Exception):
+                engine.add(*args)
+        else:
+            getattr(engine, kind)(*args)
+
+
+def _exit_with_parent() -> None:
+    """Exit within a second of rank 0's death, even in the middle of a collective."""
+    parent = os.getppid()
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(1.0)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="kestrel-rank0-watch", daemon=True).start()
+
+
+def _exit(code: int) -> None:
+    # nothing is left to clean up: skip the interpreter's teardown (seconds with torch loaded)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+# plain pickle both ways: multiprocessing's pickler would pass tensors (images) as shared memory
+def _send(pipe: Connection, message) -> None:
+    pipe.send_bytes(pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL))
+
+
+def _receive(pipe: Connection):
+    return pickle.loads(pipe.recv_bytes())  # only ever what our other side sent

@@ -1,0 +1,104 @@
+"""kestrel's native CPU kernels (kernels/cpu/*.cpp). GGUF: for every type they read, the
+matmul straight from the blocks and their dequantization equal the PyTorch decoding of
+kernels/quant.py (gguf-py's values), for every number of activation rows (the 8-, 4-, 2- and 1-row
+passes of decode and small batches, the dequantized tiles of prefill), in float32 and bfloat16;
+bad blocks are refused by the op; without the kernels the layers fall back to PyTorch and give
+the same logits. Paged attention equals its PyTorch reference on trimmed, sunk and sliding
+sequences, decode and prefill tiles, GQA and wide heads, the MLA latent, float32 and bfloat16;
+so do the fused RMSNorm, activation-times-up and RoPE-and-store."""
+
+import gguf
+import numpy as np
+import pytest
+import torch
+from tests.family_suite import one_thread  # noqa: F401
+from tests.gguf_writer import random_blocks
+from tests.kernel_checks import check_fused, check_paged_attention
+from tests.reference import assert_close, chunked_logits
+from tests.test_gguf_quantized import PROMPT, load, tiny_llama_gguf
+
+from kestrel.kernels import cpu_native
+from kestrel.kernels.quant import dequantize
+from kestrel.models.layers.quant import QuantLinear
+
+
+def blocks_of(qtype: str, rows: int, cols: int, seed: int = 0) -> torch.Tensor:
+    rng = np.random.default_rng(seed)
+    return torch.from_numpy(random_blocks((rows, cols), gguf.GGMLQuantizationType[qtype], rng))
+
+
+def test_the_kernels_build_on_this_machine():
+    assert cpu_native.available()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("chunk", [1, 7, 40])
+@pytest.mark.parametrize("window", [None, 16])
+def test_paged_attention_equals_the_reference(dtype, chunk, window):
+    check_paged_attention(cpu_native.paged_attention, "cpu", dtype, chunk, window)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_ops_equal_their_references(dtype):
+    check_fused("cpu", dtype)
+
+
+@pytest.mark.parametrize(
+    "hq,hkv,d,bs,value_dim",
+    [(9, 3, 64, 64, None), (4, 1, 256, 16, None), (8, 8, 72, 16, None), (20, 1, 72, 64, 64)],
+)
+def test_paged_attention_head_shapes_and_the_latent(hq, hkv, d, bs, value_dim):
+    # SmolLM2's GQA on 64-token blocks, gemma3's 256-wide heads, a width no vector divides, and
+    # MLA in latent space (values inside the keys)
+    for chunk in (1, 9):
+        check_paged_attention(
+            cpu_native.paged_attention, "cpu", torch.float32, chunk, None, hq, hkv, d, bs,
+            value_dim, 4,
+        )  # fmt: skip
+
+
+@pytest.mark.parametrize("qtype", cpu_native.QTYPES)
+def test_dequantize_equals_the_pytorch_decoding(qtype):
+    blocks = blocks_of(qtype, 37, 512)
+    expected = dequantize(blocks, qtype, 512)
+    assert expected.abs().max() > 0
+    torch.testing.assert_close(cpu_native.gguf_dequantize(blocks, qtype, 512), expected)
+
+
+@pytest.mark.parametrize("qtype", cpu_native.QTYPES)
+@pytest.mark.parametrize("rows", [1, 2, 3, 7, 8, 15, 32, 33])
+def test_matmul_from_the_blocks_equals_dequantize_then_matmul(qtype, rows):
+    """37 output rows: not a multiple of the four a thread takes at once."""
+    torch.manual_seed(0)
+    blocks = blocks_of(qtype, 37, 512)
+    x = torch.randn(rows, 512)
+    expected = x @ dequantize(blocks, qtype, 512).T
+    torch.testing.assert_close(
+        cpu_native.gguf_mm(x, blocks, qtype, 512), expected, rtol=1e-5, atol=1e-5
+    )
+
+
+def test_bfloat16_activations_come_back_as_bfloat16():
+    blocks, x = blocks_of("Q4_K", 16, 256), torch.randn(2, 256)
+    out = cpu_native.gguf_mm(x.bfloat16(), blocks, "Q4_K", 256)
+    expected = x.bfloat16().float() @ dequantize(blocks, "Q4_K", 256).T
+    assert out.dtype == torch.bfloat16
+    torch.testing.assert_close(out.float(), expected, rtol=2e-2, atol=2e-2)
+
+
+def test_blocks_that_do_not_hold_the_columns_are_refused():
+    blocks = blocks_of("Q8_0", 4, 64)
+    with pytest.raises(RuntimeError, match="do not hold 96 columns"):
+        cpu_native.gguf_mm(torch.randn(1, 96), blocks, "Q8_0", 96)
+    with pytest.raises(RuntimeError, match="x must be"):
+        cpu_native.gguf_mm(torch.randn(1, 32), blocks, "Q8_0", 64)
+
+
+@pytest.mark.parametrize("quant", ["Q4_1", "Q6_K"])
+def test_without_the_kernels_packed_layers_give_the_same_logits(quant, tmp_path, monkeypatch):
+    path = tiny_llama_gguf(tmp_path / f"{quant}.gguf", quant)
+    packed = load(path, packed=True)
+    native = chunked_logits(packed, PROMPT, 5)
+    monkeypatch.setattr(cpu_native, "serves", lambda qtype: False)
+    assert isinstance(packed.model.layers[0].mlp.down_proj, QuantLinear)
+    assert_close(chunked_logits(packed, PROMPT, 5), native)
