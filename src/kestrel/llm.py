@@ -3,46 +3,14 @@
 import itertools
 from dataclasses import dataclass, field
 
-import torch
-
 from kestrel.config import Config, build_config
 from kestrel.engine.engine import Engine, RequestOutput
+from kestrel.loading import load_model, resolve_device
 from kestrel.media import MediaLimits, image_part_params
 from kestrel.models.qwen_vl_processor import MultimodalPrompt, chat_prompt, load_processor
 from kestrel.sampling import SamplingParams
 from kestrel.tokenizer import apply_chat_template, encode
 from kestrel.weights.embedded import DEFAULT_MODEL
-from kestrel.weights.loader import load
-from kestrel.weights.shapes import load_shape
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-def resolve_device(device: str | None) -> torch.device:
-    if device in (None, "auto"):
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(device)
-
-
-def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype:
-    """ "auto": float32 on the CPU (the reference path), bfloat16 on CUDA."""
-    if isinstance(dtype, torch.dtype):
-        return dtype
-    if dtype == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
-    if dtype not in DTYPES:
-        raise ValueError(f"unknown dtype {dtype!r}; choose auto, {', '.join(DTYPES)}")
-    return DTYPES[dtype]
-
-
-def load_model(config: Config, device: torch.device, progress: bool = True):
-    """(model, tokenizer, source) of `config` on `device`: the checkpoint, or random weights of
-    a named shape (source None)."""
-    dtype = resolve_dtype(config.model.dtype, device)
-    if config.model.shape:
-        return (*load_shape(config.model.shape, dtype, device), None)
-    model = config.model
-    return load(model.model, dtype, device, progress, model.quantized_weights)
 
 
 def load_engine(config: Config, progress: bool = True, exit_with_workers: bool = False):

@@ -391,7 +391,7 @@ def _peer_cache(work: Workload, device) -> dict:
 
 
 def run_bench(args) -> int:
-    from kestrel.llm import resolve_device, resolve_dtype
+    from kestrel.loading import resolve_device, resolve_dtype
 
     if args.mode == "serve":
         return _run_serve(args, resolve_device(args.device))

@@ -40,6 +40,7 @@ from kestrel.distributed.group import TPGroup, join, leave
 from kestrel.distributed.tensor_parallel import shard_model
 from kestrel.engine.engine import Engine
 from kestrel.engine.request import Request
+from kestrel.loading import load_model, resolve_device
 
 log = logging.getLogger("kestrel.distributed")
 
@@ -115,7 +116,6 @@ def _rank_config(config: Config) -> Config:
 def load_shard(config: Config, rank: int, size: int, progress: bool):
     """(model, tokenizer, source, device): the model loaded on this rank's device, then cut to
     this rank's shard (the whole model is loaded first: it must fit one device)."""
-    from kestrel.llm import load_model, resolve_device
 
     device = resolve_device(config.model.device)
     if device.type == "cuda":
