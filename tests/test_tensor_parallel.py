@@ -1,9 +1,9 @@
-"""Tensor parallel on the CPU: two gloo processes, each holding half of every attention block, MLP,
-expert, embedding and head, generate exactly what one process holding the whole model generates
-(greedy tokens equal, first-step log-probs within 1e-4 in fp32) with chunked prefill and a
-`--max-kv-size` trim: the sharded layers through the reference runner, then whole engines
-(`LLM(..., tensor_parallel_size=2)`, `kestrel serve -tp 2`) whose workers kestrel starts; a
-worker killed under a running server makes it answer 503 and exit non-zero."""
+"""Tensor parallel on the CPU: two gloo processes, each holding half of every attention block (GQA
+or latent), MLP, expert, embedding and head, generate exactly what one process holding the whole
+model generates (greedy tokens equal, first-step log-probs within 1e-4 in fp32) with chunked
+prefill and a `--max-kv-size` trim: the sharded layers through the reference runner, then whole
+engines (`LLM(..., tensor_parallel_size=2)`, `kestrel serve -tp 2`) whose workers kestrel starts;
+a worker killed under a running server makes it answer 503 and exit non-zero."""
 
 import json
 import os
@@ -18,7 +18,7 @@ import openai
 import pytest
 import torch
 import torch.multiprocessing as mp
-from transformers import LlamaConfig
+from transformers import LlamaConfig, Mistral4Config
 
 from kestrel.distributed.group import TPGroup, join, leave
 from kestrel.distributed.tensor_parallel import shard_model
@@ -26,21 +26,32 @@ from kestrel.engine.request import Request
 from kestrel.engine.runner import ModelRunner
 from kestrel.llm import LLM
 from kestrel.models.layers.attention import Attention
+from kestrel.models.layers.mla import MultiHeadLatentAttention
 from kestrel.sampling import SamplingParams
 from kestrel.weights.loader import build_model
 from server_fixtures import child_pids, start_server
 from server_fixtures import tiny_model as server_tiny_model
+from test_models_mistral4 import COMMON as MISTRAL4
 from test_paged_cache import prompts, run_to_end, tiny_model
 
 CPU = torch.device("cpu")
 
 
-def one_kv_head(window):
+def one_kv_head():
     """4 query heads over 1 KV head: with 2 ranks each keeps a copy of the KV head."""
     config = LlamaConfig(
         vocab_size=97, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=1, head_dim=8, max_position_embeddings=256,
     )  # fmt: skip
+    return random_model(config)
+
+
+def mla_q_proj():
+    """Mistral 4 with a full-rank q_proj (no q_a_proj / q_b_proj) and rotate-half RoPE."""
+    return random_model(Mistral4Config(**MISTRAL4, q_lora_rank=None, rope_interleave=False))
+
+
+def random_model(config):
     torch.manual_seed(0)  # every rank, and the whole model, draw the same weights
     model = build_model(config, torch.float32, CPU)
     with torch.no_grad():
@@ -49,24 +60,34 @@ def one_kv_head(window):
     return model
 
 
-# (name, model factory): GQA with a vocabulary that does not split evenly (97), every layer
-# sliding (Mistral), gemma3's sliding/global mix, replicated KV heads, and EXAONE-MoE (sigmoid,
-# group-limited routing over experts split along their width, a shared expert, a dense layer)
+# (name, model factory, prefill chunk): GQA with a vocabulary that does not split evenly (97),
+# every layer sliding (Mistral), gemma3's sliding/global mix, replicated KV heads, EXAONE-MoE
+# (sigmoid, group-limited routing over experts split along their width, a shared expert, a dense
+# layer), and MLA: minicpm3 (biases, LongRoPE), glm4_moe_lite (MoE), mistral4 (position-scaled
+# queries) with low-rank queries, and mistral4 with a full q_proj. MLA prefills in 8-token
+# chunks so that both its expanded (8 tokens) and latent-space (shorter, decode) attention run.
 MODELS = [
-    ("llama", lambda: tiny_model("llama")),
-    ("exaone_moe", lambda: tiny_model("exaone_moe")),
-    ("mistral-sliding", lambda: tiny_model("llama", window=7)),
-    ("gemma3", lambda: tiny_model("gemma3", window=6)),
-    ("one-kv-head", lambda: one_kv_head(None)),
+    ("llama", lambda: tiny_model("llama"), 5),
+    ("exaone_moe", lambda: tiny_model("exaone_moe"), 5),
+    ("mistral-sliding", lambda: tiny_model("llama", window=7), 5),
+    ("gemma3", lambda: tiny_model("gemma3", window=6), 5),
+    ("one-kv-head", one_kv_head, 5),
+    ("minicpm3", lambda: tiny_model("minicpm3"), 8),
+    ("glm4_moe_lite", lambda: tiny_model("glm4_moe_lite"), 8),
+    ("mistral4", lambda: tiny_model("mistral4"), 8),
+    ("mistral4-q_proj", mla_q_proj, 8),
 ]
+ATTENTION = (Attention, MultiHeadLatentAttention)
 
 
-def greedy(model) -> tuple[list[list[int]], list[dict]]:
-    """Three prompts in 5-token chunks under a 12-token KV bound (1 sink): tokens, log-probs."""
+def greedy(model, chunk: int) -> tuple[list[list[int]], list[dict]]:
+    """Three prompts in `chunk`-token chunks under a 12-token KV bound (1 sink): tokens,
+    log-probs."""
     params = SamplingParams(temperature=0, logprobs=5)
     requests = [Request(f"t{i}", p, params, 10, 12, 1) for i, p in enumerate(prompts(9, 14, 4))]
     logprobs = {}
-    run_to_end(ModelRunner(model, CPU), requests, logprobs, max_num_seqs=3, prefill_chunk_size=5)
+    runner = ModelRunner(model, CPU)
+    run_to_end(runner, requests, logprobs, max_num_seqs=3, prefill_chunk_size=chunk)
     return [r.output_ids for r in requests], [logprobs[r.request_id] for r in requests]
 
 
@@ -74,12 +95,12 @@ def _rank(rank: int, port: int) -> None:
     torch.set_num_threads(1)
     tp = join(rank, 2, CPU, f"tcp://127.0.0.1:{port}")
     try:
-        for name, factory in MODELS:
-            want_tokens, want_logprobs = greedy(factory())
+        for name, factory, chunk in MODELS:
+            want_tokens, want_logprobs = greedy(factory(), chunk)
             sharded = shard_model(factory(), tp)
-            heads = [m.num_heads for m in sharded.modules() if isinstance(m, Attention)]
+            heads = [m.num_heads for m in sharded.modules() if isinstance(m, ATTENTION)]
             assert heads and all(h == heads[0] for h in heads), name
-            got_tokens, got_logprobs = greedy(sharded)
+            got_tokens, got_logprobs = greedy(sharded, chunk)
             assert got_tokens == want_tokens, name
             for got, want in zip(got_logprobs, want_logprobs, strict=True):
                 assert got.keys() == want.keys(), name
@@ -96,10 +117,18 @@ def test_two_ranks_generate_what_one_whole_model_generates():
     mp.spawn(_rank, args=(port,), nprocs=2, join=True)
 
 
+@pytest.mark.parametrize("family", ["minicpm3", "glm4_moe_lite", "mistral4"])
+def test_latent_attention_splits_heads_and_keeps_the_whole_latent_cache(family):
+    layout = tiny_model(family).kv_layout()
+    sharded = shard_model(tiny_model(family), TPGroup(0, 2))
+    assert sharded.kv_layout() == layout  # the latent and RoPE key are per token, not per head
+    assert {m.num_heads for m in sharded.modules() if isinstance(m, ATTENTION)} == {2}
+
+
 def test_a_family_it_does_not_cover_is_refused_by_name():
-    model = tiny_model("minicpm3")
+    model = tiny_model("jamba")  # Mamba mixers: not split yet
     with pytest.raises(
-        ValueError, match="does not cover MiniCPM3ForCausalLM.s layers .*self_attn.q_a_proj"
+        ValueError, match="does not cover JambaForCausalLM.s layers .*mamba.in_proj"
     ):
         shard_model(model, TPGroup(0, 2))
 
@@ -112,14 +141,18 @@ LONG_TEXT = " ".join(f"word{i}" for i in range(40))
 
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory, smollm2_tokenizer) -> dict[str, str]:
-    """A dense family (the tiny Llama) and an MoE one (EXAONE-MoE: sigmoid group-limited
-    routing, a shared expert, a dense layer), saved with SmolLM2's tokenizer."""
+    """A dense family (the tiny Llama), an MoE one (EXAONE-MoE: sigmoid group-limited
+    routing, a shared expert, a dense layer) and an MLA one (GLM-4-MoE-Lite: the paged runner's
+    fused low-rank projections over the latent pool), saved with SmolLM2's tokenizer."""
     from tests.test_families_server import FAMILIES
 
-    folder = tmp_path_factory.mktemp("exaone_moe")
-    FAMILIES["exaone_moe"].build(folder, len(smollm2_tokenizer))
-    smollm2_tokenizer.save_pretrained(folder)
-    return {"llama": server_tiny_model(), "exaone_moe": str(folder)}
+    folders = {"llama": server_tiny_model()}
+    for family in ("exaone_moe", "glm4_moe_lite"):
+        folder = tmp_path_factory.mktemp(family)
+        FAMILIES[family].build(folder, len(smollm2_tokenizer))
+        smollm2_tokenizer.save_pretrained(folder)
+        folders[family] = str(folder)
+    return folders
 
 
 def generate_with(model: str, **settings) -> list[tuple[list[int], dict]]:
@@ -137,7 +170,7 @@ def generate_with(model: str, **settings) -> list[tuple[list[int], dict]]:
     return [*outputs, (bounded.output_ids, None)]
 
 
-@pytest.mark.parametrize("family", ["llama", "exaone_moe"])
+@pytest.mark.parametrize("family", ["llama", "exaone_moe", "glm4_moe_lite"])
 def test_llm_over_two_ranks_generates_what_one_process_generates(checkpoints, family):
     want = generate_with(checkpoints[family])
     got = generate_with(checkpoints[family], tensor_parallel_size=2)

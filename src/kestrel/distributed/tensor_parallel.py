@@ -4,6 +4,10 @@ all-reduce per attention block and per MLP joins the partial sums.
 - Attention: q/k/v split by heads (column parallel), o_proj by the same heads' input columns
   (row parallel, then all-reduce). With fewer KV heads than ranks, each KV head is kept by the
   ranks whose query heads read it (replicated).
+- Multi-head latent attention (MLA): the queries (`q_proj`, or `q_b_proj` after the replicated
+  low-rank `q_a_proj`) and `kv_b_proj` split by heads, `o_proj` by the same heads' values (row
+  parallel). The latent and the RoPE key (`kv_a_proj_with_mqa`) are per token, not per head:
+  every rank computes and caches them whole, so the latent KV cache does not shrink.
 - Gated MLP: gate/up split along the intermediate width, down_proj along its input.
 - Routed experts: every expert split the same way along its width (the router is replicated, so
   each rank routes every token alike); one all-reduce joins the experts' partial sums, and the
@@ -24,6 +28,7 @@ from torch import nn
 from kestrel.distributed.group import TPGroup
 from kestrel.models.base import head_dim
 from kestrel.models.layers.attention import Attention
+from kestrel.models.layers.mla import MultiHeadLatentAttention
 from kestrel.models.layers.mlp import GatedMLP
 from kestrel.models.layers.moe import Experts
 
@@ -119,11 +124,13 @@ def shard_model(model: nn.Module, tp: TPGroup) -> nn.Module:
         raise ValueError(
             f"tensor parallel does not cover {type(model).__name__}'s layers "
             f"{', '.join(uncovered[:4])}{' ...' if len(uncovered) > 4 else ''}; it covers "
-            "GQA attention, gated MLPs, routed experts, the embedding and the head"
+            "GQA and latent attention, gated MLPs, routed experts, the embedding and the head"
         )
     for module in list(model.modules()):
         if isinstance(module, Attention):
             _shard_attention(module, tp)
+        elif isinstance(module, MultiHeadLatentAttention):
+            _shard_latent_attention(module, tp)
         elif isinstance(module, GatedMLP):
             _shard_mlp(module, tp)
         elif isinstance(getattr(module, "experts", None), Experts):
@@ -135,7 +142,7 @@ def shard_model(model: nn.Module, tp: TPGroup) -> nn.Module:
 
 def _sharded_config(config, tp: TPGroup):
     """A copy of the config with this rank's attention heads: the paged pool sizes each
-    layer's KV by it (models/base.py's kv_layout)."""
+    layer's KV by it (models/base.py's kv_layout; MLA's latent layout reads no head count)."""
     config = copy.deepcopy(config)
     text = config.get_text_config()
     text.head_dim = head_dim(text)  # before the head count it may be derived from changes
@@ -145,16 +152,20 @@ def _sharded_config(config, tp: TPGroup):
     return config
 
 
-# the Linears each shared layer's rule shards
+# the Linears each shared layer's rule covers (split, or kept whole on every rank)
 SHARDED_LINEARS = {
     Attention: ("q_proj", "k_proj", "v_proj", "o_proj"),
+    MultiHeadLatentAttention: (
+        *("q_proj", "q_a_proj", "q_b_proj"),  # q_proj, or q_a_proj (whole) then q_b_proj
+        *("kv_a_proj_with_mqa", "kv_b_proj", "o_proj"),
+    ),
     GatedMLP: ("gate_proj", "up_proj", "down_proj"),
 }
 
 
 def _uncovered_linears(model: nn.Module) -> list[str]:
     covered = {
-        id(getattr(m, name))
+        id(getattr(m, name, None))
         for m in model.modules()
         for kind, names in SHARDED_LINEARS.items()
         if isinstance(m, kind)
@@ -184,6 +195,23 @@ def _shard_attention(attn: Attention, tp: TPGroup) -> None:
     attn.v_proj = column_parallel(attn.v_proj, _heads(first_kv, kv_heads, d))
     attn.o_proj = RowParallelLinear(attn.o_proj, _heads(first_q, q_heads, d), tp)
     attn.num_heads, attn.num_kv_heads = q_heads, kv_heads
+
+
+def _shard_latent_attention(attn: MultiHeadLatentAttention, tp: TPGroup) -> None:
+    # kv_b_proj's rows are per head [no-RoPE key, value]; the queries' [no-RoPE, RoPE]
+    if attn.num_heads % tp.size:
+        raise ValueError(
+            f"{attn.num_heads} latent attention heads do not split over {tp.size} ranks"
+        )
+    heads = attn.num_heads // tp.size
+    first = tp.rank * heads
+    query = "q_proj" if hasattr(attn, "q_proj") else "q_b_proj"
+    q_rows = _heads(first, heads, attn.nope_dim + attn.rope_dim)
+    setattr(attn, query, column_parallel(getattr(attn, query), q_rows))
+    kv_rows = _heads(first, heads, attn.nope_dim + attn.v_dim)
+    attn.kv_b_proj = column_parallel(attn.kv_b_proj, kv_rows)
+    attn.o_proj = RowParallelLinear(attn.o_proj, _heads(first, heads, attn.v_dim), tp)
+    attn.num_heads = heads  # W_uk / W_uv are viewed from kv_b_proj per call, never cached
 
 
 def _heads(first: int, count: int, dim: int) -> slice:
