@@ -1,8 +1,13 @@
-"""GGUF files: tensors read with the `gguf` package. The loader keeps the quantized types of
-`kernels.quant.BLOCKS` as their blocks on the CPU and dequantizes the rest to float at load."""
+"""GGUF files: the header read by our own walker (`GGUFFile`), the type tables and dequantization
+from the `gguf` package. The loader keeps the quantized types of `kernels.quant.BLOCKS` as their
+blocks on the CPU and dequantizes the rest to float at load."""
 
+import math
+import mmap
+import struct
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any, NamedTuple
 
 import gguf
 import numpy as np
@@ -12,59 +17,225 @@ from kestrel.errors import ModelLoadError, UnsupportedModelError
 
 FLOAT_TYPES = {gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16}
 
+# We walk the header ourselves: gguf-py's reader builds numpy views of every metadata element,
+# the 50k-entry vocabulary included, which costs seconds per load.
+V = gguf.GGUFValueType
+_SCALARS = {
+    V.UINT8: "B",
+    V.INT8: "b",
+    V.UINT16: "H",
+    V.INT16: "h",
+    V.UINT32: "I",
+    V.INT32: "i",
+    V.FLOAT32: "f",
+    V.BOOL: "?",
+    V.UINT64: "Q",
+    V.INT64: "q",
+    V.FLOAT64: "d",
+}
+# tensor types gguf-py shows as elements; the others as (rows, bytes per row) blocks
+_ELEMENTS = {
+    gguf.GGMLQuantizationType.F16: np.float16,
+    gguf.GGMLQuantizationType.F32: np.float32,
+    gguf.GGMLQuantizationType.F64: np.float64,
+    gguf.GGMLQuantizationType.I8: np.int8,
+    gguf.GGMLQuantizationType.I16: np.int16,
+    gguf.GGMLQuantizationType.I32: np.int32,
+    gguf.GGMLQuantizationType.I64: np.int64,
+}
 
-class _Reader(gguf.GGUFReader):
-    """gguf's reader, with each tensor's record checked first so that a bad one (unknown type,
-    a row that is not whole blocks, data past the end of the file) is named; gguf's own errors
-    do not say which tensor."""
 
-    def _build_tensors(self, start_offs: int, fields: list) -> None:
-        for field in fields:
-            _check_record(field, start_offs, len(self.data))
-        super()._build_tensors(start_offs, fields)
+class _Walker:
+    """Reads values at byte offsets of a GGUF file's memory map, in the file's byte order."""
+
+    def __init__(self, buf: mmap.mmap, order: str):
+        self.buf, self.order = buf, order
+
+    def unpack(self, fmt: str, at: int) -> tuple:
+        return struct.unpack_from(self.order + fmt, self.buf, at)
+
+    def string(self, at: int, keep: bool = True) -> tuple[str | None, int]:
+        (n,) = self.unpack("Q", at)
+        end = at + 8 + n
+        if end > len(self.buf):
+            raise ValueError(f"a string at byte {at} runs past the end of the file")
+        return (str(self.buf[at + 8 : end], "utf-8") if keep else None), end
+
+    def value(self, at: int, vtype: gguf.GGUFValueType, keep: bool = True) -> tuple[Any, int]:
+        """The value of type `vtype` at `at` (None unless `keep`) and the offset past it."""
+        if vtype == V.STRING:
+            return self.string(at, keep)
+        if vtype == V.ARRAY:
+            item, count = self.unpack("IQ", at)
+            return self.array(at + 12, V(item), count, keep)
+        fmt = _SCALARS[vtype]
+        return (self.unpack(fmt, at)[0] if keep else None), at + struct.calcsize(fmt)
+
+    def array(self, at: int, item: gguf.GGUFValueType, count: int, keep: bool) -> tuple[Any, int]:
+        if item in _SCALARS:
+            fmt = f"{count}{_SCALARS[item]}"
+            return (list(self.unpack(fmt, at)) if keep else None), at + struct.calcsize(fmt)
+        if item == V.STRING and not keep:  # the vocabulary: only its lengths are read
+            for _ in range(count):
+                at += 8 + self.unpack("Q", at)[0]
+            return None, at
+        values = []
+        for _ in range(count):
+            value, at = self.value(at, item, keep)
+            values.append(value)
+        return (values if keep else None), at
 
 
-def _check_record(field, start: int, file_size: int) -> None:
-    _, name, _, dims, raw_type, offset = field.parts
-    name = bytes(name).decode("utf-8", "replace")
+class Field(NamedTuple):
+    """One metadata value, read when asked for: `contents()` is a str, number, bool or list, as
+    with gguf-py's `ReaderField`; the vocabulary arrays are only walked past."""
+
+    type: gguf.GGUFValueType
+    walker: _Walker
+    offset: int
+
+    def contents(self) -> Any:
+        return self.walker.value(self.offset, self.type)[0]
+
+
+class TensorRecord(NamedTuple):
+    """One tensor as gguf-py's `ReaderTensor` describes it: `shape` in GGUF order (row length
+    first), `data_offset` from the file's start, `data` a view of its bytes in gguf-py's dtype."""
+
+    name: str
+    tensor_type: gguf.GGMLQuantizationType
+    shape: tuple[int, ...]
+    n_elements: int
+    n_bytes: int
+    data_offset: int
+    data: np.ndarray
+
+
+class GGUFFile:
+    """A GGUF file's metadata `fields` (key -> `Field`) and `tensors` (`TensorRecord`s), over one
+    memory map; every tensor record is checked (see `_check_record`)."""
+
+    def __init__(self, path: Path):
+        with open(path, "rb") as f:
+            buf = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+        self.data = np.frombuffer(buf, dtype=np.uint8)
+        self.walker = _Walker(buf, _byte_order(buf))
+        version, n_tensors, n_fields = self.walker.unpack("IQQ", 4)
+        if version not in (2, 3):
+            raise ValueError(f"GGUF version {version} is not supported")
+        self.fields = {
+            "GGUF.version": Field(V.UINT32, self.walker, 4),
+            "GGUF.tensor_count": Field(V.UINT64, self.walker, 8),
+            "GGUF.kv_count": Field(V.UINT64, self.walker, 16),
+        }
+        records, end = self._read_records(self._read_fields(24, n_fields), n_tensors)
+        self.tensors = self._tensors(records, self._data_start(end))
+
+    def _read_fields(self, at: int, count: int) -> int:
+        for _ in range(count):
+            key, at = self.walker.string(at)
+            vtype = V(self.walker.unpack("I", at)[0])
+            if key in self.fields:
+                raise ValueError(f"duplicate metadata key {key}")
+            self.fields[key] = Field(vtype, self.walker, at + 4)
+            _, at = self.walker.value(at + 4, vtype, keep=False)
+        return at
+
+    def _read_records(self, at: int, count: int) -> tuple[list[tuple], int]:
+        """(name, dims, type id, offset in the data section) of each tensor, and the end."""
+        records = []
+        for _ in range(count):
+            name, at = self.walker.string(at)
+            (n_dims,) = self.walker.unpack("I", at)
+            *dims, type_id, offset = self.walker.unpack(f"{n_dims}QIQ", at + 4)
+            records.append((name, tuple(dims), type_id, offset))
+            at += 4 + 8 * n_dims + 12
+        return records, at
+
+    def _data_start(self, end: int) -> int:
+        """The tensor data's start: the header's end rounded up to `general.alignment`."""
+        field = self.fields.get("general.alignment")
+        align = gguf.GGUF_DEFAULT_ALIGNMENT if field is None else field.contents()
+        if field is not None and field.type != V.UINT32:
+            raise ValueError(f"general.alignment is a {field.type.name}, not a UINT32")
+        if align == 0 or align & (align - 1):
+            raise ValueError(f"general.alignment {align} is not a power of two")
+        return -(-end // align) * align
+
+    def _tensors(self, records: list[tuple], start: int) -> list[TensorRecord]:
+        tensors, names = [], set()
+        for name, dims, type_id, offset in records:
+            if name in names:
+                raise ValueError(f"tensor {name} is listed twice")
+            names.add(name)
+            tensors.append(self._tensor(name, dims, type_id, start + offset))
+        return tensors
+
+    def _tensor(self, name: str, dims: tuple, type_id: int, at: int) -> TensorRecord:
+        qtype = _check_record(name, dims, type_id, at, len(self.data))
+        block, size = gguf.GGML_QUANT_SIZES[qtype]
+        n_elements = math.prod(dims)
+        n_bytes = n_elements // block * size
+        shape = tuple(reversed(dims))
+        data = self.data[at : at + n_bytes]
+        if qtype in _ELEMENTS:
+            data = data.view(np.dtype(_ELEMENTS[qtype]).newbyteorder(self.walker.order))
+        else:
+            shape = gguf.quants.quant_shape_to_byte_shape(shape, qtype)
+        return TensorRecord(name, qtype, dims, n_elements, n_bytes, at, data.reshape(shape))
+
+
+def _byte_order(buf: mmap.mmap) -> str:
+    """'<' or '>': a GGUF file is written in its machine's byte order, which the version shows."""
+    if buf[:4] != b"GGUF":
+        raise ValueError("no GGUF magic number")
+    (version,) = struct.unpack_from("<I", buf, 4)
+    return ">" if version & 0xFFFF == 0 else "<"
+
+
+def _check_record(
+    name: str, dims: tuple, type_id: int, at: int, file_size: int
+) -> gguf.GGMLQuantizationType:
+    """The tensor's type, once its record is known good: gguf's own errors name no tensor."""
     try:
-        qtype = gguf.GGMLQuantizationType(int(raw_type[0]))
+        qtype = gguf.GGMLQuantizationType(type_id)
     except ValueError:
         raise UnsupportedModelError(
-            f"tensor {name} has unknown quantization type id {int(raw_type[0])}"
+            f"tensor {name} has unknown quantization type id {type_id}"
         ) from None
     block, size = gguf.GGML_QUANT_SIZES[qtype]
-    row = int(dims[0]) if len(dims) else 1
+    row = dims[0] if dims else 1
     if row % block:
         raise ModelLoadError(
             f"tensor {name}: rows of {row} elements are not whole {qtype.name} blocks of {block}"
         )
-    end = start + int(offset[0]) + int(np.prod(dims)) // block * size
+    end = at + math.prod(dims) // block * size
     if end > file_size:
         raise ModelLoadError(
             f"truncated or corrupt GGUF file: tensor {name} ({qtype.name}) needs bytes up to "
             f"{end}, the file has {file_size}"
         )
+    return qtype
 
 
-def open_gguf(path: Path) -> gguf.GGUFReader:
-    """Open and validate a GGUF file, turning the library's errors into one that names the file."""
+def open_gguf(path: Path) -> GGUFFile:
+    """Open and validate a GGUF file, turning read errors into one that names the file."""
     try:
-        return _Reader(str(path))
+        return GGUFFile(path)
     except ModelLoadError as e:
         raise type(e)(f"{path}: {e}") from e
-    except (ValueError, IndexError, OSError, KeyError) as e:
+    except (ValueError, IndexError, OSError, KeyError, struct.error) as e:
         raise ModelLoadError(f"{path}: truncated or corrupt GGUF file ({e})") from e
 
 
-def architecture(reader: gguf.GGUFReader) -> str:
+def architecture(reader: GGUFFile) -> str:
     field = reader.fields.get("general.architecture")
     if field is None:
         raise ModelLoadError("GGUF file has no general.architecture")
     return field.contents()
 
 
-def check_quant_types(reader: gguf.GGUFReader, path: Path) -> None:
+def check_quant_types(reader: GGUFFile, path: Path) -> None:
     """Fail before any work when a tensor's quantization type cannot be dequantized."""
     for t in reader.tensors:
         if t.tensor_type not in FLOAT_TYPES and t.tensor_type not in gguf.quants._type_traits:
@@ -118,7 +289,7 @@ class GGUFMetadata:
     """A GGUF file's metadata and tensor shapes, for a family to rebuild its config from.
     `meta["block_count"]` reads `<arch>.block_count`; `meta.get("general.name")` a full key."""
 
-    def __init__(self, reader: gguf.GGUFReader):
+    def __init__(self, reader: GGUFFile):
         self.reader = reader
         self.arch = architecture(reader)
         self.fields = {k: f.contents() for k, f in reader.fields.items() if k not in _SKIPPED_KEYS}
@@ -145,7 +316,7 @@ class GGUFMetadata:
 
 
 def name_map(
-    reader: gguf.GGUFReader, names_for: Callable[[gguf.TensorNameMap], dict[str, str]]
+    reader: GGUFFile, names_for: Callable[[gguf.TensorNameMap], dict[str, str]]
 ) -> dict[str, str]:
     """GGUF tensor name -> our checkpoint name: `names_for` (the model's `gguf_names`) reads gguf's
     name table for the file's architecture."""
@@ -158,8 +329,8 @@ def name_map(
 
 
 def read_tensors(
-    reader: gguf.GGUFReader, names_for: Callable[[gguf.TensorNameMap], dict[str, str]]
-) -> list[tuple[str, gguf.ReaderTensor]]:
-    """(checkpoint name, gguf's tensor record) for every GGUF tensor the model declares."""
+    reader: GGUFFile, names_for: Callable[[gguf.TensorNameMap], dict[str, str]]
+) -> list[tuple[str, TensorRecord]]:
+    """(checkpoint name, tensor record) for every GGUF tensor the model declares."""
     mapping = name_map(reader, names_for)
     return [(mapping[t.name], t) for t in reader.tensors if t.name in mapping]
