@@ -1,12 +1,13 @@
-"""Single-stream decode speed with and without n-gram speculative decoding, on an input-grounded
-task: "rewrite this code with one change" over a ~500-token Python file, greedy, on the embedded
-real models. Both runs load the same weights in the same process, one after the other, so the
+"""Single-stream decode speed with and without speculative decoding (n-gram, a draft model), on
+an input-grounded task: "rewrite this code with one change" over a ~500-token Python file, greedy,
+on the embedded real models. Both runs load the same weights in the same process, one after the other, so the
 ratio holds on a noisy machine; the greedy tokens of the two runs must be equal (lossless).
 
 One JSON line per run and one with the speed-up, per model, on stdout; `--out` appends them.
 
     python benchmarks/speculative.py --out benchmarks/results/cpu-speculative-ngram.jsonl
     python benchmarks/speculative.py --device cuda --out benchmarks/results/h200-speculative.jsonl
+    python benchmarks/speculative.py --methods ngram draft  # each model also drafting for itself
 """
 
 import argparse
@@ -143,19 +144,32 @@ def environment(device: str) -> dict:
 
 def bench_model(args, model: str, env: dict, out) -> None:
     settings = dict(device=args.device, prefill_chunk_size=1024, max_num_seqs=1)
+    methods = {
+        "plain": {},
+        "ngram": {"speculative": "ngram"},
+        # a draft model: --draft-model, else the model itself (every proposal is accepted:
+        # the upper bound of a draft, at the draft's full cost)
+        "draft": {"speculative": "draft", "draft_model": args.draft_model or model},
+    }
     runs = {}
-    for label, spec in (("plain", {}), ("ngram", {"speculative": "ngram"})):
-        spec = {**spec, "num_speculative_tokens": args.k} if spec else spec
+    for label in ["plain", *args.methods]:
+        spec = {**methods[label], "num_speculative_tokens": args.k} if label != "plain" else {}
         llm = LLM(model, progress=False, **settings, **spec)
         ids = prompt_ids(llm)
         decode_speed(llm, ids, 4)  # warm-up (kernels, graphs)
         runs[label] = decode_speed(llm, ids, args.tokens)
         record = {"model": model, "speculative": label, "k": args.k if spec else 0, **env}
+        if label == "draft":
+            record["draft_model"] = spec["draft_model"]
         emit({**record, **{k: v for k, v in runs[label].items() if k != "ids"}}, out)
         del llm
-    same = runs["plain"]["ids"] == runs["ngram"]["ids"]
-    speedup = runs["ngram"]["decode_tok_s"] / runs["plain"]["decode_tok_s"]
-    emit({"model": model, "speedup": speedup, "same_tokens": same, **env}, out)
+        if args.device.startswith("cuda"):
+            torch.cuda.empty_cache()
+    for label in args.methods:
+        same = runs["plain"]["ids"] == runs[label]["ids"]
+        speedup = runs[label]["decode_tok_s"] / runs["plain"]["decode_tok_s"]
+        record = {"model": model, "speculative": label, "speedup": speedup, "same_tokens": same}
+        emit({**record, **env}, out)
 
 
 def emit(record: dict, out) -> None:
@@ -171,11 +185,14 @@ def main() -> int:
     p.add_argument("--device", default="auto")
     p.add_argument("--tokens", type=int, default=256, help="tokens generated per run")
     p.add_argument("-k", type=int, default=5, help="--num-speculative-tokens")
+    p.add_argument("--methods", nargs="+", default=["ngram"], choices=["ngram", "draft"])
+    p.add_argument("--draft-model", help="draft's model (default: each model drafts for itself)")
     p.add_argument("--out", help="append the JSON lines to this file")
     args = p.parse_args()
     device = (
         args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
     )
+    args.device = device
     out = open(args.out, "a") if args.out else None
     for model in args.models:
         bench_model(args, model, environment(device), out)

@@ -1,12 +1,14 @@
 """Speculative decoding on CUDA (the paged runner with its Triton kernels and decode graphs):
-greedy output with n-gram speculation equals the output without it, token for token, for tiny
-random checkpoints in fp32 (mixed batches, KV trims), with a byte-level tokenizer (the GPU machine
-has no embedded models). Skipped without a GPU."""
+greedy output with n-gram speculation, and with a draft model (its own paged runner and graphs),
+equals the output without it, token for token, for tiny random checkpoints in fp32 (mixed
+batches, KV trims), with a byte-level tokenizer (the GPU machine has no embedded models). Skipped
+without a GPU."""
 
 import pytest
 import torch
 from tests.reference import save_tiny
 from tests.test_speculative import FAMILIES, greedy, jobs_of, repeating_prompt, serve
+from tests.test_speculative_draft import perturb
 from tests.vl_reference import tiny_tokenizer
 
 from kestrel.config import build_config
@@ -15,12 +17,20 @@ from kestrel.engine.engine import Engine
 pytestmark = pytest.mark.gpu
 
 
-def cuda_engine(model, tokenizer, speculate: bool, **settings) -> Engine:
+def cuda_engine(model, tokenizer, speculate: bool, draft=None, **settings) -> Engine:
     spec = {"speculative": "ngram", "num_speculative_tokens": 4} if speculate else {}
+    if draft is not None:
+        spec = {"speculative": "draft", "draft_model": "tiny", "num_speculative_tokens": 4}
     config = build_config(
         block_size=16, num_blocks=64, max_num_seqs=4, prefill_chunk_size=8, **spec, **settings
     )
-    return Engine(model, tokenizer, config, torch.device("cuda"))
+    return Engine(model, tokenizer, config, torch.device("cuda"), draft)
+
+
+def load_cuda(folder):
+    from kestrel.weights.loader import load_model, resolve
+
+    return load_model(resolve(str(folder)), torch.float32, torch.device("cuda"), progress=False)
 
 
 @pytest.fixture(scope="module")
@@ -33,14 +43,11 @@ def cuda_tiny(request, tmp_path_factory, tokenizer):
     model_cls, config_cls, config = FAMILIES[request.param]
     folder = tmp_path_factory.mktemp(request.param)
     save_tiny(model_cls, config_cls(**config), folder, tokenizer=tokenizer)
-    from kestrel.weights.loader import load_model, resolve
-
-    model = load_model(resolve(str(folder)), torch.float32, torch.device("cuda"), progress=False)
-    return model, config["vocab_size"]
+    return load_cuda(folder), config["vocab_size"], folder
 
 
 def test_cuda_greedy_with_speculation_equals_without(cuda_tiny, tokenizer):
-    model, vocab = cuda_tiny
+    model, vocab, _ = cuda_tiny
     early, late = jobs_of(vocab)
     bounded = [("t", repeating_prompt(vocab, 2, 12), greedy(60), 40)]
     plain = serve(cuda_engine(model, tokenizer, False, keep=2), early + bounded, late)
@@ -48,3 +55,18 @@ def test_cuda_greedy_with_speculation_equals_without(cuda_tiny, tokenizer):
     for key in plain:
         assert spec[key][:3] == plain[key][:3], key
     assert sum(v[4] for v in spec.values()) > 0  # drafts were accepted
+
+
+def test_cuda_greedy_with_a_draft_model_equals_without(cuda_tiny, tokenizer):
+    """A draft that disagrees at times: its rollbacks and the target's leave the tokens as they
+    are without speculation."""
+    model, vocab, folder = cuda_tiny
+    early, late = jobs_of(vocab)
+    bounded = [("t", repeating_prompt(vocab, 2, 12), greedy(60), 40)]
+    plain = serve(cuda_engine(model, tokenizer, False, keep=2), early + bounded, late)
+    draft = perturb(load_cuda(folder), 0.05)
+    spec = serve(cuda_engine(model, tokenizer, True, draft, keep=2), early + bounded, late)
+    for key in plain:
+        assert spec[key][:3] == plain[key][:3], key
+    drafted, accepted = sum(v[3] for v in spec.values()), sum(v[4] for v in spec.values())
+    assert 0 < accepted < drafted

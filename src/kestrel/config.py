@@ -10,7 +10,7 @@ from dataclasses import dataclass, field, fields
 from kestrel.errors import InvalidRequestError
 from kestrel.weights.embedded import DEFAULT_MODEL
 
-SPECULATIVE_METHODS = ("ngram",)  # the draft-model and MTP methods are issue 20's later slices
+SPECULATIVE_METHODS = ("ngram", "draft")  # MTP is issue 20's later slice
 
 
 @dataclass
@@ -60,10 +60,11 @@ class SpeculativeConfig:
     """Speculative decoding (engine/speculative.py): propose up to `num_speculative_tokens`
     tokens per decode and verify them in one forward; the output is unchanged."""
 
-    speculative: str | None = None  # the method: "ngram" (prompt lookup); None: off
+    speculative: str | None = None  # "ngram" (prompt lookup), "draft" (a model); None: off
     num_speculative_tokens: int = 5  # most tokens proposed per step
     ngram_min: int = 2  # shortest n-gram matched...
     ngram_max: int = 4  # ...and longest (tried first)
+    draft_model: str | None = None  # "draft": the proposing model (a shape name with --shape)
 
     def __post_init__(self):
         if self.speculative not in (None, *SPECULATIVE_METHODS):
@@ -75,6 +76,10 @@ class SpeculativeConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or not 1 <= value <= 64:
                 raise InvalidRequestError(f"must be an integer in [1, 64], got {value!r}", name)
+        if self.speculative == "draft" and not self.draft_model:
+            raise InvalidRequestError("--speculative draft needs a --draft-model", "draft_model")
+        if self.draft_model and self.speculative != "draft":
+            raise InvalidRequestError("only used with --speculative draft", "draft_model")
         if self.ngram_min > self.ngram_max:
             raise InvalidRequestError(
                 f"must be at most --ngram-max ({self.ngram_max}), got {self.ngram_min}",

@@ -114,7 +114,14 @@ def add_speculative_args(p: argparse.ArgumentParser) -> None:
         "--speculative",
         choices=SPECULATIVE_METHODS,
         default=None,
-        help="propose tokens and verify them in one forward (ngram: prompt lookup); output unchanged",
+        help="propose tokens and verify them in one forward (ngram: prompt lookup; draft: a "
+        "smaller model with the same tokenizer, --draft-model); output unchanged",
+    )
+    spec.add_argument(
+        "--draft-model",
+        default=None,
+        help="--speculative draft's model: an alias, a .gguf file or a folder (with --shape: a "
+        "shape name)",
     )
     spec.add_argument(
         "--num-speculative-tokens", type=_count, default=5, help="most tokens proposed per step"

@@ -5,7 +5,7 @@ from dataclasses import dataclass, field
 
 from kestrel.config import Config, build_config
 from kestrel.engine.engine import Engine, RequestOutput
-from kestrel.loading import load_model, resolve_device
+from kestrel.loading import load_draft, load_model, resolve_device
 from kestrel.media import MediaLimits, image_part_params
 from kestrel.models.qwen_vl_processor import MultimodalPrompt, chat_prompt, load_processor
 from kestrel.sampling import SamplingParams
@@ -20,10 +20,14 @@ def load_engine(config: Config, progress: bool = True, exit_with_workers: bool =
     if config.parallel.tensor_parallel_size > 1:
         from kestrel.distributed.workers import start_ranks
 
+        if config.speculation.speculative == "draft":
+            raise ValueError("--speculative draft runs on one device: not with -tp")
+
         return start_ranks(config, progress, exit_with_workers)
     device = resolve_device(config.model.device)
     model, tokenizer, source = load_model(config, device, progress)
-    return Engine(model, tokenizer, config, device), source
+    draft = load_draft(config, device, tokenizer, progress)
+    return Engine(model, tokenizer, config, device, draft), source
 
 
 @dataclass

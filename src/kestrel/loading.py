@@ -1,6 +1,8 @@
 """The device, dtype and model a Config names: below the LLM, the server's engine process, the
 benchmarks and the tensor-parallel workers, which all load through here."""
 
+from dataclasses import replace
+
 import torch
 
 from kestrel.config import Config
@@ -35,3 +37,21 @@ def load_model(config: Config, device: torch.device, progress: bool = True):
         return (*load_shape(config.model.shape, dtype, device), None)
     model = config.model
     return load(model.model, dtype, device, progress, model.quantized_weights)
+
+
+def load_draft(config: Config, device: torch.device, tokenizer, progress: bool = True):
+    """--speculative draft's model on `device` (None without it), loaded as the model is (with
+    --shape, --draft-model names a shape); ValueError naming --draft-model when its vocabulary is
+    not the model's (its proposals would be other tokens)."""
+    spec = config.speculation
+    if spec.speculative != "draft":
+        return None
+    shape = spec.draft_model if config.model.shape else None
+    model_config = replace(config.model, model=spec.draft_model, shape=shape)
+    draft, draft_tokenizer, _ = load_model(replace(config, model=model_config), device, progress)
+    if draft_tokenizer.get_vocab() != tokenizer.get_vocab():
+        raise ValueError(
+            f"--draft-model {spec.draft_model}: its tokenizer's vocabulary differs from the "
+            "model's; a draft must share the model's tokenizer"
+        )
+    return draft

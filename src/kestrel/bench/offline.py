@@ -219,6 +219,7 @@ def kestrel_engine(args, model, config, device, max_num_seqs: int):
     """kestrel's Engine (scheduler + runner + detokenizer + stop checks), as the server's engine
     thread runs it, without HTTP."""
     from kestrel.engine.engine import Engine
+    from kestrel.loading import load_draft
 
     if args.shape:
         tokenizer = shape_tokenizer(decoder_config(config).vocab_size)
@@ -226,7 +227,9 @@ def kestrel_engine(args, model, config, device, max_num_seqs: int):
         from kestrel.weights.loader import load_tokenizer, resolve
 
         tokenizer = load_tokenizer(resolve(args.model))
-    return Engine(model, tokenizer, bench_config(args, max_num_seqs), device)
+    engine_config = bench_config(args, max_num_seqs)
+    draft = load_draft(engine_config, device, tokenizer, not args.no_progress)
+    return Engine(model, tokenizer, engine_config, device, draft)
 
 
 def parallel_engine(args, modes: list[str], work: Workload):
@@ -405,6 +408,8 @@ def run_bench(args) -> int:
     out = open(args.output, "a") if args.output else None
     env = environment(device)
     modes = ["latency", "throughput"] if args.mode == "all" else [args.mode]
+    if args.speculative == "draft" and modes != ["engine"]:
+        raise SystemExit("kestrel bench: --speculative draft runs only as `kestrel bench engine`")
     latency = Workload(1, args.latency_prompt_tokens, args.latency_output_tokens, seed=args.seed)
     batch = Workload(
         args.num_requests, args.prompt_tokens, args.output_tokens, args.random_lengths, args.seed

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from kestrel.config import Config
+from kestrel.engine.draft import DraftProposer, draft_proposer
 from kestrel.engine.grammar import GrammarMasks
 from kestrel.engine.paged_runner import make_runner
 from kestrel.engine.request import Request
@@ -69,7 +70,8 @@ class _TextState:
 
 
 class Engine:
-    def __init__(self, model, tokenizer, config: Config | None = None, device=None):
+    def __init__(self, model, tokenizer, config: Config | None = None, device=None, draft=None):
+        """`draft`: --speculative draft's model, loaded (kestrel.loading.load_draft)."""
         self.config = config or Config()
         self.tokenizer = tokenizer
         self.device = torch.device(device or "cpu")
@@ -78,6 +80,8 @@ class Engine:
         self.vocab_size = text.vocab_size
         self.eos_ids = stop_token_ids(tokenizer, text)
         self.ctx_size = self.config.model.ctx_size or getattr(text, "max_position_embeddings", 4096)
+        # before the target's runner: on CUDA its pool takes its share of memory first
+        proposer = self._draft_proposer(draft)
         # CUDA: the paged runner (pool, kernels, graphs); the reference runner otherwise
         self.runner = make_runner(model, self.device, self.config, self.ctx_size)
         self.runner.grammar = GrammarMasks(tokenizer, self.vocab_size, self.eos_ids)
@@ -89,7 +93,7 @@ class Engine:
         )
         self.scheduler = Scheduler(self.config.scheduler, blocks)
         if self.runner.speculates:  # the reference runner decodes token by token
-            self.scheduler.proposer = make_proposer(self.config.speculation)
+            self.scheduler.proposer = proposer or make_proposer(self.config.speculation)
         multimodal = getattr(model, "multimodal", False)
         self.intake = RequestFactory(
             tokenizer, self.config, self.vocab_size, self.ctx_size, multimodal, text.hidden_size
@@ -103,6 +107,13 @@ class Engine:
         # (outside the runner's isolation, so it kills whatever loop drives the engine) and as
         # hook("detokenize", request) before each detokenization
         self.fault_hook = None
+
+    def _draft_proposer(self, draft) -> DraftProposer | None:
+        if self.config.speculation.speculative != "draft":
+            return None
+        if draft is None:
+            raise ValueError("--speculative draft: no draft model was loaded (--draft-model)")
+        return draft_proposer(draft, self.device, self.config, self.ctx_size, self.vocab_size)
 
     def add_request(
         self,
@@ -220,6 +231,8 @@ class Engine:
 
     def _release(self, request_id: str) -> None:
         self.runner.release(request_id)
+        if self.scheduler.proposer is not None:
+            self.scheduler.proposer.release(request_id)
         self.requests.pop(request_id, None)
         self.text.pop(request_id, None)
 

@@ -16,9 +16,10 @@ cached blocks of its longest cached prefix (cache/prefix.py), and each step's fu
 cached once the step ran (`computed`). The paged runner's pool is the manager's blocks; the
 reference runner's memory is counted in one-token blocks (`kv_capacity`, or unlimited).
 
-Speculative decoding (`proposer`, engine/speculative.py): a decode that may speculate is planned
-as a chunk of 1 + k tokens, its pending token then the k proposed ones (`ScheduledChunk.draft`),
-blocks taken for all of them. After the step `computed` keeps only the accepted ones: the
+Speculative decoding (`proposer`: engine/speculative.py's n-grams or engine/draft.py's draft model,
+asked once a step for every decode): a decode that may speculate is planned as a chunk of 1 + k
+tokens, its pending token then the k proposed ones (`ScheduledChunk.draft`), blocks taken for all
+of them. After the step `computed` keeps only the accepted ones: the
 rejected tokens' positions go back (blocks holding only them are returned), so nothing of them
 stays where later tokens look. A decode speculates only where that is exact: no trim in the step
 (a trim for 1 + k tokens would hide keys one token would still see), no recurrent state (it
@@ -96,12 +97,13 @@ class Scheduler:
         budget = self.config.token_budget
         kv = _KVPlan(self.blocks)
         chunks, preempted = [], []
+        drafts = self._propose_all()
         for request in list(self.running):  # decodes first, oldest first
             if request.is_prefilling or budget <= 0:
                 continue
             if preempted and request.status is Status.WAITING:
                 continue  # preempted earlier in this loop, to make room for an older one
-            draft = self._propose(kv, request, budget)
+            draft = self._fit_draft(kv, request, drafts.get(request.request_id, []), budget)
             if not self._make_room(kv, request, 1 + len(draft), preempted):
                 break  # it was the newest: preempted itself
             chunks.append(ScheduledChunk(request, 1 + len(draft), draft))
@@ -130,14 +132,21 @@ class Scheduler:
                 budget -= self._prefill(kv, request, budget, chunks)
         return SchedulerOutput(chunks, preempted)
 
-    def _propose(self, kv: "_KVPlan", request: Request, budget: int) -> list[int]:
-        """The tokens a decode feeds after its pending one ([]: a plain decode). Never past
-        max_tokens (the step adds at most 1 + len(draft) tokens), and only where verifying
-        them is exact and they fit the pool now."""
-        if self.proposer is None or not self._may_speculate(request):
-            return []
-        most = min(request.max_tokens - len(request.output_ids), budget) - 1
-        draft = self.proposer.propose(request.all_ids, most)
+    def _propose_all(self) -> dict[str, list[int]]:
+        """Per request id, the tokens each running decode that may speculate would feed after
+        its pending one, never past max_tokens (one call: a draft model proposes for all of them
+        in the same forwards)."""
+        if self.proposer is None:
+            return {}
+        todo = [r for r in self.running if not r.is_prefilling and self._may_speculate(r)]
+        most = [r.max_tokens - len(r.output_ids) - 1 for r in todo]
+        drafts = self.proposer.propose_all(todo, most)
+        return {r.request_id: draft for r, draft in zip(todo, drafts, strict=True) if draft}
+
+    def _fit_draft(self, kv: "_KVPlan", request: Request, draft: list[int], budget: int):
+        """The part of `draft` the step feeds: within its budget, and only where verifying it
+        is exact and it fits the pool now ([]: a plain decode)."""
+        draft = draft[: budget - 1]
         # speculation never preempts: it leaves a block for each running sequence's next token
         if draft and not self.blocks.fits(kv.needed(request, 1 + len(draft)) + len(self.running)):
             return []

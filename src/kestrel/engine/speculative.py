@@ -17,6 +17,13 @@ class NgramProposer:
         self.k = config.num_speculative_tokens
         self.n_min, self.n_max = config.ngram_min, config.ngram_max
 
+    def propose_all(self, requests: list, most: list[int]) -> list[list[int]]:
+        """Per request (engine/request.py's), its proposal of at most `most` tokens."""
+        return [self.propose(r.all_ids, m) for r, m in zip(requests, most, strict=True)]
+
+    def release(self, request_id: str) -> None:
+        """Nothing is kept per request."""
+
     def propose(self, ids: list[int], most: int) -> list[int]:
         """Up to min(k, most) tokens to follow `ids`: what followed the latest earlier match of
         its last n tokens (n from n_max down to n_min); [] when nothing matches."""
