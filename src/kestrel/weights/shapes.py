@@ -87,6 +87,28 @@ SHAPES = {
             original_max_position_embeddings=8192,
         ),
     ),
+    # Llama-3.2-1B: the usual draft model for Llama-3.1-8B (the same tokenizer)
+    "llama3.2-1b": dict(
+        model_type="llama",
+        hidden_size=2048,
+        intermediate_size=8192,
+        num_hidden_layers=16,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        head_dim=64,
+        vocab_size=128256,
+        tie_word_embeddings=True,
+        max_position_embeddings=131072,
+        rms_norm_eps=1e-5,
+        rope_theta=500000.0,
+        rope_scaling=dict(
+            rope_type="llama3",
+            factor=32.0,
+            low_freq_factor=1.0,
+            high_freq_factor=4.0,
+            original_max_position_embeddings=8192,
+        ),
+    ),
     "qwen2.5-0.5b": dict(
         model_type="qwen2",
         hidden_size=896,

@@ -1,0 +1,109 @@
+"""What a speculative verify step costs against a plain decode step: one sequence of a random-weight
+shape, its prompt in, then steps that feed the pending token and k proposed ones (k = 0: a plain
+decode) through the paged runner, timed on the device; and the draft model's one-token step when
+`--draft` names a shape. From these, the speed-up a draft of acceptance rate a gives:
+(1 - a^(k+1)) / (1 - a) tokens per (k draft steps + one verify step), against one token per plain
+step.
+
+    python benchmarks/verify_cost.py --shape llama3-8b --draft llama3.2-1b --out FILE
+"""
+
+import argparse
+import json
+import statistics
+import sys
+import time
+
+import torch
+
+from kestrel.config import build_config
+from kestrel.engine.engine import Engine
+from kestrel.engine.request import Request
+from kestrel.engine.scheduler import ScheduledChunk
+from kestrel.loading import resolve_device, resolve_dtype
+from kestrel.sampling import SamplingParams
+from kestrel.weights.shapes import load_shape
+
+KS = (0, 1, 2, 3, 4, 5, 6, 8)
+
+
+def step_ms(engine: Engine, k: int, context: int, repeats: int) -> float:
+    """Median time of a step that feeds one sequence's pending token and k proposed ones."""
+    scheduler, runner = engine.scheduler, engine.runner
+    request = Request(f"k{k}", [1] * context, SamplingParams(temperature=0), 512)
+    scheduler.add(request)
+    plan = scheduler.schedule()  # the prompt, in one chunk
+    runner.execute(plan.chunks)
+    scheduler.computed(plan.chunks, set())
+    request.output_ids.append(2)
+    times = []
+    for _ in range(repeats + 3):  # the first three warm up (kernels compile, graphs load)
+        chunk = ScheduledChunk(request, 1 + k, [3] * k)
+        sync(engine)
+        start = time.perf_counter()
+        (result,) = runner.execute([chunk])
+        sync(engine)
+        times.append(time.perf_counter() - start)
+        tokens = result.tokens or [result.token]
+        scheduler.computed([chunk], set(), {request.request_id: len(tokens) - 1})
+        request.output_ids += tokens
+    engine.abort(request.request_id)
+    return 1e3 * statistics.median(times[3:])
+
+
+def sync(engine: Engine) -> None:
+    if engine.device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def speedup(a: float, k: int, verify: float, draft: float, plain: float) -> float:
+    tokens = (1 - a ** (k + 1)) / (1 - a) if a < 1 else k + 1
+    return tokens * plain / (k * draft + verify)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--shape", default="llama3-8b")
+    p.add_argument("--draft", help="a draft model's shape: its one-token step is timed too")
+    p.add_argument("--context", type=int, default=512, help="prompt tokens before the steps")
+    p.add_argument("--repeats", type=int, default=20)
+    p.add_argument("--device", default="auto")
+    p.add_argument("--out", help="append the JSON line to this file")
+    args = p.parse_args()
+    device = resolve_device(args.device)
+    dtype = resolve_dtype("auto", device)
+    config = build_config(max_num_seqs=8, num_blocks=(args.context + 1024) // 16 * 4 + 8)
+
+    def measure(shape: str, ks) -> dict[int, float]:
+        model, tokenizer = load_shape(shape, dtype, device)
+        engine = Engine(model, tokenizer, config, device)
+        return {k: step_ms(engine, k, args.context, args.repeats) for k in ks}
+
+    verify = measure(args.shape, KS)
+    record = {
+        "command": " ".join(["python", *sys.argv]),
+        "shape": args.shape,
+        "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
+        "dtype": str(dtype).removeprefix("torch."),
+        "context": args.context,
+        "step_ms": verify,
+        "verify_over_plain": {k: verify[k] / verify[0] for k in KS},
+    }
+    if args.draft:
+        torch.cuda.empty_cache() if device.type == "cuda" else None
+        draft = measure(args.draft, (0,))[0]
+        record["draft"], record["draft_step_ms"] = args.draft, draft
+        record["draft_speedup"] = {
+            f"a={a}": {k: speedup(a, k, verify[k], draft, verify[0]) for k in KS if k}
+            for a in (0.5, 0.6, 0.7, 0.8, 0.9)
+        }
+    line = json.dumps(record)
+    print(line, flush=True)
+    if args.out:
+        with open(args.out, "a") as out:
+            out.write(line + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
