@@ -46,15 +46,34 @@ def cuda_tiny(request, tmp_path_factory, tokenizer):
     return load_cuda(folder), config["vocab_size"], folder
 
 
+class GraphWidths:
+    """The token width of each CUDA graph a runner replays (observed, not changed)."""
+
+    def __init__(self, runner):
+        self.widths: list[int] = []
+        replay = runner._replay
+
+        def observed(packed, width, size, chunks):
+            self.widths.append(width)
+            return replay(packed, width, size, chunks)
+
+        runner._replay = observed
+
+
 def test_cuda_greedy_with_speculation_equals_without(cuda_tiny, tokenizer):
+    """Verify steps run in their own CUDA graphs (chunks padded to 1 + k rows) and give the
+    tokens of plain decode steps."""
     model, vocab, _ = cuda_tiny
     early, late = jobs_of(vocab)
     bounded = [("t", repeating_prompt(vocab, 2, 12), greedy(60), 40)]
     plain = serve(cuda_engine(model, tokenizer, False, keep=2), early + bounded, late)
-    spec = serve(cuda_engine(model, tokenizer, True, keep=2), early + bounded, late)
+    spec_engine = cuda_engine(model, tokenizer, True, keep=2)
+    graphs = GraphWidths(spec_engine.runner)
+    spec = serve(spec_engine, early + bounded, late)
     for key in plain:
         assert spec[key][:3] == plain[key][:3], key
     assert sum(v[4] for v in spec.values()) > 0  # drafts were accepted
+    assert 5 in graphs.widths and 1 in graphs.widths  # verify graphs (1 + k) and decode ones
 
 
 def test_cuda_greedy_with_a_draft_model_equals_without(cuda_tiny, tokenizer):
@@ -65,8 +84,11 @@ def test_cuda_greedy_with_a_draft_model_equals_without(cuda_tiny, tokenizer):
     bounded = [("t", repeating_prompt(vocab, 2, 12), greedy(60), 40)]
     plain = serve(cuda_engine(model, tokenizer, False, keep=2), early + bounded, late)
     draft = perturb(load_cuda(folder), 0.05)
-    spec = serve(cuda_engine(model, tokenizer, True, draft, keep=2), early + bounded, late)
+    spec_engine = cuda_engine(model, tokenizer, True, draft, keep=2)
+    graphs = GraphWidths(spec_engine.scheduler.proposer.runner)
+    spec = serve(spec_engine, early + bounded, late)
     for key in plain:
         assert spec[key][:3] == plain[key][:3], key
     drafted, accepted = sum(v[3] for v in spec.values()), sum(v[4] for v in spec.values())
     assert 0 < accepted < drafted
+    assert 5 in graphs.widths  # the draft's catch-up chunks (up to 1 + k tokens) in graphs

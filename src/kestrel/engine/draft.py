@@ -2,8 +2,8 @@
 next k tokens of every speculating sequence; the target verifies them in one forward
 (engine/paged_runner.py), so the output is the target's alone.
 
-The draft runs on its own paged runner, pool and block manager (CUDA graphs for its one-token
-rounds), one shadow request per target request. Each step a shadow catches up on the tokens the
+The draft runs on its own paged runner, pool and block manager (CUDA graphs for its rounds),
+one shadow request per target request. Each step a shadow catches up on the tokens the
 target added since (the accepted draft tokens and the one after them; the whole prompt the first
 time), in the same forward for every sequence, then decodes k - 1 more, batched: k forwards of the
 draft per step. Its proposals are greedy (the draft's argmax), a deterministic proposal, so the
@@ -162,5 +162,6 @@ def draft_proposer(draft, device: torch.device, config: Config, max_len: int, vo
         max_len + k + 1,
         cache,
         config.model.cuda_graphs,
+        speculative_tokens=k,  # catch-up chunks of up to k + 1 tokens run in graphs too
     )
     return DraftProposer(runner, k, max_len)

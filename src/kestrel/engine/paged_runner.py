@@ -38,6 +38,7 @@ log = logging.getLogger("kestrel.paged_runner")
 # state (a slot per sequence) or nothing
 POOL_KINDS = {"full", "sliding", "latent", "recurrent", "none"}
 GRAPH_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256, 320, 384, 448, 512)
+VERIFY_GRAPH_TOKENS = 256  # the verify graphs' most rows (their logits stay in the graph pool)
 
 
 @dataclass
@@ -84,6 +85,7 @@ def make_runner(model, device: torch.device, config: Config, max_model_len: int)
             config.cache,
             config.model.cuda_graphs,
             config.scheduler.kv_capacity,
+            config.speculation.num_speculative_tokens if config.speculation.speculative else 0,
         )
     return ModelRunner(model, device)
 
@@ -104,8 +106,10 @@ class PagedRunner(ModelRunner):
         cache: CacheConfig | None = None,
         cuda_graphs: bool = True,
         kv_capacity: int | None = None,
+        speculative_tokens: int = 0,
     ):
-        """`kv_capacity` (tokens) bounds the pool below what memory allows."""
+        """`kv_capacity` (tokens) bounds the pool below what memory allows; `speculative_tokens`
+        (k, 0: none) adds CUDA graphs for steps of chunks of up to 1 + k tokens (verify steps)."""
         super().__init__(model, device)
         self.cache_config = cache or CacheConfig()
         self.cuda_graphs = cuda_graphs
@@ -113,7 +117,9 @@ class PagedRunner(ModelRunner):
         self.layout = model.kv_layout()  # per layer KVShape, None: no KV
         self.specs = model.cache_specs()
         bs = self.cache_config.block_size
-        self.table_width = (max_model_len + bs - 1) // bs + 2
+        # + k: a verify step's padded rows may sit past the context
+        self.table_width = (max_model_len + speculative_tokens + bs - 1) // bs + 2
+        self.verify_width = 1 + speculative_tokens
         self.dtype = next(model.parameters()).dtype
         self.use_triton = device.type == "cuda"
         self.states = self._state_pool(model)
@@ -128,7 +134,8 @@ class PagedRunner(ModelRunner):
         if kv_capacity:
             num_blocks = min(num_blocks, -(-kv_capacity // bs) + 1)
         self._use_pool(num_blocks)
-        self.graphs: dict[int, tuple] = {}
+        self.graphs: dict[tuple[int, int], tuple] = {}  # (width, batch size) -> graph, logits
+        self.static: dict[int, tuple] = {}  # width -> its graphs' input tensors
         if device.type == "cuda" and cuda_graphs:
             self._capture_graphs()
 
@@ -269,17 +276,14 @@ class PagedRunner(ModelRunner):
     @torch.inference_mode()
     def _run(self, chunks: list[ScheduledChunk]) -> list[StepResult]:
         packed = self._pack_host(chunks)
-        # a graph returns a row per sequence; only steps whose every chunk samples fit it (a
-        # one-token chunk cut from a prompt or a recompute, or an embedding prompt, samples
-        # nothing), all of them text
         decode = all(c.num_tokens == 1 and c.samples for c in chunks) and not packed.images
         decode = decode and not packed.explicit_rope
-        size = next((b for b in sorted(self.graphs) if b >= len(chunks)), None)
+        graph = self._graph_for(chunks, packed)
         sampling = [c.request for c in chunks if c.samples and not c.draft]
         speculative = [c for c in chunks if c.draft]
         masks = self._start_masks(sampling)  # on the host, while the device runs the forward
-        if decode and size is not None:
-            logits, hidden = self._replay(packed, size)[: len(chunks)], None  # nothing pooled
+        if graph is not None:
+            logits, hidden = self._replay(packed, *graph, chunks), None  # nothing pooled
         else:
             batch = self._to_batch(packed, tile_tokens=1 if decode else None)
             logits, hidden = self._forward(batch, len(packed.rows) + len(packed.verify_rows))
@@ -331,85 +335,127 @@ class PagedRunner(ModelRunner):
         tile_tokens = tile_tokens or self.tile_tokens
         return build_batch(p, self.pool, tile_tokens, self.device, self.use_triton, self.states)
 
-    # -- CUDA graphs (decode steps) -----------------------------------------------------------
+    # -- CUDA graphs (decode and verify steps) -----------------------------------------------
 
     def _capture_graphs(self) -> None:
+        """Graphs of `width` tokens per sequence for `b` sequences: width 1 for decode steps, and
+        with speculation 1 + k for verify steps (chunks of fewer tokens are padded to it; their
+        extra rows write the scratch block and are never read), while b * width stays within
+        VERIFY_GRAPH_TOKENS."""
         sizes = [b for b in GRAPH_SIZES if b <= self.max_num_seqs] or [1]
         if self.max_num_seqs > sizes[-1]:
             sizes.append(self.max_num_seqs)
+        widths = {1: sizes}
+        w = self.verify_width
+        if 1 < w <= self.tile_tokens:  # one query tile per sequence, as an eager step has
+            widths[w] = [b for b in sizes if b * w <= VERIFY_GRAPH_TOKENS] or [1]
+        self.graph_pool = torch.cuda.graph_pool_handle()
+        for width, batch_sizes in widths.items():
+            try:
+                self._capture_width(width, batch_sizes)
+            except Exception:
+                if width == 1:
+                    raise
+                log.warning("verify steps run without CUDA graphs", exc_info=True)
+                self.graphs = {key: g for key, g in self.graphs.items() if key[0] == 1}
+
+    def _capture_width(self, width: int, sizes: list[int]) -> None:
         big = sizes[-1]
         zeros = lambda *shape: torch.zeros(shape, dtype=torch.long, device=self.device)  # noqa: E731
-        # one flat buffer: ids, positions, slots, tile_len, num_blocks, n_sink, main, live, keep,
-        # RoPE ids, recurrent-state slots
-        self.static = zeros(11, big)
-        self.static_table = zeros(big, self.table_width)
-        self.arange = torch.arange(big, device=self.device)
-        self.graph_pool = torch.cuda.graph_pool_handle()
+        # per token: ids, positions, slots, RoPE ids, chunk ends; per sequence: tile length,
+        # num_blocks, n_sink, main, live, keep, recurrent-state slot; the block tables
+        self.static[width] = (zeros(5, big * width), zeros(7, big), zeros(big, self.table_width))
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.inference_mode(), torch.cuda.stream(stream):
             for b in reversed(sizes):
-                batch = self._static_batch(b)
+                batch = self._static_batch(width, b)
                 self.model(batch)  # warm-up outside the graph (Triton compiles here)
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph, pool=self.graph_pool, stream=stream):
                     logits = self.model(batch)
-                self.graphs[b] = (graph, logits)
+                self.graphs[width, b] = (graph, logits)
         torch.cuda.current_stream().wait_stream(stream)
         torch.cuda.synchronize()
 
-    def _static_batch(self, b: int) -> PagedBatch:
-        ids, pos, slots, t_len, nb, n_sink, main, live, keep, rope, state_slots = (
-            row[:b] for row in self.static
-        )
-        seq = self.arange[:b]
+    def _static_batch(self, width: int, b: int) -> PagedBatch:
+        tokens, seqs, table = self.static[width]
+        ids, pos, slots, rope, ends = (row[: b * width] for row in tokens)
+        t_len, nb, n_sink, main, live, keep, state_slots = (row[:b] for row in seqs)
+        seq = torch.arange(b, device=self.device)
         meta = PagedAttention(
             self.pool,
             slots,
             pos,
             seq,
-            seq,
+            seq * width,
             t_len,
-            self.static_table[:b],
+            table[:b],
             nb,
             n_sink,
             main,
             live,
             keep,
-            1,
+            1 if width == 1 else self.tile_tokens,
             True,
         )
         groups = None
-        if self.states is not None:  # every row a sequence of one token
+        if self.states is not None and width == 1:  # every row a sequence of one token
             groups = [(seq[:, None], PoolStates(self.states, state_slots))]
+        rows = torch.arange(b * width, device=self.device)  # every row's logits
         return PagedBatch(
-            ids, pos, [], seq, rope, chunk_ends=pos, state_groups=groups, attention=meta
+            ids, pos, [], rows, rope, chunk_ends=ends, state_groups=groups, attention=meta
         )
 
-    def _replay(self, p: Packed, size: int) -> torch.Tensor:
+    def _graph_for(self, chunks: list[ScheduledChunk], p: Packed) -> tuple[int, int] | None:
+        """(width, batch size) of the graph that runs this step; None: it runs eagerly. Every
+        chunk must sample (a one-token chunk cut from a prompt or a recompute, or an embedding
+        prompt, samples nothing), all of them text, and fit the width."""
+        if not self.graphs or p.images or p.explicit_rope or not all(c.samples for c in chunks):
+            return None
+        widest = max(c.num_tokens for c in chunks)
+        return next(
+            ((w, b) for w, b in sorted(self.graphs) if w >= widest and b >= len(chunks)), None
+        )
+
+    def _replay(
+        self, p: Packed, width: int, size: int, chunks: list[ScheduledChunk]
+    ) -> torch.Tensor:
+        """The step through its graph: (rows, V) logits, the plain chunks' last rows first, then
+        every row of each speculative chunk (as the eager step's `rows` order them)."""
         b = len(p.seqs)
-        width = max(len(s[0]) for s in p.seqs)
+        blocks_width = max(len(s[0]) for s in p.seqs)
+        host = array("q")  # the per-token rows, the per-sequence rows, then the block table
+        fills = ((p.ids, False), (p.positions, True), (p.slots, False), (p.rope_ids, True))
+        for column, repeat in (*fills, (p.chunk_ends, True)):
+            host.extend(_padded(column, p.tiles, width, size, repeat))
         pad = [0] * (size - b)
-        host = array("q")  # the rows of self.static, then the block table
-        for column in (p.ids, p.positions, p.slots, [1] * b, [len(s[0]) for s in p.seqs]):
+        for column in ([n for *_, n in p.tiles], [len(s[0]) for s in p.seqs]):
             host.extend(column)
             host.extend(pad)
         for k in range(1, 5):  # n_sink, main_start, live_start, keep
             host.extend(s[k] for s in p.seqs)
             host.extend(pad)
-        for column in (p.rope_ids, p.state_slots):
-            host.extend(column)
-            host.extend(pad)
+        host.extend(p.state_slots)
+        host.extend(pad)
         for blocks, *_ in p.seqs:
             host.extend(blocks)
-            host.extend([0] * (width - len(blocks)))
+            host.extend([0] * (blocks_width - len(blocks)))
         host = torch.frombuffer(host, dtype=torch.long)
-        host_cols, table = host[: 11 * size], host[11 * size :]
-        self.static[:, :size].copy_(host_cols.view(11, size), non_blocking=True)
-        self.static_table[:b, :width].copy_(table.view(b, width), non_blocking=True)
-        graph, logits = self.graphs[size]
+        tokens, seqs, table = self.static[width]
+        n = 5 * size * width
+        tokens[:, : size * width].copy_(host[:n].view(5, -1), non_blocking=True)
+        seqs[:, :size].copy_(host[n : n + 7 * size].view(7, size), non_blocking=True)
+        table[:b, :blocks_width].copy_(host[n + 7 * size :].view(b, -1), non_blocking=True)
+        graph, logits = self.graphs[width, size]
         graph.replay()
-        return logits
+        if width == 1:
+            return logits[:b]
+        last = [s * width + c.num_tokens - 1 for s, c in enumerate(chunks) if not c.draft]
+        verify = [
+            s * width + i for s, c in enumerate(chunks) if c.draft for i in range(c.num_tokens)
+        ]
+        return logits.index_select(0, torch.tensor(last + verify, device=logits.device))
 
     # -- sampling on the device ---------------------------------------------------------------
 
@@ -549,6 +595,18 @@ def state_groups(lengths: list[int], states: StatePool, starts, slots) -> list:
         groups.append((rows, PoolStates(states, slots[i:j])))
         i = j
     return groups
+
+
+def _padded(column: list[int], tiles, width: int, size: int, repeat: bool) -> list[int]:
+    """A per-token column with each chunk (a tile: seq, start, n) padded to `width` rows and the
+    batch to `size` chunks: padding repeats the chunk's last value (`repeat`) or is 0."""
+    if width == 1:
+        return column + [0] * (size - len(column))
+    out = []
+    for _, start, n in tiles:
+        out += column[start : start + n]
+        out += [column[start + n - 1] if repeat else 0] * (width - n)
+    return out + [0] * ((size - len(tiles)) * width)
 
 
 def _pending_ids(request: Request, n: int) -> list[int]:
