@@ -1,6 +1,6 @@
 """What a speculative verify step costs against a plain decode step: one sequence of a random-weight
 shape, its prompt in, then steps that feed the pending token and k proposed ones (k = 0: a plain
-decode) through the paged runner, timed on the device; and the draft model's one-token step when
+decode) through the paged runner of an engine built for k (its CUDA graphs), timed on the device; and the draft model's one-token step when
 `--draft` names a shape. From these, the speed-up a draft of acceptance rate a gives:
 (1 - a^(k+1)) / (1 - a) tokens per (k draft steps + one verify step), against one token per plain
 step.
@@ -24,7 +24,7 @@ from kestrel.loading import resolve_device, resolve_dtype
 from kestrel.sampling import SamplingParams
 from kestrel.weights.shapes import load_shape
 
-KS = (0, 1, 2, 3, 4, 5, 6, 8)
+KS = (0, 1, 2, 3, 5, 8)
 
 
 def step_ms(engine: Engine, k: int, context: int, repeats: int) -> float:
@@ -72,12 +72,20 @@ def main() -> int:
     args = p.parse_args()
     device = resolve_device(args.device)
     dtype = resolve_dtype("auto", device)
-    config = build_config(max_num_seqs=8, num_blocks=(args.context + 1024) // 16 * 4 + 8)
-
     def measure(shape: str, ks) -> dict[int, float]:
+        """Per k, a step's time on an engine built for k (its verify graphs hold 1 + k rows)."""
         model, tokenizer = load_shape(shape, dtype, device)
-        engine = Engine(model, tokenizer, config, device)
-        return {k: step_ms(engine, k, args.context, args.repeats) for k in ks}
+        times = {}
+        for k in ks:
+            spec = {"speculative": "ngram", "num_speculative_tokens": k} if k else {}
+            blocks = (args.context + 1024) // 16 * 4 + 8
+            config = build_config(max_num_seqs=8, num_blocks=blocks, **spec)
+            engine = Engine(model, tokenizer, config, device)
+            times[k] = step_ms(engine, k, args.context, args.repeats)
+            del engine
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+        return times
 
     verify = measure(args.shape, KS)
     record = {

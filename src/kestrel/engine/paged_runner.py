@@ -363,8 +363,18 @@ class PagedRunner(ModelRunner):
         big = sizes[-1]
         zeros = lambda *shape: torch.zeros(shape, dtype=torch.long, device=self.device)  # noqa: E731
         # per token: ids, positions, slots, RoPE ids, chunk ends; per sequence: tile length,
-        # num_blocks, n_sink, main, live, keep, recurrent-state slot; the block tables
-        self.static[width] = (zeros(5, big * width), zeros(7, big), zeros(big, self.table_width))
+        # num_blocks, n_sink, main, live, keep, recurrent-state slot; the block tables; and the
+        # constant index rows (a graph reads its inputs where they were at capture: they live
+        # as long as it does)
+        rows = torch.arange(big * width, device=self.device)
+        self.static[width] = (
+            zeros(5, big * width),
+            zeros(7, big),
+            zeros(big, self.table_width),
+            rows,
+            rows[:big],
+            rows[:big] * width,
+        )
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.inference_mode(), torch.cuda.stream(stream):
@@ -379,16 +389,16 @@ class PagedRunner(ModelRunner):
         torch.cuda.synchronize()
 
     def _static_batch(self, width: int, b: int) -> PagedBatch:
-        tokens, seqs, table = self.static[width]
+        tokens, seqs, table, rows, seq, tile_start = self.static[width]
         ids, pos, slots, rope, ends = (row[: b * width] for row in tokens)
         t_len, nb, n_sink, main, live, keep, state_slots = (row[:b] for row in seqs)
-        seq = torch.arange(b, device=self.device)
+        seq = seq[:b]
         meta = PagedAttention(
             self.pool,
             slots,
             pos,
             seq,
-            seq * width,
+            tile_start[:b],
             t_len,
             table[:b],
             nb,
@@ -402,7 +412,7 @@ class PagedRunner(ModelRunner):
         groups = None
         if self.states is not None and width == 1:  # every row a sequence of one token
             groups = [(seq[:, None], PoolStates(self.states, state_slots))]
-        rows = torch.arange(b * width, device=self.device)  # every row's logits
+        rows = rows[: b * width]  # every row's logits
         return PagedBatch(
             ids, pos, [], rows, rope, chunk_ends=ends, state_groups=groups, attention=meta
         )
@@ -442,7 +452,7 @@ class PagedRunner(ModelRunner):
             host.extend(blocks)
             host.extend([0] * (blocks_width - len(blocks)))
         host = torch.frombuffer(host, dtype=torch.long)
-        tokens, seqs, table = self.static[width]
+        tokens, seqs, table = self.static[width][:3]
         n = 5 * size * width
         tokens[:, : size * width].copy_(host[:n].view(5, -1), non_blocking=True)
         seqs[:, :size].copy_(host[n : n + 7 * size].view(7, size), non_blocking=True)
