@@ -143,7 +143,7 @@ def environment(device: str) -> dict:
 
 
 def bench_model(args, model: str, env: dict, out) -> None:
-    settings = dict(device=args.device, prefill_chunk_size=1024, max_num_seqs=1)
+    settings = dict(device=args.device, dtype=args.dtype, prefill_chunk_size=1024, max_num_seqs=1)
     methods = {
         "plain": {},
         "ngram": {"speculative": "ngram"},
@@ -183,6 +183,7 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--models", nargs="+", default=["smollm2", "gemma3-270m"])
     p.add_argument("--device", default="auto")
+    p.add_argument("--dtype", default="auto", help="auto: bfloat16 on CUDA, float32 on the CPU")
     p.add_argument("--tokens", type=int, default=256, help="tokens generated per run")
     p.add_argument("-k", type=int, default=5, help="--num-speculative-tokens")
     p.add_argument("--methods", nargs="+", default=["ngram"], choices=["ngram", "draft"])

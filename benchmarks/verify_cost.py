@@ -72,6 +72,7 @@ def main() -> int:
     args = p.parse_args()
     device = resolve_device(args.device)
     dtype = resolve_dtype("auto", device)
+
     def measure(shape: str, ks) -> dict[int, float]:
         """Per k, a step's time on an engine built for k (its verify graphs hold 1 + k rows)."""
         model, tokenizer = load_shape(shape, dtype, device)
