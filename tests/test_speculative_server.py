@@ -1,11 +1,12 @@
-"""`kestrel serve --speculative ngram` on the embedded SmolLM2, through the real openai client:
-greedy answers equal those of the server without speculation, usage reports the proposed tokens
-(OpenAI's accepted/rejected prediction tokens) and /metrics counts them. Bad flags fail at the
-command line, naming the flag."""
+"""`kestrel serve --speculative ngram` and `--speculative draft` (SmolLM2 drafting for itself) on
+the embedded SmolLM2, through the real openai client: greedy answers equal those of the server
+without speculation, usage reports the proposed tokens (OpenAI's accepted/rejected prediction
+tokens) and /metrics counts them. Bad flags fail at the command line, naming the flag."""
 
 import subprocess
 import sys
 
+import pytest
 from tests.server_fixtures import SMOLLM2_ARGS, SMOLLM2_ENV, shared_server
 
 CODE = """def total(items):
@@ -27,8 +28,11 @@ def answer(server, **extra):
     )
 
 
-def test_speculative_server_answers_as_the_plain_one_and_counts_proposals(server):
-    spec = shared_server((*SMOLLM2_ARGS, "--speculative", "ngram"), SMOLLM2_ENV)
+@pytest.mark.parametrize(
+    "method", [["ngram"], ["draft", "--draft-model", "smollm2"]], ids=["ngram", "draft"]
+)
+def test_speculative_server_answers_as_the_plain_one_and_counts_proposals(server, method):
+    spec = shared_server((*SMOLLM2_ARGS, "--speculative", *method), SMOLLM2_ENV)
     before = spec.metrics()
     plain, fast = answer(server), answer(spec)
     assert fast.choices[0].message.content == plain.choices[0].message.content
@@ -49,6 +53,8 @@ def test_bad_speculative_flags_name_the_flag():
         (["--speculative", "eagle"], "--speculative"),
         (["--speculative", "ngram", "--num-speculative-tokens", "0"], "--num-speculative-tokens"),
         (["--speculative", "ngram", "--ngram-min", "5", "--ngram-max", "3"], "--ngram-min"),
+        (["--speculative", "draft"], "--draft-model"),
+        (["--draft-model", "smollm2"], "--draft-model"),
     ]:
         run = subprocess.run(
             [sys.executable, "-m", "kestrel", "generate", "-p", "hi", "-n", "2", *args],
