@@ -258,4 +258,4 @@ def test_bench_engine_runs_over_two_ranks_and_other_modes_are_refused(checkpoint
     assert record["tensor_parallel_size"] == 2 and record["generated_tokens"] == 3 * 8
     refused = subprocess.run([*bench, "latency"], capture_output=True, text=True)
     assert refused.returncode != 0
-    assert "--tensor-parallel-size runs only as `kestrel bench engine`" in refused.stderr
+    assert "-tp and -pp run only as `kestrel bench engine`" in refused.stderr

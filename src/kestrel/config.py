@@ -93,10 +93,26 @@ class ParallelConfig:
 
     threads: int = 0  # CPU threads; 0: torch's default
     tensor_parallel_size: int = 1  # ranks (processes, one device each) sharing every layer
+    pipeline_parallel_size: int = 1  # ranks each holding a range of the layers (stages)
+    pp_layers: str | None = None  # the stages' layer ranges, "0-15,16-31"; None: even
 
     def __post_init__(self):
-        if not isinstance(self.tensor_parallel_size, int) or self.tensor_parallel_size < 1:
-            raise ValueError(f"tensor_parallel_size must be >= 1, not {self.tensor_parallel_size}")
+        for name in ("tensor_parallel_size", "pipeline_parallel_size"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise InvalidRequestError(f"must be >= 1, not {value!r}", name)
+        if self.tensor_parallel_size > 1 and self.pipeline_parallel_size > 1:
+            raise InvalidRequestError(
+                "tensor and pipeline parallel do not combine yet: use one of them",
+                "pipeline_parallel_size",
+            )
+        if self.pp_layers and self.pipeline_parallel_size == 1:
+            raise InvalidRequestError("only used with --pipeline-parallel-size", "pp_layers")
+
+    @property
+    def ranks(self) -> int:
+        """Processes the model is split over."""
+        return self.tensor_parallel_size * self.pipeline_parallel_size
 
 
 @dataclass

@@ -56,12 +56,25 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         help="random weights of a named shape instead of -m (benchmarks)",
     )
     add_speculative_args(p)
-    p.add_argument_group("parallel").add_argument(
+    parallel = p.add_argument_group("parallel")
+    parallel.add_argument(
         "-tp",
         "--tensor-parallel-size",
         type=_positive,
         default=1,
         help="split every layer over this many processes, one device each (CUDA: GPUs 0..N-1)",
+    )
+    parallel.add_argument(
+        "-pp",
+        "--pipeline-parallel-size",
+        type=_positive,
+        default=1,
+        help="split the layers into this many stages, one process and device each",
+    )
+    parallel.add_argument(
+        "--pp-layers",
+        default=None,
+        help="each stage's layers, e.g. 0-15,16-31 (default: an even split)",
     )
     gpu = p.add_argument_group("CUDA")
     gpu.add_argument(

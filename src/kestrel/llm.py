@@ -14,14 +14,14 @@ from kestrel.weights.embedded import DEFAULT_MODEL
 
 
 def load_engine(config: Config, progress: bool = True, exit_with_workers: bool = False):
-    """(Engine, source) of `config`: in this process, or with tensor parallel as rank 0 of
-    processes started here (distributed/workers.py; `exit_with_workers`: a worker's death ends
-    this process, as the server's engine process wants)."""
-    if config.parallel.tensor_parallel_size > 1:
+    """(Engine, source) of `config`: in this process, or over tensor- or pipeline-parallel ranks
+    as rank 0 of processes started here (distributed/workers.py; `exit_with_workers`: a worker's
+    death ends this process, as the server's engine process wants)."""
+    if config.parallel.ranks > 1:
         from kestrel.distributed.workers import start_ranks
 
         if config.speculation.speculative == "draft":
-            raise ValueError("--speculative draft runs on one device: not with -tp")
+            raise ValueError("--speculative draft runs on one device: not with -tp or -pp")
 
         return start_ranks(config, progress, exit_with_workers)
     device = resolve_device(config.model.device)

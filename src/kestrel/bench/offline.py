@@ -233,14 +233,12 @@ def kestrel_engine(args, model, config, device, max_num_seqs: int):
 
 
 def parallel_engine(args, modes: list[str], work: Workload):
-    """With --tensor-parallel-size > 1, rank 0's engine over ranks kestrel starts; else None.
-    Only the engine mode runs over ranks (the others drive one process's runner)."""
-    if args.tensor_parallel_size == 1:
+    """With -tp or -pp > 1, rank 0's engine over ranks kestrel starts; else None. Only the
+    engine mode runs over ranks (the others drive one process's runner)."""
+    if args.tensor_parallel_size == 1 and args.pipeline_parallel_size == 1:
         return None
     if modes != ["engine"]:
-        raise SystemExit(
-            "kestrel bench: --tensor-parallel-size runs only as `kestrel bench engine`"
-        )
+        raise SystemExit("kestrel bench: -tp and -pp run only as `kestrel bench engine`")
     from kestrel.llm import load_engine
 
     seqs = min(args.max_num_seqs, work.num_requests)
@@ -426,6 +424,7 @@ def run_bench(args) -> int:
     kv_per_token = model.kv_bytes_per_token(dtype)
     base = {"engine": "kestrel", "model": label, "dtype": str(dtype).removeprefix("torch."), **env}
     base["tensor_parallel_size"] = args.tensor_parallel_size
+    base["pipeline_parallel_size"] = args.pipeline_parallel_size
     for mode in modes:
         work = latency if mode == "latency" else batch
         seqs = 1 if mode == "latency" else min(args.max_num_seqs, work.num_requests)

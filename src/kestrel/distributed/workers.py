@@ -1,13 +1,15 @@
-"""Tensor parallel serving: one process per rank, every rank running the same Engine in lockstep.
+"""Tensor and pipeline parallel serving: one process per rank, every rank running the same Engine
+in lockstep.
 
 Rank 0 is the process that asked for the engine (the server's engine process, an `LLM`, a
 benchmark). It starts ranks 1..N-1 as fresh interpreters, each with a pipe to it. Every rank
-loads the model, keeps its shard (tensor_parallel.py) and builds the same Engine; rank 0's
-`LockstepEngine` sends each call that changes what an engine holds (add, abort, step) down the
-pipes before it runs the call itself. So every rank's scheduler, a replica fed the same inputs,
-plans the same steps, every forward's collectives meet, and no block table crosses a pipe. The
-logits are gathered whole on every rank and a sampled request gets one seed for all of them, so
-every rank samples the same tokens; only rank 0's outputs go anywhere.
+loads the model, keeps its shard (tensor_parallel.py) or its stage's layers (pipeline.py) and
+builds the same Engine over a KV pool of the same size; rank 0's `LockstepEngine` sends each call
+that changes what an engine holds (add, abort, step) down the pipes before it runs the call
+itself. So every rank's scheduler, a replica fed the same inputs, plans the same steps, every
+forward's collectives meet, and no block table crosses a pipe. The logits are whole on every rank
+(gathered, or the head applied to the last stage's hidden states) and a sampled request gets one
+seed for all of them, so every rank samples the same tokens; only rank 0's outputs go anywhere.
 
 Startup: ranks load first and join the process group only once all have loaded, so a rank that
 fails to load is reported by rank and cause rather than as a rendezvous timeout. Failure after
@@ -37,6 +39,7 @@ import torch
 
 from kestrel.config import Config
 from kestrel.distributed.group import TPGroup, join, leave
+from kestrel.distributed.pipeline import split_stages
 from kestrel.distributed.tensor_parallel import shard_model
 from kestrel.engine.engine import Engine
 from kestrel.engine.request import Request
@@ -77,8 +80,9 @@ class LockstepEngine(Engine):
 
 
 def start_ranks(config: Config, progress: bool, exit_with_workers: bool):
-    """(rank 0's LockstepEngine, source): the workers started, every rank loaded and joined."""
-    size = config.parallel.tensor_parallel_size
+    """(rank 0's LockstepEngine, source): the workers started, every rank loaded and joined,
+    and every rank's KV pool of the same size (the smallest any rank sized)."""
+    size = config.parallel.ranks
     config = _rank_config(config)
     address = f"tcp://127.0.0.1:{_free_port()}"
     workers = Workers(config, size, address)
@@ -88,26 +92,44 @@ def start_ranks(config: Config, progress: bool, exit_with_workers: bool):
         join(0, size, device, address, COLLECTIVE_TIMEOUT_S)
         engine = LockstepEngine(model, tokenizer, config, device, workers)
         pools = workers.wait("ready")
+        blocks = engine.scheduler.blocks.num_blocks
+        if blocks is not None:  # the schedulers are replicas: they must plan with one pool
+            blocks = min(blocks, *pools)
+            workers.send("pool", blocks)
+            engine = _resized(
+                engine, blocks, lambda c: LockstepEngine(model, tokenizer, c, device, workers)
+            )
+            workers.wait("sized")
     except BaseException:
         workers.stop()
         leave()
         raise
-    own = engine.scheduler.blocks.num_blocks
-    if any(pool != own for pool in pools):
-        engine.shutdown()
-        raise RuntimeError(
-            f"the ranks sized different KV pools ({[own, *pools]} blocks): set --kv-cache-tokens "
-            "so that every rank holds the same"
-        )
     if exit_with_workers:
         workers.watch()
     atexit.register(engine.shutdown)
-    log.info("tensor parallel: %d ranks on %s", size, device.type)
+    kind = "pipeline" if config.parallel.pipeline_parallel_size > 1 else "tensor"
+    log.info("%s parallel: %d ranks on %s", kind, size, device.type)
     return engine, source
 
 
+def _resized(engine: Engine, blocks: int, build) -> Engine:
+    """`engine`, or when its pool holds more than `blocks` blocks, one `build` makes anew over a
+    pool of `blocks` (the old one freed first)."""
+    if engine.scheduler.blocks.num_blocks == blocks:
+        return engine
+    config = engine.config
+    del engine
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    return build(replace(config, cache=replace(config.cache, num_blocks=blocks + 1)))  # + scratch
+
+
 def _rank_config(config: Config) -> Config:
-    """GGUF blocks are dequantized: a row-parallel slice of a packed row cuts its blocks."""
+    """With tensor parallel GGUF blocks are dequantized: a row-parallel slice of a packed row
+    cuts its blocks."""
+    if config.parallel.tensor_parallel_size == 1:
+        return config
     if config.model.quantized_weights == "keep":
         raise ValueError("--quantized-weights keep does not split over --tensor-parallel-size")
     return replace(config, model=replace(config.model, quantized_weights="dequantize"))
@@ -115,7 +137,7 @@ def _rank_config(config: Config) -> Config:
 
 def load_shard(config: Config, rank: int, size: int, progress: bool):
     """(model, tokenizer, source, device): the model loaded on this rank's device, then cut to
-    this rank's shard (the whole model is loaded first: it must fit one device)."""
+    this rank's shard or stage (the whole model is loaded first: it must fit one device)."""
 
     device = resolve_device(config.model.device)
     if device.type == "cuda":
@@ -124,7 +146,10 @@ def load_shard(config: Config, rank: int, size: int, progress: bool):
     elif not config.parallel.threads:  # the ranks share the machine's cores
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // size))
     model, tokenizer, source = load_model(config, device, progress)
-    shard_model(model, TPGroup(rank, size))
+    if config.parallel.pipeline_parallel_size > 1:
+        split_stages(model, rank, size, config.parallel.pp_layers)
+    else:
+        shard_model(model, TPGroup(rank, size))
     gc.collect()  # the whole weights the shard was cut from
     if device.type == "cuda":
         torch.cuda.empty_cache()
@@ -248,6 +273,10 @@ def worker_main(fd: int) -> None:
         join(rank, size, device, address, COLLECTIVE_TIMEOUT_S)
         engine = Engine(model, tokenizer, config, device)
         _send(pipe, ("ready", engine.scheduler.blocks.num_blocks))
+        if engine.scheduler.blocks.num_blocks is not None:
+            _, blocks = _receive(pipe)  # ("pool", the smallest pool of any rank)
+            engine = _resized(engine, blocks, lambda c: Engine(model, tokenizer, c, device))
+            _send(pipe, ("sized",))
     except BaseException as error:
         log.exception("rank %d failed to start", rank)
         with contextlib.suppress(OSError):

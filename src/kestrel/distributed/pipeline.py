@@ -1,0 +1,177 @@
+"""Pipeline parallel: each rank (a stage) holds a range of the decoder's layers; the hidden states
+cross from stage to stage with torch.distributed point-to-point, and the last stage's final-norm
+hidden states go to every rank, which apply the (replicated) head themselves.
+
+The model files keep one definition each: a stage is the whole model with the layers outside its
+range made pass-throughs whose weights and KV pool entries are dropped (the embedding and the head
+stay on every rank). The decoder loop runs on
+every rank as written; at the first layer past its range a stage sends the hidden states that
+layer would have received (after whatever the loop adds between layers), and the next stage's
+first layer takes them in place of its own input. Every rank runs the same engine in lockstep
+(distributed/workers.py), so every forward's sends meet their receives, and since all ranks
+apply the head to the same hidden states, they sample the same tokens.
+
+This is the split meant for models larger than one device; its stages run one after the other
+(no micro-batches in flight yet), so it adds capacity, not speed.
+"""
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+
+@dataclass(frozen=True)
+class Stage:
+    """This rank's stage of `size`; `layers`: the [first, end) range of decoder layers it holds."""
+
+    rank: int
+    size: int
+    layers: tuple[int, int]
+
+    @property
+    def last(self) -> bool:
+        return self.rank == self.size - 1
+
+
+def stage_ranges(
+    num_layers: int, size: int, spec: str | None = None, sources: list[int] | None = None
+) -> list[tuple[int, int]]:
+    """[first, end) layer ranges per stage: `spec` as "0-15,16-31" (inclusive, contiguous, from
+    layer 0 to the last), else as even as the layers allow (earlier stages one more), each
+    boundary moved down so that no layer attends over the cache of a layer (`sources`, per
+    layer: gemma4's KV-shared layers) in an earlier stage."""
+    sources = sources or list(range(num_layers))
+    ranges = _even(num_layers, size) if spec is None else _parse(spec, size, num_layers)
+    bounds = [first for first, _ in ranges] + [num_layers]
+    for k in range(len(bounds) - 2, 0, -1):
+        crossing = [sources[i] for i in range(bounds[k], num_layers) if sources[i] < bounds[k]]
+        if crossing and spec is not None:
+            raise ValueError(
+                f"--pp-layers {spec!r}: layer {bounds[k]}'s stage needs the cache of layer "
+                f"{min(crossing)}: start the stage at or before it"
+            )
+        bounds[k] = min([bounds[k], *crossing])
+    ranges = list(zip(bounds[:-1], bounds[1:], strict=True))
+    if any(end <= first for first, end in ranges):
+        raise ValueError(f"{num_layers} layers do not split into {size} pipeline stages")
+    return ranges
+
+
+def _even(num_layers: int, size: int) -> list[tuple[int, int]]:
+    base, extra = divmod(num_layers, size)
+    bounds = [0]
+    for stage in range(size):
+        bounds.append(bounds[-1] + base + (stage < extra))
+    return list(zip(bounds[:-1], bounds[1:], strict=True))
+
+
+def _parse(spec: str, size: int, num_layers: int) -> list[tuple[int, int]]:
+    try:
+        ranges = [tuple(int(x) for x in part.split("-")) for part in spec.split(",")]
+        ranges = [(first, last + 1) for first, last in ranges]
+    except ValueError:
+        raise ValueError(f"--pp-layers {spec!r}: expected ranges like 0-15,16-31") from None
+    starts = [0] + [end for _, end in ranges[:-1]]
+    if (
+        len(ranges) != size
+        or [first for first, _ in ranges] != starts
+        or ranges[-1][1] != num_layers
+        or any(end <= first for first, end in ranges)
+    ):
+        raise ValueError(
+            f"--pp-layers {spec!r}: {size} contiguous non-empty ranges covering layers "
+            f"0-{num_layers - 1} are needed"
+        )
+    return ranges
+
+
+def decoder_layers(model: nn.Module) -> nn.ModuleList:
+    """The decoder's layer stack: the ModuleList named `layers` of the text model."""
+    text = model.config.get_text_config()
+    stacks = [
+        m
+        for name, m in model.named_modules()
+        if name.endswith("layers")
+        and isinstance(m, nn.ModuleList)
+        and len(m) == text.num_hidden_layers
+    ]
+    if len(stacks) != 1:
+        raise ValueError(
+            f"pipeline parallel: no single decoder layer stack in {type(model).__name__}"
+        )
+    return stacks[0]
+
+
+def split_stages(model: nn.Module, rank: int, size: int, spec: str | None = None) -> nn.Module:
+    """Cut `model` to this rank's stage, in place; the process group must be joined."""
+    layers = decoder_layers(model)
+    sources = list(range(len(layers)))
+    for module in model.modules():  # layers that attend over another layer's cache
+        if hasattr(module, "kv_source"):
+            sources[module.layer_idx] = module.kv_source
+    ranges = stage_ranges(len(layers), size, spec, sources)
+    stage = Stage(rank, size, ranges[rank])
+    first, end = stage.layers
+    for i, layer in enumerate(layers):
+        if not first <= i < end:
+            _drop_weights(layer)
+            layer.forward = _passes_through(layer, send_to=rank + 1 if i == end else None)
+    if rank > 0:
+        layers[first].forward = _receives(layers[first].forward, rank - 1)
+    _keep_pool_entries(model, first, end)
+    _share_hidden(model, stage)
+    return model
+
+
+def _drop_weights(layer: nn.Module) -> None:
+    """A layer another stage runs keeps its attributes (windows, head counts) but no weights."""
+    for module in layer.modules():
+        for name, p in list(module.named_parameters(recurse=False)):
+            setattr(module, name, nn.Parameter(p.to("meta"), requires_grad=False))
+
+
+def _passes_through(layer: nn.Module, send_to: int | None):
+    """A layer another stage runs: its input goes on as it is; the first one past this stage's
+    range sends it to the next stage first."""
+
+    def forward(x, *args, **kwargs):
+        if send_to is not None:
+            dist.send(x.contiguous(), send_to)
+        return x
+
+    return forward
+
+
+def _receives(forward, source: int):
+    """This stage's first layer: its input is what the previous stage sent."""
+
+    def receive(x, *args, **kwargs):
+        x = torch.empty_like(x)
+        dist.recv(x, source)
+        return forward(x, *args, **kwargs)
+
+    return receive
+
+
+def _keep_pool_entries(model: nn.Module, first: int, end: int) -> None:
+    """The paged KV pool holds only this stage's layers. (Recurrent state stays whole: its slots
+    are the scheduler's, which must plan alike on every rank.)"""
+    kv_layout = model.kv_layout
+    model.kv_layout = lambda: [
+        shape if first <= i < end else None for i, shape in enumerate(kv_layout())
+    ]
+
+
+def _share_hidden(model: nn.Module, stage: Stage) -> None:
+    """Every rank gets the last stage's final-norm hidden states (the head's input)."""
+    hidden = model.hidden
+    last = stage.size - 1
+
+    def shared(batch):
+        h = hidden(batch).contiguous()
+        dist.broadcast(h, last)
+        return h
+
+    model.hidden = shared
