@@ -153,6 +153,7 @@ def test_bad_parallel_settings_name_their_flag():
         ({"pipeline_parallel_size": 0}, "pipeline_parallel_size"),
         ({"tensor_parallel_size": 2, "pipeline_parallel_size": 2}, "pipeline_parallel_size"),
         ({"pp_layers": "0-1,2-3"}, "pp_layers"),
+        ({"enable_expert_parallel": True}, "enable_expert_parallel"),
     ]:
         with pytest.raises(InvalidRequestError) as error:
             build_config(**kwargs)

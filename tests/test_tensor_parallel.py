@@ -1,6 +1,6 @@
 """Tensor parallel on the CPU: two gloo processes, each holding half of every attention block (GQA
-or latent), MLP, expert, embedding and head, generate exactly what one process holding the whole
-model generates (greedy tokens equal, first-step log-probs within 1e-4 in fp32) with chunked
+or latent), MLP, expert (or half of the experts, with expert parallel), embedding and head,
+generate exactly what one process holding the whole model generates (greedy tokens equal, first-step log-probs within 1e-4 in fp32) with chunked
 prefill and a `--max-kv-size` trim: the sharded layers through the reference runner, then whole
 engines (`LLM(..., tensor_parallel_size=2)`, `kestrel serve -tp 2`) whose workers kestrel starts;
 a worker killed under a running server makes it answer 503 and exit non-zero."""
@@ -78,6 +78,7 @@ MODELS = [
     ("mistral4-q_proj", mla_q_proj, 8),
 ]
 ATTENTION = (Attention, MultiHeadLatentAttention)
+MOE = {"exaone_moe", "glm4_moe_lite"}  # also run with expert parallel
 
 
 def greedy(model, chunk: int) -> tuple[list[list[int]], list[dict]]:
@@ -97,15 +98,16 @@ def _rank(rank: int, port: int) -> None:
     try:
         for name, factory, chunk in MODELS:
             want_tokens, want_logprobs = greedy(factory(), chunk)
-            sharded = shard_model(factory(), tp)
-            heads = [m.num_heads for m in sharded.modules() if isinstance(m, ATTENTION)]
-            assert heads and all(h == heads[0] for h in heads), name
-            got_tokens, got_logprobs = greedy(sharded, chunk)
-            assert got_tokens == want_tokens, name
-            for got, want in zip(got_logprobs, want_logprobs, strict=True):
-                assert got.keys() == want.keys(), name
-                for token, value in want.items():
-                    assert abs(got[token] - value) < 1e-4, (name, token, got[token], value)
+            for experts in (False, True) if name in MOE else (False,):  # slices, whole experts
+                sharded = shard_model(factory(), tp, expert_parallel=experts)
+                heads = [m.num_heads for m in sharded.modules() if isinstance(m, ATTENTION)]
+                assert heads and all(h == heads[0] for h in heads), name
+                got_tokens, got_logprobs = greedy(sharded, chunk)
+                assert got_tokens == want_tokens, (name, experts)
+                for got, want in zip(got_logprobs, want_logprobs, strict=True):
+                    assert got.keys() == want.keys(), name
+                    for token, value in want.items():
+                        assert abs(got[token] - value) < 1e-4, (name, token, got[token], value)
     finally:
         leave()
 
@@ -123,6 +125,18 @@ def test_latent_attention_splits_heads_and_keeps_the_whole_latent_cache(family):
     sharded = shard_model(tiny_model(family), TPGroup(0, 2))
     assert sharded.kv_layout() == layout  # the latent and RoPE key are per token, not per head
     assert {m.num_heads for m in sharded.modules() if isinstance(m, ATTENTION)} == {2}
+
+
+def test_expert_parallel_keeps_whole_experts():
+    from kestrel.models.layers.moe import Experts
+
+    whole = [m for m in tiny_model("exaone_moe").modules() if isinstance(m, Experts)]
+    model = shard_model(tiny_model("exaone_moe"), TPGroup(1, 2), expert_parallel=True)
+    held = [m for m in model.modules() if isinstance(m, Experts)]
+    for before, after in zip(whole, held, strict=True):
+        n = before.num_experts // 2
+        assert after.num_experts == n and after.intermediate == before.intermediate
+        assert torch.equal(after.down_proj, before.down_proj[n:])  # rank 1: the second half
 
 
 def test_a_family_it_does_not_cover_is_refused_by_name():
@@ -170,10 +184,13 @@ def generate_with(model: str, **settings) -> list[tuple[list[int], dict]]:
     return [*outputs, (bounded.output_ids, None)]
 
 
-@pytest.mark.parametrize("family", ["llama", "exaone_moe", "glm4_moe_lite"])
-def test_llm_over_two_ranks_generates_what_one_process_generates(checkpoints, family):
+@pytest.mark.parametrize(
+    "family, experts",
+    [("llama", False), ("exaone_moe", False), ("exaone_moe", True), ("glm4_moe_lite", False)],
+)
+def test_llm_over_two_ranks_generates_what_one_process_generates(checkpoints, family, experts):
     want = generate_with(checkpoints[family])
-    got = generate_with(checkpoints[family], tensor_parallel_size=2)
+    got = generate_with(checkpoints[family], tensor_parallel_size=2, enable_expert_parallel=experts)
     assert [tokens for tokens, _ in got] == [tokens for tokens, _ in want]
     for (_, got_logprobs), (_, want_logprobs) in zip(got[:3], want[:3], strict=True):
         assert got_logprobs.keys() == want_logprobs.keys()

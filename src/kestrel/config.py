@@ -95,6 +95,7 @@ class ParallelConfig:
     tensor_parallel_size: int = 1  # ranks (processes, one device each) sharing every layer
     pipeline_parallel_size: int = 1  # ranks each holding a range of the layers (stages)
     pp_layers: str | None = None  # the stages' layer ranges, "0-15,16-31"; None: even
+    enable_expert_parallel: bool = False  # with -tp: whole experts per rank, not slices of each
 
     def __post_init__(self):
         for name in ("tensor_parallel_size", "pipeline_parallel_size"):
@@ -108,6 +109,11 @@ class ParallelConfig:
             )
         if self.pp_layers and self.pipeline_parallel_size == 1:
             raise InvalidRequestError("only used with --pipeline-parallel-size", "pp_layers")
+        if self.enable_expert_parallel and self.tensor_parallel_size == 1:
+            raise InvalidRequestError(
+                "experts spread over the --tensor-parallel-size ranks: set it above 1",
+                "enable_expert_parallel",
+            )
 
     @property
     def ranks(self) -> int:

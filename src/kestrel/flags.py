@@ -72,6 +72,12 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         help="split the layers into this many stages, one process and device each",
     )
     parallel.add_argument(
+        "--enable-expert-parallel",
+        action="store_true",
+        default=None,
+        help="with -tp: each rank holds whole experts (E / N of them) instead of a slice of each",
+    )
+    parallel.add_argument(
         "--pp-layers",
         default=None,
         help="each stage's layers, e.g. 0-15,16-31 (default: an even split)",

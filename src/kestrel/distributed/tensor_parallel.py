@@ -11,7 +11,9 @@ all-reduce per attention block and per MLP joins the partial sums.
 - Gated MLP: gate/up split along the intermediate width, down_proj along its input.
 - Routed experts: every expert split the same way along its width (the router is replicated, so
   each rank routes every token alike); one all-reduce joins the experts' partial sums, and the
-  shared experts are a gated MLP as above.
+  shared experts are a gated MLP as above. With expert parallel (`--enable-expert-parallel`)
+  each rank holds E / N whole experts instead and runs every token's choices of them (the
+  others weigh 0); the same all-reduce joins the ranks' experts.
 - Embedding and head split along the vocabulary (padded to equal shards): a token's row comes
   from the rank that holds it (all-reduce), the logits from every rank side by side (all-gather).
 
@@ -110,6 +112,30 @@ class ParallelExperts(nn.Module):
         return self.tp.all_reduce(self.experts(x, weights, ids))
 
 
+class ExpertParallel(nn.Module):
+    """An Experts stack holding this rank's E / N whole experts: a token's choices of other
+    ranks' experts weigh 0 here, and one all-reduce sums every rank's experts."""
+
+    def __init__(self, experts: Experts, tp: TPGroup):
+        super().__init__()
+        total = experts.num_experts
+        if total % tp.size:
+            raise ValueError(f"{total} experts do not split over {tp.size} ranks")
+        n = total // tp.size
+        self.first, self.end = tp.rank * n, (tp.rank + 1) * n
+        own = slice(self.first, self.end)
+        name = "gate_up_proj" if experts.gated else "up_proj"
+        setattr(experts, name, nn.Parameter(experts.in_proj.data[own].clone(), False))
+        experts.down_proj = nn.Parameter(experts.down_proj.data[own].clone(), False)
+        experts.num_experts = n
+        self.experts, self.tp = experts, tp
+
+    def forward(self, x, weights, ids) -> torch.Tensor:
+        mine = (ids >= self.first) & (ids < self.end)
+        local = torch.where(mine, ids - self.first, 0)
+        return self.tp.all_reduce(self.experts(x, torch.where(mine, weights, 0), local))
+
+
 def vocab_shard(weight: torch.Tensor, tp: TPGroup) -> torch.Tensor:
     """This rank's rows of a (V, H) table, V padded with zero rows to a multiple of the ranks."""
     n = -(-weight.shape[0] // tp.size)
@@ -117,8 +143,9 @@ def vocab_shard(weight: torch.Tensor, tp: TPGroup) -> torch.Tensor:
     return torch.cat([shard, shard.new_zeros(n - shard.shape[0], shard.shape[1])]).clone()
 
 
-def shard_model(model: nn.Module, tp: TPGroup) -> nn.Module:
-    """Rewire `model` (loaded whole) to hold this rank's slices; returns it."""
+def shard_model(model: nn.Module, tp: TPGroup, expert_parallel: bool = False) -> nn.Module:
+    """Rewire `model` (loaded whole) to hold this rank's slices (`expert_parallel`: its whole
+    experts, not a slice of each); returns it."""
     uncovered = _uncovered_linears(model)
     if uncovered:
         raise ValueError(
@@ -134,7 +161,8 @@ def shard_model(model: nn.Module, tp: TPGroup) -> nn.Module:
         elif isinstance(module, GatedMLP):
             _shard_mlp(module, tp)
         elif isinstance(getattr(module, "experts", None), Experts):
-            module.experts = ParallelExperts(module.experts, tp)
+            split = ExpertParallel if expert_parallel else ParallelExperts
+            module.experts = split(module.experts, tp)
     _shard_vocab(model, tp)
     model.config = _sharded_config(model.config, tp)
     return model

@@ -149,7 +149,7 @@ def load_shard(config: Config, rank: int, size: int, progress: bool):
     if config.parallel.pipeline_parallel_size > 1:
         split_stages(model, rank, size, config.parallel.pp_layers)
     else:
-        shard_model(model, TPGroup(rank, size))
+        shard_model(model, TPGroup(rank, size), config.parallel.enable_expert_parallel)
     gc.collect()  # the whole weights the shard was cut from
     if device.type == "cuda":
         torch.cuda.empty_cache()
