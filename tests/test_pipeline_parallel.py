@@ -2,17 +2,19 @@
 (the other layers pass through, their weights dropped), generate exactly what one process holding
 the whole model generates (greedy tokens equal, first-step log-probs within 1e-4 in fp32) with
 chunked prefill and a `--max-kv-size` trim, for dense, MoE, MLA and hybrid (Mamba) families: the
-stages through the reference runner, then whole engines (`LLM(..., pipeline_parallel_size=2)`)
-over the paged runner, whose workers kestrel starts; and the layer ranges' flag."""
+stages through the reference runner, then whole engines (`LLM(..., pipeline_parallel_size=2)`,
+`kestrel serve -pp 2` and the openai client) over the paged runner, whose workers kestrel starts;
+the same split started as two torchrun "nodes" on this host, and as two `kestrel serve` processes
+joined by the standard rendezvous variables; the layer ranges' flag; and every rank's engine
+rebuilt over the smallest pool."""
 
-import json
+import os
 import socket
 import subprocess
 import sys
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
 from kestrel.config import build_config
 from kestrel.distributed.group import join, leave
@@ -22,7 +24,15 @@ from kestrel.llm import LLM
 from kestrel.sampling import SamplingParams
 from server_fixtures import start_server
 from test_paged_cache import tiny_model
-from test_tensor_parallel import LONG_TEXT, checkpoints, generate_with, greedy  # noqa: F401
+from test_tensor_parallel import (  # noqa: F401 (checkpoints: a fixture)
+    LONG_TEXT,
+    assert_same_generation,
+    assert_same_outputs,
+    checkpoints,
+    generate_with,
+    greedy,
+    spawn_two_ranks,
+)
 
 CPU = torch.device("cpu")
 
@@ -44,25 +54,17 @@ def _rank(rank: int, port: int) -> None:
     join(rank, 2, CPU, f"tcp://127.0.0.1:{port}")
     try:
         for name, factory, chunk in MODELS:
-            want_tokens, want_logprobs = greedy(factory(), chunk)
+            want = greedy(factory(), chunk)
             stage = split_stages(factory(), rank, 2)
             held = [p.device.type != "meta" for p in decoder_layers(stage).parameters()]
             assert any(held) and not all(held), name  # a stage holds some layers, not all
-            got_tokens, got_logprobs = greedy(stage, chunk)
-            assert got_tokens == want_tokens, name
-            for got, want in zip(got_logprobs, want_logprobs, strict=True):
-                assert got.keys() == want.keys(), name
-                for token, value in want.items():
-                    assert abs(got[token] - value) < 1e-4, (name, token, got[token], value)
+            assert_same_generation(greedy(stage, chunk), want, name)
     finally:
         leave()
 
 
 def test_two_stages_generate_what_one_whole_model_generates():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    mp.spawn(_rank, args=(port,), nprocs=2, join=True)
+    spawn_two_ranks(_rank)
 
 
 @pytest.fixture(scope="module")
@@ -84,10 +86,7 @@ def with_hybrid(checkpoints, tmp_path_factory, smollm2_tokenizer):  # noqa: F811
 def test_llm_over_two_stages_generates_what_one_process_generates(with_hybrid, family, layers):
     want = generate_with(with_hybrid[family])
     got = generate_with(with_hybrid[family], pipeline_parallel_size=2, pp_layers=layers)
-    assert [tokens for tokens, _ in got] == [tokens for tokens, _ in want]
-    for (_, got_logprobs), (_, want_logprobs) in zip(got[:3], want[:3], strict=True):
-        assert got_logprobs.keys() == want_logprobs.keys()
-        assert all(abs(got_logprobs[t] - v) < 1e-4 for t, v in want_logprobs.items())
+    assert_same_outputs(got, want)
 
 
 def test_serve_over_two_stages_answers_the_openai_client_as_one_process(checkpoints):  # noqa: F811
@@ -105,17 +104,6 @@ def test_serve_over_two_stages_answers_the_openai_client_as_one_process(checkpoi
         assert "pipeline parallel: 2 ranks on cpu" in server.log()
     finally:
         server.stop()
-
-
-def test_bench_engine_runs_over_two_stages(checkpoints):  # noqa: F811
-    bench = [sys.executable, "-m", "kestrel", "bench", "-m", checkpoints["llama"], "-pp", "2"]
-    work = ["--num-requests", "3", "--prompt-tokens", "16", "--output-tokens", "8"]
-    done = subprocess.run(
-        [*bench, "engine", *work, "--no-progress"], capture_output=True, text=True
-    )
-    assert done.returncode == 0, done.stderr[-2000:]
-    record = json.loads(done.stdout.splitlines()[-1])
-    assert record["pipeline_parallel_size"] == 2 and record["generated_tokens"] == 3 * 8
 
 
 def test_a_rank_rebuilds_its_engine_over_the_smallest_pool(checkpoints):  # noqa: F811
@@ -158,3 +146,70 @@ def test_bad_parallel_settings_name_their_flag():
         with pytest.raises(InvalidRequestError) as error:
             build_config(**kwargs)
         assert error.value.param == param
+
+
+def test_two_torchrun_nodes_generate_what_one_process_generates(checkpoints):  # noqa: F811
+    """The two stages started as two torchrun "nodes" on this host (separate launches, loopback
+    rendezvous), each running the same `kestrel generate -pp 2`: rank 0 prints what one process
+    prints, and both exit 0."""
+    command = ["-m", "kestrel", "generate", "-m", checkpoints["llama"], "-n", "12", "--temp", "0"]
+    command += ["-p", "The quick brown fox"]
+    one = subprocess.run([sys.executable, *command], capture_output=True, text=True, timeout=120)
+    assert one.returncode == 0, one.stderr[-2000:]
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    launch = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2"]
+    launch += ["--nproc-per-node", "1", "--master-addr", "127.0.0.1", "--master-port", str(port)]
+    nodes = [
+        subprocess.Popen(
+            [*launch, "--node-rank", str(rank), *command, "-pp", "2"],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for rank in (0, 1)
+    ]
+    try:
+        outputs = [node.communicate(timeout=180) for node in nodes]
+    finally:
+        for node in nodes:
+            node.kill()
+    for node, (_, err) in zip(nodes, outputs, strict=True):
+        assert node.returncode == 0, err[-3000:]
+    assert outputs[0][0] == one.stdout and one.stdout.strip()
+    assert outputs[1][0] == ""  # rank 1 serves rank 0's calls and prints nothing
+
+
+def test_serve_on_two_joined_ranks_answers_the_openai_client(checkpoints):  # noqa: F811
+    """`kestrel serve -pp 2` started on each "machine" with the standard rendezvous variables
+    (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT, as torchrun sets them): rank 0 serves, rank 1
+    runs its stage, the answers are one process's, and rank 1 exits 0 when rank 0 stops."""
+    prompts = ["Hello", "The quick brown fox"]
+    llm = LLM(checkpoints["llama"], progress=False)
+    want = [r.outputs[0].text for r in llm.generate(prompts, SamplingParams(temperature=0))]
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {"WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+    args = ["-m", checkpoints["llama"], "-a", "tiny", "-pp", "2"]
+    follower = subprocess.Popen(
+        [sys.executable, "-m", "kestrel", "serve", *args],
+        env={**os.environ, **env, "RANK": "1"},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    server = start_server(args, env={**env, "RANK": "0"})
+    try:
+        client = server.client()
+        replies = [
+            client.completions.create(model="tiny", prompt=p, max_tokens=16, temperature=0)
+            for p in prompts
+        ]
+        assert [r.choices[0].text for r in replies] == want
+        assert "joined ranks: 2 on cpu" in server.log()
+    finally:
+        server.stop()
+        out, _ = follower.communicate(timeout=60)
+    assert follower.returncode == 0, out[-3000:]

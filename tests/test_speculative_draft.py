@@ -10,7 +10,14 @@ import torch
 import transformers
 from tests import test_models_jamba
 from tests.reference import load_kestrel, save_tiny
-from tests.test_speculative import FAMILIES, greedy, jobs_of, repeating_prompt, serve
+from tests.test_speculative import (  # noqa: F401 (one_thread: an autouse fixture)
+    FAMILIES,
+    greedy,
+    jobs_of,
+    one_thread,
+    repeating_prompt,
+    serve,
+)
 from tests.vl_reference import tiny_tokenizer
 
 from kestrel import LLM
@@ -20,14 +27,6 @@ from kestrel.errors import InvalidRequestError
 from kestrel.sampling import SamplingParams
 
 DRAFTED = ["llama", "gemma3_text", "glm4_moe_lite"]  # dense, sliding + global, MLA with MoE
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
 
 
 @pytest.fixture(scope="module", params=DRAFTED)

@@ -92,31 +92,41 @@ def greedy(model, chunk: int) -> tuple[list[list[int]], list[dict]]:
     return [r.output_ids for r in requests], [logprobs[r.request_id] for r in requests]
 
 
+def assert_same_generation(got, want, label) -> None:
+    """(tokens, per-step log-probs) of a split model against the whole one's: the same tokens,
+    log-probs within 1e-4."""
+    assert got[0] == want[0], label
+    for got_step, want_step in zip(got[1], want[1], strict=True):
+        assert got_step.keys() == want_step.keys(), label
+        for token, value in want_step.items():
+            assert abs(got_step[token] - value) < 1e-4, (label, token, got_step[token], value)
+
+
+def spawn_two_ranks(rank_main) -> None:
+    """`rank_main(rank, port)` in two processes that join one gloo group on a free port."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.spawn(rank_main, args=(port,), nprocs=2, join=True)
+
+
 def _rank(rank: int, port: int) -> None:
     torch.set_num_threads(1)
     tp = join(rank, 2, CPU, f"tcp://127.0.0.1:{port}")
     try:
         for name, factory, chunk in MODELS:
-            want_tokens, want_logprobs = greedy(factory(), chunk)
+            want = greedy(factory(), chunk)
             for experts in (False, True) if name in MOE else (False,):  # slices, whole experts
                 sharded = shard_model(factory(), tp, expert_parallel=experts)
                 heads = [m.num_heads for m in sharded.modules() if isinstance(m, ATTENTION)]
                 assert heads and all(h == heads[0] for h in heads), name
-                got_tokens, got_logprobs = greedy(sharded, chunk)
-                assert got_tokens == want_tokens, (name, experts)
-                for got, want in zip(got_logprobs, want_logprobs, strict=True):
-                    assert got.keys() == want.keys(), name
-                    for token, value in want.items():
-                        assert abs(got[token] - value) < 1e-4, (name, token, got[token], value)
+                assert_same_generation(greedy(sharded, chunk), want, (name, experts))
     finally:
         leave()
 
 
 def test_two_ranks_generate_what_one_whole_model_generates():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    mp.spawn(_rank, args=(port,), nprocs=2, join=True)
+    spawn_two_ranks(_rank)
 
 
 @pytest.mark.parametrize("family", ["minicpm3", "glm4_moe_lite", "mistral4"])
@@ -191,6 +201,11 @@ def generate_with(model: str, **settings) -> list[tuple[list[int], dict]]:
 def test_llm_over_two_ranks_generates_what_one_process_generates(checkpoints, family, experts):
     want = generate_with(checkpoints[family])
     got = generate_with(checkpoints[family], tensor_parallel_size=2, enable_expert_parallel=experts)
+    assert_same_outputs(got, want)
+
+
+def assert_same_outputs(got, want) -> None:
+    """`generate_with`'s outputs: the same tokens, first-step log-probs within 1e-4."""
     assert [tokens for tokens, _ in got] == [tokens for tokens, _ in want]
     for (_, got_logprobs), (_, want_logprobs) in zip(got[:3], want[:3], strict=True):
         assert got_logprobs.keys() == want_logprobs.keys()
@@ -264,15 +279,18 @@ def test_a_killed_worker_makes_the_server_answer_503_and_exit_nonzero(checkpoint
         server.stop()
 
 
-def test_bench_engine_runs_over_two_ranks_and_other_modes_are_refused(checkpoints):
-    bench = [sys.executable, "-m", "kestrel", "bench", "-m", checkpoints["llama"], "-tp", "2"]
+@pytest.mark.parametrize(
+    "flag, field", [("-tp", "tensor_parallel_size"), ("-pp", "pipeline_parallel_size")]
+)
+def test_bench_engine_runs_over_two_ranks_and_other_modes_are_refused(checkpoints, flag, field):
+    bench = [sys.executable, "-m", "kestrel", "bench", "-m", checkpoints["llama"], flag, "2"]
     work = ["--num-requests", "3", "--prompt-tokens", "16", "--output-tokens", "8"]
     done = subprocess.run(
         [*bench, "engine", *work, "--no-progress"], capture_output=True, text=True
     )
     assert done.returncode == 0, done.stderr[-2000:]
     record = json.loads(done.stdout.splitlines()[-1])
-    assert record["tensor_parallel_size"] == 2 and record["generated_tokens"] == 3 * 8
+    assert record[field] == 2 and record["generated_tokens"] == 3 * 8
     refused = subprocess.run([*bench, "latency"], capture_output=True, text=True)
     assert refused.returncode != 0
     assert "-tp and -pp run only as `kestrel bench engine`" in refused.stderr

@@ -2,6 +2,7 @@
 
 import argparse
 import json
+import os
 import sys
 
 from kestrel.flags import add_engine_args
@@ -17,6 +18,8 @@ def main(argv: list[str] | None = None) -> int:
     from kestrel.errors import InvalidRequestError, KestrelError
 
     try:
+        if _joined_follower():
+            return follow_rank0(args)
         return args.func(args) or 0
     except InvalidRequestError as e:
         flag = FLAGS.get(e.param, f"--{(e.param or '').replace('_', '-')}")
@@ -123,11 +126,37 @@ def sampling_params(args):
 
 
 def load_llm(args, model: str | None = None):
-    from kestrel.config import config_from_args
     from kestrel.llm import LLM
 
-    config = config_from_args(args, **({"model": model} if model else {}))
-    return LLM(config=config)
+    return LLM(config=engine_config(args, model))
+
+
+def engine_config(args, model: str | None = None):
+    """The Config of `generate` and `run` (`model`: run's positional model)."""
+    from kestrel.config import config_from_args
+
+    return config_from_args(args, **({"model": model} if model else {}))
+
+
+def _joined_follower() -> bool:
+    """Whether torchrun started this process as a rank other than 0 of several."""
+    return int(os.environ.get("WORLD_SIZE", "1")) > 1 and int(os.environ.get("RANK", "0")) > 0
+
+
+def follow_rank0(args) -> int:
+    """Every machine of a torchrun launch runs the same command; on ranks other than 0 it loads
+    that rank's part of the model and runs the engine calls rank 0 sends, and nothing else (no
+    server, no output)."""
+    from kestrel.distributed.workers import follow_joined
+
+    if args.command == "serve":
+        from kestrel.server.main import server_settings
+
+        return follow_joined(server_settings(args))
+    if args.command in ("generate", "run"):
+        return follow_joined(engine_config(args, getattr(args, "model_arg", None)))
+    print(f"kestrel: error: `kestrel {args.command}` does not run under torchrun", file=sys.stderr)
+    return 2
 
 
 def stream(llm, prompt_ids: list[int], params) -> str:

@@ -18,11 +18,12 @@ def load_engine(config: Config, progress: bool = True, exit_with_workers: bool =
     as rank 0 of processes started here (distributed/workers.py; `exit_with_workers`: a worker's
     death ends this process, as the server's engine process wants)."""
     if config.parallel.ranks > 1:
-        from kestrel.distributed.workers import start_ranks
+        from kestrel.distributed.workers import joined_rank, start_joined, start_ranks
 
         if config.speculation.speculative == "draft":
             raise ValueError("--speculative draft runs on one device: not with -tp or -pp")
-
+        if joined_rank() is not None:  # torchrun started every rank (other machines too)
+            return start_joined(config, progress)
         return start_ranks(config, progress, exit_with_workers)
     device = resolve_device(config.model.device)
     model, tokenizer, source = load_model(config, device, progress)

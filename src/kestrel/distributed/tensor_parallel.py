@@ -102,9 +102,7 @@ class ParallelExperts(nn.Module):
         cols = slice(tp.rank * part, (tp.rank + 1) * part)
         w = experts.in_proj.data  # (E, 2I, H) gate rows then up rows, or (E, I, H) ungated
         rows = torch.cat([w[:, cols], w[:, width:][:, cols]], 1) if experts.gated else w[:, cols]
-        name = "gate_up_proj" if experts.gated else "up_proj"
-        setattr(experts, name, nn.Parameter(rows.clone(), requires_grad=False))
-        experts.down_proj = nn.Parameter(experts.down_proj.data[:, :, cols].clone(), False)
+        _keep_experts(experts, rows, experts.down_proj.data[:, :, cols])
         experts.intermediate = part
         self.experts, self.tp = experts, tp
 
@@ -124,9 +122,7 @@ class ExpertParallel(nn.Module):
         n = total // tp.size
         self.first, self.end = tp.rank * n, (tp.rank + 1) * n
         own = slice(self.first, self.end)
-        name = "gate_up_proj" if experts.gated else "up_proj"
-        setattr(experts, name, nn.Parameter(experts.in_proj.data[own].clone(), False))
-        experts.down_proj = nn.Parameter(experts.down_proj.data[own].clone(), False)
+        _keep_experts(experts, experts.in_proj.data[own], experts.down_proj.data[own])
         experts.num_experts = n
         self.experts, self.tp = experts, tp
 
@@ -134,6 +130,13 @@ class ExpertParallel(nn.Module):
         mine = (ids >= self.first) & (ids < self.end)
         local = torch.where(mine, ids - self.first, 0)
         return self.tp.all_reduce(self.experts(x, torch.where(mine, weights, 0), local))
+
+
+def _keep_experts(experts: Experts, in_proj: torch.Tensor, down_proj: torch.Tensor) -> None:
+    """The stack holds copies of these parts of its weights (the whole ones are let go)."""
+    name = "gate_up_proj" if experts.gated else "up_proj"
+    setattr(experts, name, nn.Parameter(in_proj.clone(), requires_grad=False))
+    experts.down_proj = nn.Parameter(down_proj.clone(), requires_grad=False)
 
 
 def vocab_shard(weight: torch.Tensor, tp: TPGroup) -> torch.Tensor:

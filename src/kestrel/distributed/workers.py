@@ -11,6 +11,11 @@ forward's collectives meet, and no block table crosses a pipe. The logits are wh
 (gathered, or the head applied to the last stage's hidden states) and a sampled request gets one
 seed for all of them, so every rank samples the same tokens; only rank 0's outputs go anywhere.
 
+Several machines: when torchrun (or the standard RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT
+variables) started every rank, each machine runs the same command; rank 0's calls then reach the
+others as broadcasts over a gloo group (`GroupWorkers`) instead of pipes, and the other ranks run
+them (`follow_joined`, from the command line) until rank 0 is gone.
+
 Startup: ranks load first and join the process group only once all have loaded, so a rank that
 fails to load is reported by rank and cause rather than as a rendezvous timeout. Failure after
 that: a worker that exits makes rank 0's next send fail, and in the server's engine process
@@ -36,6 +41,7 @@ from dataclasses import replace
 from multiprocessing.connection import Connection
 
 import torch
+import torch.distributed as dist
 
 from kestrel.config import Config
 from kestrel.distributed.group import TPGroup, join, leave
@@ -135,13 +141,16 @@ def _rank_config(config: Config) -> Config:
     return replace(config, model=replace(config.model, quantized_weights="dequantize"))
 
 
-def load_shard(config: Config, rank: int, size: int, progress: bool):
-    """(model, tokenizer, source, device): the model loaded on this rank's device, then cut to
-    this rank's shard or stage (the whole model is loaded first: it must fit one device)."""
+def load_shard(config: Config, rank: int, size: int, progress: bool, local_rank: int | None = None):
+    """(model, tokenizer, source, device): the model loaded on this rank's device (GPU
+    `local_rank` of its machine; by default its rank), then cut to this rank's shard or stage
+    (the whole model is loaded first: it must fit one device)."""
 
     device = resolve_device(config.model.device)
     if device.type == "cuda":
-        device = torch.device("cuda", (device.index or 0) + rank)
+        device = torch.device(
+            "cuda", (device.index or 0) + (rank if local_rank is None else local_rank)
+        )
         torch.cuda.set_device(device)
     elif not config.parallel.threads:  # the ranks share the machine's cores
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // size))
@@ -284,17 +293,18 @@ def worker_main(fd: int) -> None:
         _exit(1)
     code = 0
     try:
-        _follow(pipe, engine)
+        _follow(lambda: _receive(pipe), engine)
     except BaseException:
         log.exception("rank %d failed", rank)
         code = 1
     _exit(code)
 
 
-def _follow(pipe: Connection, engine: Engine) -> None:
+def _follow(receive, engine: Engine) -> None:
+    """Run the calls rank 0 sends (`receive()`: the next one) until "stop" or rank 0 is gone."""
     while True:
         try:
-            kind, *args = _receive(pipe)
+            kind, *args = receive()
         except EOFError:
             return  # rank 0 is gone
         if kind == "stop":
@@ -305,6 +315,93 @@ def _follow(pipe: Connection, engine: Engine) -> None:
                 engine.add(*args)
         else:
             getattr(engine, kind)(*args)
+
+
+# -- ranks joined by the standard rendezvous (torchrun, one process per machine) -----------------
+
+
+def joined_rank() -> int | None:
+    """This process's rank when torchrun (or the standard RANK / WORLD_SIZE / MASTER_ADDR /
+    MASTER_PORT variables) started it as one of several; None otherwise."""
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1 and "RANK" in os.environ:
+        return int(os.environ["RANK"])
+    return None
+
+
+class GroupWorkers:
+    """The other joined ranks, which rank 0's calls reach as broadcasts over a gloo group (the
+    pipes of `Workers` do not cross machines). A rank that is gone fails the next broadcast
+    within COLLECTIVE_TIMEOUT_S."""
+
+    def __init__(self, group):
+        self.group = group
+
+    def send(self, *message) -> None:
+        dist.broadcast_object_list([message], src=0, group=self.group)
+
+    def receive(self):
+        """Rank 0's next call; EOFError when rank 0 is gone (its connections closed)."""
+        message = [None]
+        try:
+            dist.broadcast_object_list(message, src=0, group=self.group)
+        except RuntimeError as error:
+            raise EOFError(str(error)) from error
+        return message[0]
+
+    def watch(self) -> None:
+        """Nothing to poll: a lost rank fails the next step's collectives."""
+
+    def stop(self, timeout: float = 10.0) -> None:
+        with contextlib.suppress(Exception):
+            self.send("stop")
+
+
+def start_joined(config: Config, progress: bool):
+    """(rank 0's LockstepEngine, source) when the ranks were started by the standard
+    rendezvous; the other ranks run `follow_joined`."""
+    engine, source, _ = _join(config, progress)
+    atexit.register(engine.shutdown)
+    log.info("joined ranks: %d on %s", config.parallel.ranks, engine.device.type)
+    return engine, source
+
+
+def follow_joined(config: Config) -> int:
+    """A rank other than 0 of a torchrun launch: load, join, then run rank 0's calls until it
+    stops; the exit code."""
+    engine, _, group = _join(config, progress=False)
+    try:
+        _follow(group.receive, engine)
+    except BaseException:
+        log.exception("rank %d failed", joined_rank())
+        return 1
+    finally:
+        leave()
+    return 0
+
+
+def _join(config: Config, progress: bool):
+    """(this rank's engine, source, the control group): loaded, joined, the pools agreed."""
+    rank, size = joined_rank(), int(os.environ["WORLD_SIZE"])
+    if size != config.parallel.ranks:
+        raise ValueError(
+            f"{size} processes joined, but -tp x -pp makes {config.parallel.ranks} ranks"
+        )
+    config = _rank_config(config)
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    model, tokenizer, source, device = load_shard(config, rank, size, progress, local_rank)
+    join(rank, size, device, "env://", COLLECTIVE_TIMEOUT_S)
+    group = GroupWorkers(dist.new_group(backend="gloo"))
+    if rank == 0:
+        build = lambda c: LockstepEngine(model, tokenizer, c, device, group)  # noqa: E731
+    else:
+        build = lambda c: Engine(model, tokenizer, c, device)  # noqa: E731
+    engine = build(config)
+    blocks = engine.scheduler.blocks.num_blocks
+    if blocks is not None:  # the smallest pool of any rank, as start_ranks agrees on it
+        smallest = torch.tensor([blocks])
+        dist.all_reduce(smallest, dist.ReduceOp.MIN, group=group.group)
+        engine = _resized(engine, int(smallest), build)
+    return engine, source, group
 
 
 def _exit_with_parent() -> None:
