@@ -89,9 +89,13 @@ def _parse(spec: str, size: int, num_layers: int) -> list[tuple[int, int]]:
 
 def decoder_layers(model: nn.Module) -> nn.ModuleList:
     """The decoder's layer stack: the ModuleList named `layers` of the text model."""
+    return _decoder_stack(model)[1]
+
+
+def _decoder_stack(model: nn.Module) -> tuple[str, nn.ModuleList]:
     text = model.config.get_text_config()
     stacks = [
-        m
+        (name, m)
         for name, m in model.named_modules()
         if name.endswith("layers")
         and isinstance(m, nn.ModuleList)
@@ -104,15 +108,37 @@ def decoder_layers(model: nn.Module) -> nn.ModuleList:
     return stacks[0]
 
 
-def split_stages(model: nn.Module, rank: int, size: int, spec: str | None = None) -> nn.Module:
-    """Cut `model` to this rank's stage, in place; the process group must be joined."""
+def stage_of(model: nn.Module, rank: int, size: int, spec: str | None = None) -> Stage:
+    """This rank's stage of `model`'s layers (its even split, or `spec`)."""
     layers = decoder_layers(model)
     sources = list(range(len(layers)))
     for module in model.modules():  # layers that attend over another layer's cache
         if hasattr(module, "kv_source"):
             sources[module.layer_idx] = module.kv_source
-    ranges = stage_ranges(len(layers), size, spec, sources)
-    stage = Stage(rank, size, ranges[rank])
+    return Stage(rank, size, stage_ranges(len(layers), size, spec, sources)[rank])
+
+
+def other_stages_parameters(rank: int, size: int, spec: str | None = None):
+    """For the loader (`select`): model -> the names of the parameters of the layers outside
+    this rank's stage, which it then never reads."""
+
+    def select(model: nn.Module) -> set[str]:
+        prefix, layers = _decoder_stack(model)
+        first, end = stage_of(model, rank, size, spec).layers
+        return {
+            f"{prefix}.{i}.{name}"
+            for i, layer in enumerate(layers)
+            if not first <= i < end
+            for name, _ in layer.named_parameters(remove_duplicate=False)
+        }
+
+    return select
+
+
+def split_stages(model: nn.Module, rank: int, size: int, spec: str | None = None) -> nn.Module:
+    """Cut `model` to this rank's stage, in place; the process group must be joined."""
+    layers = decoder_layers(model)
+    stage = stage_of(model, rank, size, spec)
     first, end = stage.layers
     for i, layer in enumerate(layers):
         if not first <= i < end:
