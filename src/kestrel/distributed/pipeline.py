@@ -3,8 +3,9 @@ cross from stage to stage with torch.distributed point-to-point, and the last st
 hidden states go to every rank, which apply the (replicated) head themselves.
 
 The model files keep one definition each: a stage is the whole model with the layers outside its
-range made pass-throughs whose weights and KV pool entries are dropped (the embedding and the head
-stay on every rank). The decoder loop runs on
+range made pass-throughs, their weights never read from the checkpoint (`other_stages_parameters`
+tells the loader which) and their KV pool entries dropped (the embedding and the head stay on
+every rank). The decoder loop runs on
 every rank as written; at the first layer past its range a stage sends the hidden states that
 layer would have received (after whatever the loop adds between layers), and the next stage's
 first layer takes them in place of its own input. Every rank runs the same engine in lockstep
