@@ -128,13 +128,16 @@ def test_a_rank_rebuilds_its_engine_over_the_smallest_pool(checkpoints):  # noqa
     assert smaller.runner.pool.num_blocks == blocks // 2 + 1  # and the scratch block
 
 
-@pytest.mark.parametrize("model", ["exaone_moe", "smollm2"])
+@pytest.mark.parametrize("model", ["exaone_moe", "smollm2", "shape:tiny"])
 def test_a_stage_reads_only_its_layers_weights(checkpoints, model):  # noqa: F811
-    """Loading for stage 1 of 2 (a safetensors folder, and the real SmolLM2 GGUF) leaves the
-    other stage's layers on the meta device, never read; the rest is loaded."""
+    """Loading for stage 1 of 2 (a safetensors folder, the real SmolLM2 GGUF, a random-weight
+    shape) leaves the other stage's layers on the meta device, never read; the rest is loaded."""
     from kestrel.loading import load_model
 
-    config = build_config(model=checkpoints.get(model, model))
+    shape = model.removeprefix("shape:") if model.startswith("shape:") else None
+    config = (
+        build_config(shape=shape) if shape else build_config(model=checkpoints.get(model, model))
+    )
     select = other_stages_parameters(1, 2)
     stage, _, _ = load_model(config, torch.device("cpu"), progress=False, select=select)
     first, end = stage_of(stage, 1, 2).layers

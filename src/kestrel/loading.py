@@ -35,7 +35,7 @@ def load_model(config: Config, device: torch.device, progress: bool = True, sele
     leaves on the meta device (weights.loader.load_model)."""
     dtype = resolve_dtype(config.model.dtype, device)
     if config.model.shape:
-        return (*load_shape(config.model.shape, dtype, device), None)
+        return (*load_shape(config.model.shape, dtype, device, select=select), None)
     model = config.model
     return load(model.model, dtype, device, progress, model.quantized_weights, select)
 
