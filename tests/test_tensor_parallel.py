@@ -64,8 +64,9 @@ def random_model(config):
 # every layer sliding (Mistral), gemma3's sliding/global mix, replicated KV heads, EXAONE-MoE
 # (sigmoid, group-limited routing over experts split along their width, a shared expert, a dense
 # layer), and MLA: minicpm3 (biases, LongRoPE), glm4_moe_lite (MoE), mistral4 (position-scaled
-# queries) with low-rank queries, and mistral4 with a full q_proj. MLA prefills in 8-token
-# chunks so that both its expanded (8 tokens) and latent-space (shorter, decode) attention run.
+# queries) with low-rank queries, and mistral4 with a full q_proj, and nemotron_nas (per-layer KV
+# heads and MLP widths, linear and no-op blocks). MLA prefills in 8-token chunks so that both its
+# expanded (8 tokens) and latent-space (shorter, decode) attention run.
 MODELS = [
     ("llama", lambda: tiny_model("llama"), 5),
     ("exaone_moe", lambda: tiny_model("exaone_moe"), 5),
@@ -76,6 +77,7 @@ MODELS = [
     ("glm4_moe_lite", lambda: tiny_model("glm4_moe_lite"), 8),
     ("mistral4", lambda: tiny_model("mistral4"), 8),
     ("mistral4-q_proj", mla_q_proj, 8),
+    ("nemotron_nas", lambda: tiny_model("nemotron_nas"), 5),
 ]
 ATTENTION = (Attention, MultiHeadLatentAttention)
 MOE = {"exaone_moe", "glm4_moe_lite"}  # also run with expert parallel
@@ -166,12 +168,13 @@ LONG_TEXT = " ".join(f"word{i}" for i in range(40))
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory, smollm2_tokenizer) -> dict[str, str]:
     """A dense family (the tiny Llama), an MoE one (EXAONE-MoE: sigmoid group-limited
-    routing, a shared expert, a dense layer) and an MLA one (GLM-4-MoE-Lite: the paged runner's
-    fused low-rank projections over the latent pool), saved with SmolLM2's tokenizer."""
+    routing, a shared expert, a dense layer), an MLA one (GLM-4-MoE-Lite: the paged runner's
+    fused low-rank projections over the latent pool) and nemotron_nas (per-layer KV heads in the
+    pool), saved with SmolLM2's tokenizer."""
     from tests.test_families_server import FAMILIES
 
     folders = {"llama": server_tiny_model()}
-    for family in ("exaone_moe", "glm4_moe_lite"):
+    for family in ("exaone_moe", "glm4_moe_lite", "nemotron_nas"):
         folder = tmp_path_factory.mktemp(family)
         FAMILIES[family].build(folder, len(smollm2_tokenizer))
         smollm2_tokenizer.save_pretrained(folder)
@@ -196,7 +199,13 @@ def generate_with(model: str, **settings) -> list[tuple[list[int], dict]]:
 
 @pytest.mark.parametrize(
     "family, experts",
-    [("llama", False), ("exaone_moe", False), ("exaone_moe", True), ("glm4_moe_lite", False)],
+    [
+        ("llama", False),
+        ("exaone_moe", False),
+        ("exaone_moe", True),
+        ("glm4_moe_lite", False),
+        ("nemotron_nas", False),
+    ],
 )
 def test_llm_over_two_ranks_generates_what_one_process_generates(checkpoints, family, experts):
     want = generate_with(checkpoints[family])

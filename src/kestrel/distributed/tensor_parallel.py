@@ -16,6 +16,8 @@ all-reduce per attention block and per MLP joins the partial sums.
   others weigh 0); the same all-reduce joins the ranks' experts.
 - Embedding and head split along the vocabulary (padded to equal shards): a token's row comes
   from the rank that holds it (all-reduce), the logits from every rank side by side (all-gather).
+- nemotron_nas's linear blocks (one hidden x hidden matrix in place of attention or an MLP) are
+  kept whole on every rank: they read and write the whole hidden state.
 
 `shard_model` rewires a loaded model in place, as layers/fused.py does, so model files keep one
 definition. A model with a Linear that no rule here covers is refused, naming it.
@@ -33,6 +35,7 @@ from kestrel.models.layers.attention import Attention
 from kestrel.models.layers.mla import MultiHeadLatentAttention
 from kestrel.models.layers.mlp import GatedMLP
 from kestrel.models.layers.moe import Experts
+from kestrel.models.nemotron_nas import LinearAttention, LinearMLP
 
 
 def column_parallel(linear: nn.Linear, rows: slice) -> nn.Linear:
@@ -168,7 +171,20 @@ def shard_model(model: nn.Module, tp: TPGroup, expert_parallel: bool = False) ->
             module.experts = split(module.experts, tp)
     _shard_vocab(model, tp)
     model.config = _sharded_config(model.config, tp)
+    _pool_keeps_held_heads(model)
     return model
+
+
+def _pool_keeps_held_heads(model: nn.Module) -> None:
+    """The paged pool sizes each attention layer's KV by the heads this rank holds (a family
+    whose layout reads per-layer head counts of its own, nemotron_nas's blocks, would still
+    give the whole model's)."""
+    held = {m.layer_idx: m.num_kv_heads for m in model.modules() if isinstance(m, Attention)}
+    layout = model.kv_layout
+    model.kv_layout = lambda: [
+        shape._replace(heads=held[i]) if shape is not None and i in held else shape
+        for i, shape in enumerate(layout())
+    ]
 
 
 def _sharded_config(config, tp: TPGroup):
@@ -191,6 +207,9 @@ SHARDED_LINEARS = {
         *("kv_a_proj_with_mqa", "kv_b_proj", "o_proj"),
     ),
     GatedMLP: ("gate_proj", "up_proj", "down_proj"),
+    # nemotron_nas's linear blocks (hidden -> hidden): small, kept whole on every rank
+    LinearAttention: ("linear_attn",),
+    LinearMLP: ("linear_mlp",),
 }
 
 
