@@ -25,6 +25,7 @@ from kestrel.distributed.tensor_parallel import shard_model
 from kestrel.engine.request import Request
 from kestrel.engine.runner import ModelRunner
 from kestrel.llm import LLM
+from kestrel.models.gemma4 import Gemma4Attention
 from kestrel.models.layers.attention import Attention
 from kestrel.models.layers.mla import MultiHeadLatentAttention
 from kestrel.sampling import SamplingParams
@@ -64,8 +65,9 @@ def random_model(config):
 # every layer sliding (Mistral), gemma3's sliding/global mix, replicated KV heads, EXAONE-MoE
 # (sigmoid, group-limited routing over experts split along their width, a shared expert, a dense
 # layer), and MLA: minicpm3 (biases, LongRoPE), glm4_moe_lite (MoE), mistral4 (position-scaled
-# queries) with low-rank queries, and mistral4 with a full q_proj, and nemotron_nas (per-layer KV
-# heads and MLP widths, linear and no-op blocks). MLA prefills in 8-token chunks so that both its
+# queries) with low-rank queries, and mistral4 with a full q_proj, nemotron_nas (per-layer KV
+# heads and MLP widths, linear and no-op blocks) and gemma4 (KV-shared layers, keys as values,
+# per-layer inputs, a dense MLP beside routed experts). MLA prefills in 8-token chunks so that both its
 # expanded (8 tokens) and latent-space (shorter, decode) attention run.
 MODELS = [
     ("llama", lambda: tiny_model("llama"), 5),
@@ -78,8 +80,9 @@ MODELS = [
     ("mistral4", lambda: tiny_model("mistral4"), 8),
     ("mistral4-q_proj", mla_q_proj, 8),
     ("nemotron_nas", lambda: tiny_model("nemotron_nas"), 5),
+    ("gemma4", lambda: tiny_model("gemma4"), 5),
 ]
-ATTENTION = (Attention, MultiHeadLatentAttention)
+ATTENTION = (Attention, MultiHeadLatentAttention, Gemma4Attention)
 MOE = {"exaone_moe", "glm4_moe_lite"}  # also run with expert parallel
 
 
@@ -169,12 +172,12 @@ LONG_TEXT = " ".join(f"word{i}" for i in range(40))
 def checkpoints(tmp_path_factory, smollm2_tokenizer) -> dict[str, str]:
     """A dense family (the tiny Llama), an MoE one (EXAONE-MoE: sigmoid group-limited
     routing, a shared expert, a dense layer), an MLA one (GLM-4-MoE-Lite: the paged runner's
-    fused low-rank projections over the latent pool) and nemotron_nas (per-layer KV heads in the
-    pool), saved with SmolLM2's tokenizer."""
+    fused low-rank projections over the latent pool), nemotron_nas (per-layer KV heads in the
+    pool) and gemma4 (KV-shared layers), saved with SmolLM2's tokenizer."""
     from tests.test_families_server import FAMILIES
 
     folders = {"llama": server_tiny_model()}
-    for family in ("exaone_moe", "glm4_moe_lite", "nemotron_nas"):
+    for family in ("exaone_moe", "glm4_moe_lite", "nemotron_nas", "gemma4"):
         folder = tmp_path_factory.mktemp(family)
         FAMILIES[family].build(folder, len(smollm2_tokenizer))
         smollm2_tokenizer.save_pretrained(folder)
@@ -205,6 +208,7 @@ def generate_with(model: str, **settings) -> list[tuple[list[int], dict]]:
         ("exaone_moe", True),
         ("glm4_moe_lite", False),
         ("nemotron_nas", False),
+        ("gemma4", False),
     ],
 )
 def test_llm_over_two_ranks_generates_what_one_process_generates(checkpoints, family, experts):

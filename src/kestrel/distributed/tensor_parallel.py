@@ -3,7 +3,8 @@ all-reduce per attention block and per MLP joins the partial sums.
 
 - Attention: q/k/v split by heads (column parallel), o_proj by the same heads' input columns
   (row parallel, then all-reduce). With fewer KV heads than ranks, each KV head is kept by the
-  ranks whose query heads read it (replicated).
+  ranks whose query heads read it (replicated). gemma4's layers that read another layer's cache
+  split their queries alike, and the pool holds each layer's heads as its module has them.
 - Multi-head latent attention (MLA): the queries (`q_proj`, or `q_b_proj` after the replicated
   low-rank `q_a_proj`) and `kv_b_proj` split by heads, `o_proj` by the same heads' values (row
   parallel). The latent and the RoPE key (`kv_a_proj_with_mqa`) are per token, not per head:
@@ -31,6 +32,7 @@ from torch import nn
 
 from kestrel.distributed.group import TPGroup
 from kestrel.models.base import head_dim
+from kestrel.models.gemma4 import Gemma4Attention, Gemma4Block, Gemma4Model, Gemma4Router
 from kestrel.models.layers.attention import Attention
 from kestrel.models.layers.mla import MultiHeadLatentAttention
 from kestrel.models.layers.mlp import GatedMLP
@@ -160,7 +162,7 @@ def shard_model(model: nn.Module, tp: TPGroup, expert_parallel: bool = False) ->
             "GQA and latent attention, gated MLPs, routed experts, the embedding and the head"
         )
     for module in list(model.modules()):
-        if isinstance(module, Attention):
+        if isinstance(module, (Attention, Gemma4Attention)):
             _shard_attention(module, tp)
         elif isinstance(module, MultiHeadLatentAttention):
             _shard_latent_attention(module, tp)
@@ -179,7 +181,11 @@ def _pool_keeps_held_heads(model: nn.Module) -> None:
     """The paged pool sizes each attention layer's KV by the heads this rank holds (a family
     whose layout reads per-layer head counts of its own, nemotron_nas's blocks, would still
     give the whole model's)."""
-    held = {m.layer_idx: m.num_kv_heads for m in model.modules() if isinstance(m, Attention)}
+    held = {
+        m.layer_idx: m.num_kv_heads
+        for m in model.modules()
+        if isinstance(m, (Attention, Gemma4Attention))
+    }
     layout = model.kv_layout
     model.kv_layout = lambda: [
         shape._replace(heads=held[i]) if shape is not None and i in held else shape
@@ -192,9 +198,12 @@ def _sharded_config(config, tp: TPGroup):
     layer's KV by it (models/base.py's kv_layout; MLA's latent layout reads no head count)."""
     config = copy.deepcopy(config)
     text = config.get_text_config()
-    text.head_dim = head_dim(text)  # before the head count it may be derived from changes
+    try:
+        text.head_dim = head_dim(text)  # before the head count it may be derived from changes
+        kv_heads = getattr(text, "num_key_value_heads", None) or text.num_attention_heads * tp.size
+    except RuntimeError:  # head counts per layer (gemma4): its pool reads its attention modules
+        return config
     text.num_attention_heads //= tp.size
-    kv_heads = getattr(text, "num_key_value_heads", None) or text.num_attention_heads * tp.size
     text.num_key_value_heads = max(1, kv_heads // tp.size)
     return config
 
@@ -207,9 +216,14 @@ SHARDED_LINEARS = {
         *("kv_a_proj_with_mqa", "kv_b_proj", "o_proj"),
     ),
     GatedMLP: ("gate_proj", "up_proj", "down_proj"),
-    # nemotron_nas's linear blocks (hidden -> hidden): small, kept whole on every rank
+    Gemma4Attention: ("q_proj", "k_proj", "v_proj", "o_proj"),
+    # kept whole on every rank, they read and write the whole hidden state: nemotron_nas's
+    # linear blocks (hidden -> hidden), gemma4's per-layer input projections and its router
     LinearAttention: ("linear_attn",),
     LinearMLP: ("linear_mlp",),
+    Gemma4Block: ("per_layer_input_gate", "per_layer_projection"),
+    Gemma4Model: ("per_layer_model_projection",),
+    Gemma4Router: ("proj",),
 }
 
 
@@ -232,7 +246,9 @@ def _uncovered_linears(model: nn.Module) -> list[str]:
     ]
 
 
-def _shard_attention(attn: Attention, tp: TPGroup) -> None:
+def _shard_attention(attn: Attention | Gemma4Attention, tp: TPGroup) -> None:
+    """GQA by heads. gemma4's layers may have no k/v_proj (they read another layer's cache,
+    split the same way) or no v_proj (values are the keys)."""
     hq, hkv, d = attn.num_heads, attn.num_kv_heads, attn.head_dim
     if hq % tp.size or (hkv % tp.size and tp.size % hkv):
         raise ValueError(f"{hq} query and {hkv} KV heads do not split over {tp.size} ranks")
@@ -241,8 +257,9 @@ def _shard_attention(attn: Attention, tp: TPGroup) -> None:
     kv_heads = max(1, hkv // tp.size)
     first_kv = first_q // (hq // hkv)  # the KV head this rank's first query head reads
     attn.q_proj = column_parallel(attn.q_proj, _heads(first_q, q_heads, d))
-    attn.k_proj = column_parallel(attn.k_proj, _heads(first_kv, kv_heads, d))
-    attn.v_proj = column_parallel(attn.v_proj, _heads(first_kv, kv_heads, d))
+    for name in ("k_proj", "v_proj"):
+        if getattr(attn, name, None) is not None:
+            setattr(attn, name, column_parallel(getattr(attn, name), _heads(first_kv, kv_heads, d)))
     attn.o_proj = RowParallelLinear(attn.o_proj, _heads(first_q, q_heads, d), tp)
     attn.num_heads, attn.num_kv_heads = q_heads, kv_heads
 
