@@ -67,25 +67,13 @@ def test_two_stages_generate_what_one_whole_model_generates():
     spawn_two_ranks(_rank)
 
 
-@pytest.fixture(scope="module")
-def with_hybrid(checkpoints, tmp_path_factory, smollm2_tokenizer):  # noqa: F811
-    """The tensor-parallel tests' checkpoints and a Nemotron-H (Mamba2, attention and MLP
-    layers) saved with SmolLM2's tokenizer."""
-    from tests.test_families_server import FAMILIES
-
-    folder = tmp_path_factory.mktemp("nemotron_h")
-    FAMILIES["nemotron_h"].build(folder, len(smollm2_tokenizer))
-    smollm2_tokenizer.save_pretrained(folder)
-    return {**checkpoints, "nemotron_h": str(folder)}
-
-
 @pytest.mark.parametrize(
     "family, layers",
     [("llama", "0-0,1-1"), ("exaone_moe", None), ("glm4_moe_lite", None), ("nemotron_h", None)],
 )
-def test_llm_over_two_stages_generates_what_one_process_generates(with_hybrid, family, layers):
-    want = generate_with(with_hybrid[family])
-    got = generate_with(with_hybrid[family], pipeline_parallel_size=2, pp_layers=layers)
+def test_llm_over_two_stages_generates_what_one_process_generates(checkpoints, family, layers):  # noqa: F811
+    want = generate_with(checkpoints[family])
+    got = generate_with(checkpoints[family], pipeline_parallel_size=2, pp_layers=layers)
     assert_same_outputs(got, want)
 
 

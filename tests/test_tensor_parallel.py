@@ -52,6 +52,16 @@ def mla_q_proj():
     return random_model(Mistral4Config(**MISTRAL4, q_lora_rank=None, rope_interleave=False))
 
 
+def mamba2_one_group():
+    """Nemotron-H whose Mamba2 heads share one state group: B, C and the gated norm's group span
+    both ranks' heads."""
+    from test_paged_cache import TINY_CONFIGS
+
+    return random_model(TINY_CONFIGS["nemotron_h"](None).__class__(**{
+        **TINY_CONFIGS["nemotron_h"](None).to_dict(), "n_groups": 1
+    }))  # fmt: skip
+
+
 def random_model(config):
     torch.manual_seed(0)  # every rank, and the whole model, draw the same weights
     model = build_model(config, torch.float32, CPU)
@@ -66,8 +76,10 @@ def random_model(config):
 # (sigmoid, group-limited routing over experts split along their width, a shared expert, a dense
 # layer), and MLA: minicpm3 (biases, LongRoPE), glm4_moe_lite (MoE), mistral4 (position-scaled
 # queries) with low-rank queries, and mistral4 with a full q_proj, nemotron_nas (per-layer KV
-# heads and MLP widths, linear and no-op blocks) and gemma4 (KV-shared layers, keys as values,
-# per-layer inputs, a dense MLP beside routed experts). MLA prefills in 8-token chunks so that both its
+# heads and MLP widths, linear and no-op blocks), gemma4 (KV-shared layers, keys as values,
+# per-layer inputs, a dense MLP beside routed experts) and Nemotron-H (Mamba2 split by heads and
+# state groups, or with one group kept whole; ungated MLPs; a latent MoE) and Jamba (Mamba split
+# by channels, its x_proj row parallel). MLA prefills in 8-token chunks so that both its
 # expanded (8 tokens) and latent-space (shorter, decode) attention run.
 MODELS = [
     ("llama", lambda: tiny_model("llama"), 5),
@@ -81,6 +93,9 @@ MODELS = [
     ("mistral4-q_proj", mla_q_proj, 8),
     ("nemotron_nas", lambda: tiny_model("nemotron_nas"), 5),
     ("gemma4", lambda: tiny_model("gemma4"), 5),
+    ("nemotron_h", lambda: tiny_model("nemotron_h"), 5),
+    ("nemotron_h-one-group", mamba2_one_group, 5),
+    ("jamba", lambda: tiny_model("jamba"), 5),
 ]
 ATTENTION = (Attention, MultiHeadLatentAttention, Gemma4Attention)
 MOE = {"exaone_moe", "glm4_moe_lite"}  # also run with expert parallel
@@ -154,10 +169,13 @@ def test_expert_parallel_keeps_whole_experts():
         assert torch.equal(after.down_proj, before.down_proj[n:])  # rank 1: the second half
 
 
-def test_a_family_it_does_not_cover_is_refused_by_name():
-    model = tiny_model("jamba")  # Mamba mixers: not split yet
+def test_a_layer_no_rule_covers_is_refused_by_name():
+    """Every family's Linears have a rule now; one no rule knows (here an extra projection
+    beside a Llama's layers) is refused, named, rather than left whole and wrong."""
+    model = tiny_model("llama")
+    model.model.layers[1].adapter = torch.nn.Linear(8, 8)
     with pytest.raises(
-        ValueError, match="does not cover JambaForCausalLM.s layers .*mamba.in_proj"
+        ValueError, match="does not cover LlamaForCausalLM.s layers model.layers.1.adapter"
     ):
         shard_model(model, TPGroup(0, 2))
 
@@ -173,11 +191,13 @@ def checkpoints(tmp_path_factory, smollm2_tokenizer) -> dict[str, str]:
     """A dense family (the tiny Llama), an MoE one (EXAONE-MoE: sigmoid group-limited
     routing, a shared expert, a dense layer), an MLA one (GLM-4-MoE-Lite: the paged runner's
     fused low-rank projections over the latent pool), nemotron_nas (per-layer KV heads in the
-    pool) and gemma4 (KV-shared layers), saved with SmolLM2's tokenizer."""
+    pool), gemma4 (KV-shared layers), Nemotron-H and Jamba (Mamba2 and Mamba state per rank), saved
+    with SmolLM2's tokenizer."""
     from tests.test_families_server import FAMILIES
 
     folders = {"llama": server_tiny_model()}
-    for family in ("exaone_moe", "glm4_moe_lite", "nemotron_nas", "gemma4"):
+    families = ("exaone_moe", "glm4_moe_lite", "nemotron_nas", "gemma4", "nemotron_h", "jamba")
+    for family in families:
         folder = tmp_path_factory.mktemp(family)
         FAMILIES[family].build(folder, len(smollm2_tokenizer))
         smollm2_tokenizer.save_pretrained(folder)
@@ -209,6 +229,8 @@ def generate_with(model: str, **settings) -> list[tuple[list[int], dict]]:
         ("glm4_moe_lite", False),
         ("nemotron_nas", False),
         ("gemma4", False),
+        ("nemotron_h", False),
+        ("jamba", False),
     ],
 )
 def test_llm_over_two_ranks_generates_what_one_process_generates(checkpoints, family, experts):

@@ -19,6 +19,9 @@ all-reduce per attention block and per MLP joins the partial sums.
   from the rank that holds it (all-reduce), the logits from every rank side by side (all-gather).
 - nemotron_nas's linear blocks (one hidden x hidden matrix in place of attention or an MLP) are
   kept whole on every rank: they read and write the whole hidden state.
+- Mamba2 (Nemotron-H) split by heads and state groups (one group: kept whole, its gated norm's
+  mean square all-reduced); Mamba (Jamba) by channels, x_proj row parallel so that every rank
+  has dt, B and C whole. Each rank's recurrent state holds its heads or channels.
 
 `shard_model` rewires a loaded model in place, as layers/fused.py does, so model files keep one
 definition. A model with a Linear that no rule here covers is refused, naming it.
@@ -34,9 +37,11 @@ from kestrel.distributed.group import TPGroup
 from kestrel.models.base import head_dim
 from kestrel.models.gemma4 import Gemma4Attention, Gemma4Block, Gemma4Model, Gemma4Router
 from kestrel.models.layers.attention import Attention
+from kestrel.models.layers.mamba import GatedRMSNorm, Mamba2Mixer, MambaMixer
 from kestrel.models.layers.mla import MultiHeadLatentAttention
 from kestrel.models.layers.mlp import GatedMLP
 from kestrel.models.layers.moe import Experts
+from kestrel.models.nemotron_h import NemotronHMLP, NemotronHMoE
 from kestrel.models.nemotron_nas import LinearAttention, LinearMLP
 
 
@@ -168,6 +173,12 @@ def shard_model(model: nn.Module, tp: TPGroup, expert_parallel: bool = False) ->
             _shard_latent_attention(module, tp)
         elif isinstance(module, GatedMLP):
             _shard_mlp(module, tp)
+        elif isinstance(module, NemotronHMLP):
+            _shard_ungated_mlp(module, tp)
+        elif isinstance(module, Mamba2Mixer):
+            _shard_mamba2(module, tp)
+        elif isinstance(module, MambaMixer):
+            _shard_mamba(module, tp)
         elif isinstance(getattr(module, "experts", None), Experts):
             split = ExpertParallel if expert_parallel else ParallelExperts
             module.experts = split(module.experts, tp)
@@ -224,6 +235,10 @@ SHARDED_LINEARS = {
     Gemma4Block: ("per_layer_input_gate", "per_layer_projection"),
     Gemma4Model: ("per_layer_model_projection",),
     Gemma4Router: ("proj",),
+    Mamba2Mixer: ("in_proj", "out_proj"),
+    MambaMixer: ("in_proj", "x_proj", "dt_proj", "out_proj"),
+    NemotronHMLP: ("up_proj", "down_proj"),
+    NemotronHMoE: ("fc1_latent_proj", "fc2_latent_proj"),  # hidden <-> latent: kept whole
 }
 
 
@@ -281,6 +296,94 @@ def _shard_latent_attention(attn: MultiHeadLatentAttention, tp: TPGroup) -> None
     attn.num_heads = heads  # W_uk / W_uv are viewed from kv_b_proj per call, never cached
 
 
+def _shard_mamba2(m: Mamba2Mixer, tp: TPGroup) -> None:
+    """Mamba2 by heads: in_proj's gate, x and dt rows, the conv's x channels, dt_bias, A, D and
+    the gated norm of this rank's heads; B and C of this rank's state groups (all of them, kept
+    whole, when there is one group: its norm then sums its squares over the ranks); out_proj
+    row parallel."""
+    H, P, N, G = m.num_heads, m.head_dim, m.state_size, m.n_groups
+    if H % tp.size or (G % tp.size and G != 1):
+        raise ValueError(f"Mamba2's {H} heads and {G} groups do not split over {tp.size} ranks")
+    h, g = H // tp.size, G // tp.size if G % tp.size == 0 else G
+    first_g = tp.rank * g if G % tp.size == 0 else 0
+    heads = torch.arange(tp.rank * h, (tp.rank + 1) * h)
+    x = torch.arange(tp.rank * h * P, (tp.rank + 1) * h * P)  # the heads' channels
+    bc = torch.arange(first_g * N, (first_g + g) * N)  # the groups' state channels
+    inner = H * P
+    m.in_proj = column_parallel(
+        m.in_proj,
+        torch.cat(
+            [x, inner + x, 2 * inner + bc, 2 * inner + G * N + bc, 2 * inner + 2 * G * N + heads]
+        ),
+    )
+    m.conv1d = _conv_channels(m.conv1d, torch.cat([x, inner + bc, inner + G * N + bc]))
+    for name in ("dt_bias", "A_log", "D"):
+        setattr(m, name, nn.Parameter(getattr(m, name).data[heads].clone(), requires_grad=False))
+    whole_group = G == 1 and tp.size > 1
+    m.norm = GroupNormAcrossRanks(m.norm, x, tp) if whole_group else _norm_channels(m.norm, x)
+    m.out_proj = RowParallelLinear(m.out_proj, x, tp)
+    m.num_heads, m.n_groups, m.inner = h, g, h * P
+
+
+def _shard_mamba(m: MambaMixer, tp: TPGroup) -> None:
+    """Mamba (v1, Jamba) by channels: in_proj's x and z rows, the conv, dt_proj's rows, A and D
+    of this rank's channels; x_proj reads them row parallel (its dt, B and C summed over the
+    ranks, so every rank has them whole), and so does out_proj."""
+    if m.inner % tp.size:
+        raise ValueError(f"Mamba's {m.inner} channels do not split over {tp.size} ranks")
+    n = m.inner // tp.size
+    x = torch.arange(tp.rank * n, (tp.rank + 1) * n)
+    m.in_proj = column_parallel(m.in_proj, torch.cat([x, m.inner + x]))
+    m.conv1d = _conv_channels(m.conv1d, x)
+    m.x_proj = RowParallelLinear(m.x_proj, x, tp)
+    m.dt_proj = column_parallel(m.dt_proj, x)
+    for name in ("A_log", "D"):
+        setattr(m, name, nn.Parameter(getattr(m, name).data[x].clone(), requires_grad=False))
+    m.out_proj = RowParallelLinear(m.out_proj, x, tp)
+    m.inner = n
+
+
+def _conv_channels(conv: nn.Conv1d, channels: torch.Tensor) -> nn.Conv1d:
+    """A depthwise Conv1d of these channels only."""
+    n = len(channels)
+    part = nn.Conv1d(n, n, conv.kernel_size[0], groups=n, bias=conv.bias is not None, device="meta")
+    part.weight = nn.Parameter(conv.weight.data[channels].clone(), requires_grad=False)
+    if conv.bias is not None:
+        part.bias = nn.Parameter(conv.bias.data[channels].clone(), requires_grad=False)
+    return part
+
+
+def _norm_channels(norm: GatedRMSNorm, channels: torch.Tensor) -> GatedRMSNorm:
+    norm.weight = nn.Parameter(norm.weight.data[channels].clone(), requires_grad=False)
+    return norm
+
+
+class GroupNormAcrossRanks(nn.Module):
+    """Mamba2's gated RMSNorm when its one group spans every rank's channels: the mean square is
+    summed over the ranks (one all-reduce of a column per token)."""
+
+    def __init__(self, norm: GatedRMSNorm, channels: torch.Tensor, tp: TPGroup):
+        super().__init__()
+        self.weight = nn.Parameter(norm.weight.data[channels].clone(), requires_grad=False)
+        self.eps, self.width, self.tp = norm.eps, norm.group_size, tp  # the whole group's width
+
+    def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float() * F.silu(gate.float())
+        square = self.tp.all_reduce(x.pow(2).sum(-1, keepdim=True))
+        return self.weight * (x * torch.rsqrt(square / self.width + self.eps)).to(dtype)
+
+
+def _shard_ungated_mlp(mlp: NemotronHMLP, tp: TPGroup) -> None:
+    width = mlp.up_proj.out_features
+    if width % tp.size:
+        raise ValueError(f"MLP width {width} does not split over {tp.size} ranks")
+    part = width // tp.size
+    cols = slice(tp.rank * part, (tp.rank + 1) * part)
+    mlp.up_proj = column_parallel(mlp.up_proj, cols)
+    mlp.down_proj = RowParallelLinear(mlp.down_proj, cols, tp)
+
+
 def _heads(first: int, count: int, dim: int) -> slice:
     return slice(first * dim, (first + count) * dim)
 
@@ -298,10 +401,11 @@ def _shard_mlp(mlp: GatedMLP, tp: TPGroup) -> None:
 
 def _shard_vocab(model: nn.Module, tp: TPGroup) -> None:
     backbone, head = model.model, getattr(model, "lm_head", None)
-    table = backbone.embed_tokens.weight
-    backbone.embed_tokens = VocabParallelEmbedding(table, tp)
+    name = "embeddings" if hasattr(backbone, "embeddings") else "embed_tokens"  # Nemotron-H's
+    table = getattr(backbone, name).weight
+    setattr(backbone, name, VocabParallelEmbedding(table, tp))
     if head is not None:
-        shard = backbone.embed_tokens.weight  # a tied head reads the embedding's own shard
+        shard = getattr(backbone, name).weight  # a tied head reads the embedding's own shard
         if head.weight is not table:
             shard = nn.Parameter(vocab_shard(head.weight, tp), requires_grad=False)
         model.lm_head = VocabParallelHead(shard, table.shape[0], tp)
