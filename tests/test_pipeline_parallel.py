@@ -77,18 +77,28 @@ def test_llm_over_two_stages_generates_what_one_process_generates(checkpoints, f
     assert_same_outputs(got, want)
 
 
+def one_process(checkpoint: str, prompts: list[str]) -> list[str]:
+    llm = LLM(checkpoint, progress=False)
+    return [r.outputs[0].text for r in llm.generate(prompts, SamplingParams(temperature=0))]
+
+
+def answers(server, prompts: list[str]) -> list[str]:
+    """The server's greedy completions of `prompts`, as `one_process` runs them."""
+    client = server.client()
+    return [
+        client.completions.create(model="tiny", prompt=p, max_tokens=16, temperature=0)
+        .choices[0]
+        .text
+        for p in prompts
+    ]
+
+
 def test_serve_over_two_stages_answers_the_openai_client_as_one_process(checkpoints):  # noqa: F811
     prompts = ["Hello", "The quick brown fox", LONG_TEXT]
-    llm = LLM(checkpoints["llama"], progress=False)
-    want = [r.outputs[0].text for r in llm.generate(prompts, SamplingParams(temperature=0))]
+    want = one_process(checkpoints["llama"], prompts)
     server = start_server(["-m", checkpoints["llama"], "-a", "tiny", "-pp", "2"])
     try:
-        client = server.client()
-        replies = [
-            client.completions.create(model="tiny", prompt=p, max_tokens=16, temperature=0)
-            for p in prompts
-        ]
-        assert [r.choices[0].text for r in replies] == want
+        assert answers(server, prompts) == want
         assert "pipeline parallel: 2 ranks on cpu" in server.log()
     finally:
         server.stop()
@@ -174,8 +184,7 @@ def test_serve_on_two_joined_ranks_answers_the_openai_client(checkpoints):  # no
     (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT, as torchrun sets them): rank 0 serves, rank 1
     runs its stage, the answers are one process's, and rank 1 exits 0 when rank 0 stops."""
     prompts = ["Hello", "The quick brown fox"]
-    llm = LLM(checkpoints["llama"], progress=False)
-    want = [r.outputs[0].text for r in llm.generate(prompts, SamplingParams(temperature=0))]
+    want = one_process(checkpoints["llama"], prompts)
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -190,12 +199,7 @@ def test_serve_on_two_joined_ranks_answers_the_openai_client(checkpoints):  # no
     )
     server = start_server(args, env={**env, "RANK": "0"})
     try:
-        client = server.client()
-        replies = [
-            client.completions.create(model="tiny", prompt=p, max_tokens=16, temperature=0)
-            for p in prompts
-        ]
-        assert [r.choices[0].text for r in replies] == want
+        assert answers(server, prompts) == want
         assert "joined ranks: 2 on cpu" in server.log()
     finally:
         server.stop()

@@ -4,12 +4,12 @@ hidden states go to every rank, which apply the (replicated) head themselves.
 
 The model files keep one definition each: a stage is the whole model with the layers outside its
 range made pass-throughs whose weights and KV pool entries are dropped (the embedding and the head
-stay on every rank). The decoder loop runs on
-every rank as written; at the first layer past its range a stage sends the hidden states that
-layer would have received (after whatever the loop adds between layers), and the next stage's
-first layer takes them in place of its own input. Every rank runs the same engine in lockstep
-(distributed/workers.py), so every forward's sends meet their receives, and since all ranks
-apply the head to the same hidden states, they sample the same tokens.
+stay on every rank). The decoder loop runs on every rank as written; at the first layer past its
+range a stage sends the hidden states that layer would have received (after whatever the loop
+adds between layers), and the next stage's first layer takes them in place of its own input.
+Every rank runs the same engine in lockstep (distributed/workers.py), so every forward's sends
+meet their receives, and since all ranks apply the head to the same hidden states, they sample
+the same tokens.
 
 This is the split meant for models larger than one device; its stages run one after the other
 (no micro-batches in flight yet), so it adds capacity, not speed.
@@ -29,10 +29,6 @@ class Stage:
     rank: int
     size: int
     layers: tuple[int, int]
-
-    @property
-    def last(self) -> bool:
-        return self.rank == self.size - 1
 
 
 def stage_ranges(

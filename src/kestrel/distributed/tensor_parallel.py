@@ -171,10 +171,8 @@ def shard_model(model: nn.Module, tp: TPGroup, expert_parallel: bool = False) ->
             _shard_attention(module, tp)
         elif isinstance(module, MultiHeadLatentAttention):
             _shard_latent_attention(module, tp)
-        elif isinstance(module, GatedMLP):
+        elif isinstance(module, (GatedMLP, NemotronHMLP)):
             _shard_mlp(module, tp)
-        elif isinstance(module, NemotronHMLP):
-            _shard_ungated_mlp(module, tp)
         elif isinstance(module, Mamba2Mixer):
             _shard_mamba2(module, tp)
         elif isinstance(module, MambaMixer):
@@ -374,28 +372,20 @@ class GroupNormAcrossRanks(nn.Module):
         return self.weight * (x * torch.rsqrt(square / self.width + self.eps)).to(dtype)
 
 
-def _shard_ungated_mlp(mlp: NemotronHMLP, tp: TPGroup) -> None:
+def _heads(first: int, count: int, dim: int) -> slice:
+    return slice(first * dim, (first + count) * dim)
+
+
+def _shard_mlp(mlp: GatedMLP | NemotronHMLP, tp: TPGroup) -> None:
+    """Gated or not (Nemotron-H's): gate and up along the width, down_proj along its input."""
     width = mlp.up_proj.out_features
     if width % tp.size:
         raise ValueError(f"MLP width {width} does not split over {tp.size} ranks")
     part = width // tp.size
     cols = slice(tp.rank * part, (tp.rank + 1) * part)
-    mlp.up_proj = column_parallel(mlp.up_proj, cols)
-    mlp.down_proj = RowParallelLinear(mlp.down_proj, cols, tp)
-
-
-def _heads(first: int, count: int, dim: int) -> slice:
-    return slice(first * dim, (first + count) * dim)
-
-
-def _shard_mlp(mlp: GatedMLP, tp: TPGroup) -> None:
-    width = mlp.gate_proj.out_features
-    if width % tp.size:
-        raise ValueError(f"MLP width {width} does not split over {tp.size} ranks")
-    part = width // tp.size
-    cols = slice(tp.rank * part, (tp.rank + 1) * part)
-    mlp.gate_proj = column_parallel(mlp.gate_proj, cols)
-    mlp.up_proj = column_parallel(mlp.up_proj, cols)
+    for name in ("gate_proj", "up_proj"):
+        if hasattr(mlp, name):
+            setattr(mlp, name, column_parallel(getattr(mlp, name), cols))
     mlp.down_proj = RowParallelLinear(mlp.down_proj, cols, tp)
 
 
