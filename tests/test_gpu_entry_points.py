@@ -92,9 +92,13 @@ def test_kestrel_serve_on_cuda_answers_the_openai_client():
         assert server.stop() == 0, server.log()[-3000:]
 
 
-# the paged runner's shapes; the seed families' real-size shapes take minutes each with the peer
-# and run in `benchmarks/h200.sh OUT seeds`
-GATE_SHAPES = [name for name, s in SHAPES.items() if s["model_type"] in ("llama", "qwen2")]
+# the paged runner's shapes that one GPU holds; the seed families' real-size shapes take minutes
+# each with the peer and run in `benchmarks/h200.sh OUT seeds`
+GATE_SHAPES = [
+    name
+    for name, s in SHAPES.items()
+    if s["model_type"] in ("llama", "qwen2") and name != "llama3-70b"
+]
 
 
 @pytest.mark.parametrize("shape", GATE_SHAPES)

@@ -18,7 +18,13 @@ import torch
 
 from kestrel.config import build_config
 from kestrel.distributed.group import join, leave
-from kestrel.distributed.pipeline import decoder_layers, split_stages, stage_ranges
+from kestrel.distributed.pipeline import (
+    decoder_layers,
+    other_stages_parameters,
+    split_stages,
+    stage_of,
+    stage_ranges,
+)
 from kestrel.errors import InvalidRequestError
 from kestrel.llm import LLM
 from kestrel.sampling import SamplingParams
@@ -118,6 +124,26 @@ def test_a_rank_rebuilds_its_engine_over_the_smallest_pool(checkpoints):  # noqa
     smaller = _resized(engine, blocks // 2, build)
     assert smaller.scheduler.blocks.num_blocks == blocks // 2
     assert smaller.runner.pool.num_blocks == blocks // 2 + 1  # and the scratch block
+
+
+@pytest.mark.parametrize("model", ["exaone_moe", "smollm2", "shape:tiny"])
+def test_a_stage_reads_only_its_layers_weights(checkpoints, model):  # noqa: F811
+    """Loading for stage 1 of 2 (a safetensors folder, the real SmolLM2 GGUF, a random-weight
+    shape) leaves the other stage's layers on the meta device, never read; the rest is loaded."""
+    from kestrel.loading import load_model
+
+    shape = model.removeprefix("shape:") if model.startswith("shape:") else None
+    config = (
+        build_config(shape=shape) if shape else build_config(model=checkpoints.get(model, model))
+    )
+    select = other_stages_parameters(1, 2)
+    stage, _, _ = load_model(config, torch.device("cpu"), progress=False, select=select)
+    first, end = stage_of(stage, 1, 2).layers
+    assert 0 < first < end == len(decoder_layers(stage))
+    for i, layer in enumerate(decoder_layers(stage)):
+        assert {p.is_meta for p in layer.parameters()} == {not first <= i < end}, i
+    outside = [p for n, p in stage.named_parameters() if ".layers." not in n]
+    assert outside and not any(p.is_meta for p in outside)  # embedding, final norm, head
 
 
 def test_stage_ranges_split_evenly_or_as_told():

@@ -29,14 +29,15 @@ def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype
     return DTYPES[dtype]
 
 
-def load_model(config: Config, device: torch.device, progress: bool = True):
+def load_model(config: Config, device: torch.device, progress: bool = True, select=None):
     """(model, tokenizer, source) of `config` on `device`: the checkpoint, or random weights of
-    a named shape (source None)."""
+    a named shape (source None). `select(model)`: names of parameters a checkpoint's loading
+    leaves on the meta device (weights.loader.load_model)."""
     dtype = resolve_dtype(config.model.dtype, device)
     if config.model.shape:
-        return (*load_shape(config.model.shape, dtype, device), None)
+        return (*load_shape(config.model.shape, dtype, device, select=select), None)
     model = config.model
-    return load(model.model, dtype, device, progress, model.quantized_weights)
+    return load(model.model, dtype, device, progress, model.quantized_weights, select)
 
 
 def load_draft(config: Config, device: torch.device, tokenizer, progress: bool = True):

@@ -3,13 +3,14 @@ cross from stage to stage with torch.distributed point-to-point, and the last st
 hidden states go to every rank, which apply the (replicated) head themselves.
 
 The model files keep one definition each: a stage is the whole model with the layers outside its
-range made pass-throughs whose weights and KV pool entries are dropped (the embedding and the head
-stay on every rank). The decoder loop runs on every rank as written; at the first layer past its
-range a stage sends the hidden states that layer would have received (after whatever the loop
-adds between layers), and the next stage's first layer takes them in place of its own input.
-Every rank runs the same engine in lockstep (distributed/workers.py), so every forward's sends
-meet their receives, and since all ranks apply the head to the same hidden states, they sample
-the same tokens.
+range made pass-throughs, their weights never read from the checkpoint (`other_stages_parameters`
+tells the loader which) and their KV pool entries dropped (the embedding and the head stay on
+every rank). The decoder loop runs on every rank as written; at the first layer past its range a
+stage sends the hidden states that layer would have received (after whatever the loop adds
+between layers), and the next stage's first layer takes them in place of its own input. Every
+rank runs the same engine in lockstep (distributed/workers.py), so every forward's sends meet
+their receives, and since all ranks apply the head to the same hidden states, they sample the
+same tokens.
 
 This is the split meant for models larger than one device; its stages run one after the other
 (no micro-batches in flight yet), so it adds capacity, not speed.
@@ -112,6 +113,23 @@ def stage_of(model: nn.Module, rank: int, size: int, spec: str | None = None) ->
         if hasattr(module, "kv_source"):
             sources[module.layer_idx] = module.kv_source
     return Stage(rank, size, stage_ranges(len(layers), size, spec, sources)[rank])
+
+
+def other_stages_parameters(rank: int, size: int, spec: str | None = None):
+    """For the loader (`select`): model -> the names of the parameters of the layers outside
+    this rank's stage, which it then never reads."""
+
+    def select(model: nn.Module) -> set[str]:
+        prefix, layers = _decoder_stack(model)
+        first, end = stage_of(model, rank, size, spec).layers
+        return {
+            f"{prefix}.{i}.{name}"
+            for i, layer in enumerate(layers)
+            if not first <= i < end
+            for name, _ in layer.named_parameters(remove_duplicate=False)
+        }
+
+    return select
 
 
 def split_stages(model: nn.Module, rank: int, size: int, spec: str | None = None) -> nn.Module:

@@ -45,7 +45,7 @@ import torch.distributed as dist
 
 from kestrel.config import Config
 from kestrel.distributed.group import TPGroup, join, leave
-from kestrel.distributed.pipeline import split_stages
+from kestrel.distributed.pipeline import other_stages_parameters, split_stages
 from kestrel.distributed.tensor_parallel import shard_model
 from kestrel.engine.engine import Engine
 from kestrel.engine.request import Request
@@ -143,8 +143,8 @@ def _rank_config(config: Config) -> Config:
 
 def load_shard(config: Config, rank: int, size: int, progress: bool, local_rank: int | None = None):
     """(model, tokenizer, source, device): the model loaded on this rank's device (GPU
-    `local_rank` of its machine; by default its rank), then cut to this rank's shard or stage
-    (the whole model is loaded first: it must fit one device)."""
+    `local_rank` of its machine; by default its rank), then cut to this rank's shard (loaded
+    whole first: it must fit one device) or stage (only its layers' weights are read)."""
 
     device = resolve_device(config.model.device)
     if device.type == "cuda":
@@ -154,10 +154,12 @@ def load_shard(config: Config, rank: int, size: int, progress: bool, local_rank:
         torch.cuda.set_device(device)
     elif not config.parallel.threads:  # the ranks share the machine's cores
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // size))
-    model, tokenizer, source = load_model(config, device, progress)
-    if config.parallel.pipeline_parallel_size > 1:
+    if config.parallel.pipeline_parallel_size > 1:  # a stage reads only its layers' weights
+        select = other_stages_parameters(rank, size, config.parallel.pp_layers)
+        model, tokenizer, source = load_model(config, device, progress, select)
         split_stages(model, rank, size, config.parallel.pp_layers)
     else:
+        model, tokenizer, source = load_model(config, device, progress)
         shard_model(model, TPGroup(rank, size), config.parallel.enable_expert_parallel)
     gc.collect()  # the whole weights the shard was cut from
     if device.type == "cuda":

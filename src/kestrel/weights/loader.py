@@ -212,32 +212,34 @@ def load_weights(
     progress: bool = True,
     device: torch.device | None = None,
     packed: bool | None = None,
+    skip: frozenset[str] = frozenset(),
 ) -> None:
     """Fill every parameter from the checkpoint, tensor by tensor, each in its final form: a
     parameter still on the meta device is materialized on `device` at its first tensor, as
     packed GGUF blocks (`packed`; default `keep_packed`), a quantized folder's tensors (MLX, FP8,
-    NVFP4: kept unless `packed` is False) or a dense tensor. Fails naming any parameter left
-    unset."""
+    NVFP4: kept unless `packed` is False) or a dense tensor. The parameters named in `skip` are
+    not read and stay on the meta device (a pipeline stage's other layers). Fails naming any
+    other parameter left unset."""
     device = device or torch.device("cpu")
     scheme = None if source.is_gguf else st_quant.read_scheme(source.path)
     if scheme is not None:
-        target = _Target(model, device, packed is not False)  # these formats: packed by default
+        target = _Target(model, device, packed is not False, skip)  # these: packed by default
         with _progress(source, st_weights.tensor_bytes(source.path), progress) as bar:
             _load_quantized_folder(target, source, scheme, bar)
     else:
-        target = _load_file(model, source, progress, device, packed)
+        target = _load_file(model, source, progress, device, packed, skip)
     target.log_dense()
-    _check_all_loaded(model, target.params, target.loaded(), source)
+    _check_all_loaded(model, target.params, target.loaded() | skip, source)
 
 
-def _load_file(model, source: ModelSource, progress: bool, device, packed) -> "_Target":
+def _load_file(model, source: ModelSource, progress: bool, device, packed, skip) -> "_Target":
     """A GGUF file or a float Hugging Face folder, tensor by tensor."""
     tensors, total = _checkpoint_tensors(model, source)
     if packed is None:
         packed = source.is_gguf and keep_packed(
             device, _dense_bytes(tensors, next(model.parameters()).dtype)
         )
-    target = _Target(model, device, packed)
+    target = _Target(model, device, packed, skip)
     with _progress(source, total, progress) as bar, _open(source) as f:
         for name, tensor in tensors:
             if source.is_gguf:
@@ -270,8 +272,8 @@ class _Target:
     or packed, and a tied parameter (a head sharing its embedding) is materialized for all its
     names at once."""
 
-    def __init__(self, model: CausalLM, device: torch.device, packed: bool):
-        self.model, self.device, self.packed = model, device, packed
+    def __init__(self, model: CausalLM, device: torch.device, packed: bool, skip=frozenset()):
+        self.model, self.device, self.packed, self.skip = model, device, packed, skip
         self.params = dict(model.named_parameters(remove_duplicate=False))
         by_id: dict[int, list[str]] = {}
         for name, p in self.params.items():
@@ -283,7 +285,8 @@ class _Target:
     def slot(self, name: str) -> Slot | None:
         target = self.model.checkpoint_name(name)
         slot = Slot(target) if isinstance(target, str) else target
-        return slot if slot is not None and slot.name in self.params else None
+        ours = slot is not None and slot.name in self.params and slot.name not in self.skip
+        return slot if ours else None
 
     def dense(self, name: str) -> torch.Tensor:
         """The parameter's tensor, materialized (empty) on first use."""
@@ -517,7 +520,9 @@ def _checkpoint_tensors(model, source: ModelSource):
 def _check_all_loaded(model, params: dict, loaded: set, source: ModelSource) -> None:
     tied = {"lm_head.weight"} if getattr(model.config, "tie_word_embeddings", False) else set()
     missing = sorted(set(params) - loaded - tied)
-    missing += [n for n, p in model.named_parameters() if p.is_meta and n not in missing]
+    missing += [
+        n for n, p in model.named_parameters() if p.is_meta and n not in missing and n not in loaded
+    ]
     if missing:
         raise ModelLoadError(
             f"{source.path}: checkpoint lacks {len(missing)} tensors, e.g. {missing[:3]}"
@@ -530,11 +535,14 @@ def load_model(
     device: torch.device,
     progress: bool = True,
     packed: bool | None = None,
+    select=None,
 ):
-    """The model with its weights; `packed` as `load_weights` (default: `keep_packed`)."""
+    """The model with its weights; `packed` as `load_weights` (default: `keep_packed`);
+    `select(model)`: the names of parameters to leave unloaded, from the model built empty."""
     config = text_config(load_config(source))
     model = build_model(config, dtype, device, empty=True)
-    load_weights(model, source, progress, device, packed)
+    skip = frozenset(select(model)) if select is not None else frozenset()
+    load_weights(model, source, progress, device, packed, skip)
     return model
 
 
@@ -547,12 +555,15 @@ def load(
     device: torch.device,
     progress: bool = True,
     quantized_weights: str = "auto",
+    select=None,
 ):
-    """(model, tokenizer, source) for a model argument; `quantized_weights` as the flag."""
+    """(model, tokenizer, source) for a model argument; `quantized_weights` as the flag;
+    `select` as `load_model`."""
     if quantized_weights not in QUANTIZED_WEIGHTS:
         raise ValueError(
             f"quantized_weights {quantized_weights!r}; supported: {', '.join(QUANTIZED_WEIGHTS)}"
         )
     source = resolve(model)
     packed = QUANTIZED_WEIGHTS[quantized_weights]
-    return load_model(source, dtype, device, progress, packed), load_tokenizer(source), source
+    model = load_model(source, dtype, device, progress, packed, select)
+    return model, load_tokenizer(source), source

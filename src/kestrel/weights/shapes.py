@@ -87,6 +87,26 @@ SHAPES = {
             original_max_position_embeddings=8192,
         ),
     ),
+    # Llama-3.1-70B: 141 GB in bf16, more than one H200 holds (-tp 2 or -pp 2 over two)
+    "llama3-70b": dict(
+        model_type="llama",
+        hidden_size=8192,
+        intermediate_size=28672,
+        num_hidden_layers=80,
+        num_attention_heads=64,
+        num_key_value_heads=8,
+        vocab_size=128256,
+        max_position_embeddings=131072,
+        rms_norm_eps=1e-5,
+        rope_theta=500000.0,
+        rope_scaling=dict(
+            rope_type="llama3",
+            factor=8.0,
+            low_freq_factor=1.0,
+            high_freq_factor=4.0,
+            original_max_position_embeddings=8192,
+        ),
+    ),
     # Llama-3.2-1B: the usual draft model for Llama-3.1-8B (the same tokenizer)
     "llama3.2-1b": dict(
         model_type="llama",
@@ -392,17 +412,39 @@ def decoder_config(config):
     return config.get_text_config()
 
 
-def random_model(name: str, dtype, device, seed: int = 0):
-    """(model, config): random weights of the named shape, built on `device`."""
+def random_model(name: str, dtype, device, seed: int = 0, select=None):
+    """(model, config): random weights of the named shape, built on `device`; `select(model)`:
+    names of parameters left on the meta device (a pipeline stage's other layers, as
+    weights.loader.load_model leaves them)."""
     import torch
 
     from kestrel.weights.loader import build_model
 
     config = shape_config(name)
     torch.manual_seed(seed)
-    model = build_model(config, dtype, device)
+    if select is None:
+        model = build_model(config, dtype, device)
+    else:
+        model = build_model(config, dtype, device, empty=True)
+        _materialize(model, device, set(select(model)))
     randomize(model)
     return model, config
+
+
+def _materialize(model, device, skip: set[str]) -> None:
+    """Every parameter not in `skip` moves from the meta device to `device` (uninitialized; a
+    parameter under several names once)."""
+    import torch
+    from torch import nn
+
+    done: dict[int, nn.Parameter] = {}
+    for name, p in list(model.named_parameters(remove_duplicate=False)):
+        if name in skip or not p.is_meta:
+            continue
+        if id(p) not in done:
+            done[id(p)] = nn.Parameter(torch.empty_like(p, device=device), requires_grad=False)
+        owner, _, attr = name.rpartition(".")
+        setattr(model.get_submodule(owner), attr, done[id(p)])
 
 
 def randomize(model) -> None:
@@ -434,7 +476,8 @@ def shape_tokenizer(vocab_size: int):
     )
 
 
-def load_shape(name: str, dtype, device, seed: int = 0):
-    """(model, tokenizer) of a named random shape, as weights.loader.load gives a checkpoint's."""
-    model, config = random_model(name, dtype, device, seed)
+def load_shape(name: str, dtype, device, seed: int = 0, select=None):
+    """(model, tokenizer) of a named random shape, as weights.loader.load gives a checkpoint's
+    (`select` as `random_model`)."""
+    model, config = random_model(name, dtype, device, seed, select)
     return model, shape_tokenizer(decoder_config(config).vocab_size)
