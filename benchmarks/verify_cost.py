@@ -99,7 +99,8 @@ def main() -> int:
         "verify_over_plain": {k: verify[k] / verify[0] for k in KS},
     }
     if args.draft:
-        torch.cuda.empty_cache() if device.type == "cuda" else None
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
         draft = measure(args.draft, (0,))[0]
         record["draft"], record["draft_step_ms"] = args.draft, draft
         record["draft_speedup"] = {

@@ -96,16 +96,11 @@ def start_ranks(config: Config, progress: bool, exit_with_workers: bool):
         model, tokenizer, source, device = load_shard(config, 0, size, progress)
         workers.wait("loaded")
         join(0, size, device, address, COLLECTIVE_TIMEOUT_S)
-        engine = LockstepEngine(model, tokenizer, config, device, workers)
-        pools = workers.wait("ready")
-        blocks = engine.scheduler.blocks.num_blocks
-        if blocks is not None:  # the schedulers are replicas: they must plan with one pool
-            blocks = min(blocks, *pools)
-            workers.send("pool", blocks)
-            engine = _resized(
-                engine, blocks, lambda c: LockstepEngine(model, tokenizer, c, device, workers)
-            )
-            workers.wait("sized")
+        build = lambda c: LockstepEngine(model, tokenizer, c, device, workers)  # noqa: E731
+        engine = build(config)
+        workers.wait("ready")  # every engine built (a rank that died says so here)
+        engine = _on_smallest_pool(engine, build, device)
+        workers.wait("sized")
     except BaseException:
         workers.stop()
         leave()
@@ -116,6 +111,17 @@ def start_ranks(config: Config, progress: bool, exit_with_workers: bool):
     kind = "pipeline" if config.parallel.pipeline_parallel_size > 1 else "tensor"
     log.info("%s parallel: %d ranks on %s", kind, size, device.type)
     return engine, source
+
+
+def _on_smallest_pool(engine: Engine, build, device: torch.device) -> Engine:
+    """`engine`, rebuilt by `build` over the smallest KV pool any rank sized (a collective: every
+    rank calls it). The schedulers are replicas: they must plan with one pool."""
+    blocks = engine.scheduler.blocks.num_blocks
+    if blocks is None:  # one-token blocks without a bound, alike on every rank
+        return engine
+    smallest = torch.tensor([blocks], device=device)
+    dist.all_reduce(smallest, dist.ReduceOp.MIN)
+    return _resized(engine, int(smallest), build)
 
 
 def _resized(engine: Engine, blocks: int, build) -> Engine:
@@ -282,12 +288,11 @@ def worker_main(fd: int) -> None:
         model, tokenizer, _, device = load_shard(config, rank, size, progress=False)
         _send(pipe, ("loaded",))
         join(rank, size, device, address, COLLECTIVE_TIMEOUT_S)
-        engine = Engine(model, tokenizer, config, device)
-        _send(pipe, ("ready", engine.scheduler.blocks.num_blocks))
-        if engine.scheduler.blocks.num_blocks is not None:
-            _, blocks = _receive(pipe)  # ("pool", the smallest pool of any rank)
-            engine = _resized(engine, blocks, lambda c: Engine(model, tokenizer, c, device))
-            _send(pipe, ("sized",))
+        build = lambda c: Engine(model, tokenizer, c, device)  # noqa: E731
+        engine = build(config)
+        _send(pipe, ("ready",))
+        engine = _on_smallest_pool(engine, build, device)
+        _send(pipe, ("sized",))
     except BaseException as error:
         log.exception("rank %d failed to start", rank)
         with contextlib.suppress(OSError):
@@ -353,7 +358,7 @@ class GroupWorkers:
     def watch(self) -> None:
         """Nothing to poll: a lost rank fails the next step's collectives."""
 
-    def stop(self, timeout: float = 10.0) -> None:
+    def stop(self) -> None:
         with contextlib.suppress(Exception):
             self.send("stop")
 
@@ -397,12 +402,7 @@ def _join(config: Config, progress: bool):
         build = lambda c: LockstepEngine(model, tokenizer, c, device, group)  # noqa: E731
     else:
         build = lambda c: Engine(model, tokenizer, c, device)  # noqa: E731
-    engine = build(config)
-    blocks = engine.scheduler.blocks.num_blocks
-    if blocks is not None:  # the smallest pool of any rank, as start_ranks agrees on it
-        smallest = torch.tensor([blocks])
-        dist.all_reduce(smallest, dist.ReduceOp.MIN, group=group.group)
-        engine = _resized(engine, int(smallest), build)
+    engine = _on_smallest_pool(build(config), build, device)
     return engine, source, group
 
 
