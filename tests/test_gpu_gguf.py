@@ -11,7 +11,7 @@ from tests.test_paged_cache import prompts, run_to_end
 from kestrel.config import CacheConfig
 from kestrel.engine.paged_runner import PagedRunner
 from kestrel.engine.request import Request
-from kestrel.kernels.gguf_gemv import TYPES, gemv
+from kestrel.kernels.gguf_gemv import K_QUANTS, TYPES, gemv
 from kestrel.kernels.quant import BLOCKS, dequantize
 from kestrel.models.layers.quant import QuantLinear
 from kestrel.sampling import SamplingParams
@@ -19,7 +19,11 @@ from kestrel.weights.loader import keep_packed, load_model, resolve
 
 pytestmark = pytest.mark.gpu
 CUDA = torch.device("cuda")
-SCALE_OFFSETS = {"Q8_0": [0], "Q4_K": [0, 2], "Q5_K": [0, 2], "Q6_K": [208]}  # f16 fields
+# the float16 fields of each type's blocks
+SCALE_OFFSETS = {
+    "Q4_0": [0], "Q4_1": [0, 2], "Q5_0": [0], "Q5_1": [0, 2], "Q8_0": [0],
+    "Q4_K": [0, 2], "Q5_K": [0, 2], "Q6_K": [208],
+}  # fmt: skip
 
 
 @pytest.fixture(autouse=True)
@@ -40,9 +44,10 @@ def random_blocks(qtype: str, rows: int, cols: int) -> torch.Tensor:
 @pytest.mark.parametrize("qtype", sorted(TYPES))
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_gemv_equals_dequantize_then_matmul(qtype, dtype):
-    """Rows not a multiple of the tile, Q8_0 with a row that ends inside a tile (576 columns)."""
+    """Rows not a multiple of the tile; the 32-element types with a row that ends inside a tile
+    of eight blocks (576 columns)."""
     torch.manual_seed(0)
-    cols = 576 if qtype == "Q8_0" else 768
+    cols = 768 if qtype in K_QUANTS else 576
     blocks = random_blocks(qtype, 37, cols)
     x = torch.randn(3, cols, device=CUDA).to(dtype)
     expected = x.float() @ dequantize(blocks, qtype, cols).T
