@@ -37,7 +37,7 @@ TYPES = {
 }
 # type -> (rows per program, 256-column tiles per loop step, warps): benchmarks/gguf_gemv.py
 # --sweep on the H200
-CONFIGS = {qtype: (8, 4, 4) for qtype in TYPES}
+CONFIGS = {qtype: (4, 4, 1) for qtype in TYPES}
 K_QUANTS = ("Q4_K", "Q5_K", "Q6_K")  # 256-element super-blocks; the rest hold 32 elements
 MAX_ROWS = 8  # rows of x a GEMV serves; more go through the dequantized matmul
 MIN_PROGRAMS = 256  # fewer rows a program until there are this many (about 2 per SM)
@@ -57,7 +57,7 @@ def gemv(
     kind, size = TYPES[qtype]
     M, N = x.shape[0], blocks.shape[0]
     block_n, span, warps = config or CONFIGS[qtype]
-    while config is None and block_n > 2 and triton.cdiv(N, block_n) < MIN_PROGRAMS:
+    while config is None and block_n > 1 and triton.cdiv(N, block_n) < MIN_PROGRAMS:
         block_n //= 2  # a short matrix (k/v projections): more programs, fewer rows each
     x = x.contiguous()
     y = torch.empty(M, N, device=x.device, dtype=x.dtype)
@@ -89,125 +89,149 @@ if triton is not None:
         mn = tl.where(low, b & 63, (c >> 4) | ((b >> 6) << 4))
         return sc.to(tl.float32), mn.to(tl.float32)
 
+    # Q4_K (f16 d, f16 dmin, 12 scale bytes, qs[128]) and Q5_K (the same, qh[32] before qs). A
+    # step's nibble bytes load as (chunks u, 8 words t): chunk u is chunk j = u % 4 of
+    # super-block u // 4, and byte k of word t holds elements 64j + 4t + k (its low nibble,
+    # p = 0, sub-block 2j) and 64j + 32 + 4t + k (high nibble, p = 1, sub-block 2j + 1). So x is
+    # a (p, u, t, k) tile.
+
     @triton.jit
-    def _q45_k(B, H, Wd, row8, row16, row32, X, step, K, QTYPE: tl.constexpr, SPAN: tl.constexpr):
-        """Q4_K (f16 d, f16 dmin, 12 scale bytes, qs[128]) and Q5_K (the same, qh[32] before qs):
-        sum of w * x over SPAN super-blocks for each (BLOCK_N,) row. The nibble bytes load as
-        (chunks u, 8 words t): chunk u is chunk j = u % 4 of super-block u // 4, and byte
-        4t + k of chunk j holds elements 64j + 4t + k (low nibble, sub-block 2j) and
-        64j + 32 + 4t + k (high nibble, sub-block 2j + 1)."""
+    def _k45_x(X, step, K, SPAN: tl.constexpr):
+        u = tl.arange(0, 4 * SPAN)[None, :, None, None]
+        at = (step * SPAN + u // 4) * 256 + (u % 4) * 64 + tl.arange(0, 2)[:, None, None, None] * 32
+        at = at + tl.arange(0, 8)[None, None, :, None] * 4 + tl.arange(0, 4)[None, None, None, :]
+        x = tl.load(X + at, mask=at < K, other=0.0).to(tl.float32)  # (2, U, 8, 4)
+        return x, tl.sum(tl.sum(x, 3), 2)
+
+    @triton.jit
+    def _k45_row(B, H, Wd, r8, r16, r32, step, x, xsum, K, QTYPE: tl.constexpr, SPAN: tl.constexpr):
+        """Sum of w * x over this step's super-blocks of one row."""
         words_per = 36 if QTYPE == 5 else 44  # the block's bytes / 4
-        qs = 4 if QTYPE == 5 else 12  # word offset of qs
         u = tl.arange(0, 4 * SPAN)
-        t = tl.arange(0, 8)
         j = u % 4
         sb = step * SPAN + u // 4  # (U,) super-block of each chunk
         ok = sb < K // 256
-        at = row32[:, None, None] + (sb * words_per)[None, :, None]
-        words = tl.load(
-            Wd + at + (qs + j * 8)[None, :, None] + t[None, None, :], mask=ok[None, :, None]
-        )
-        if QTYPE == 6:
-            high = tl.load(Wd + at + 4 + t[None, None, :], mask=ok[None, :, None])  # qh words
-        half = row16[:, None] + (sb * 2 * words_per)[None, :]
-        d = tl.load(H + half, mask=ok[None, :], other=0.0).to(tl.float32)
-        dmin = tl.load(H + half + 1, mask=ok[None, :], other=0.0).to(tl.float32)
-        scales = row8[:, None] + (sb * 4 * words_per + 4)[None, :]  # (N, U) byte offsets
-        x = X + (sb * 256 + j * 64)[:, None] + t[None, :] * 4  # (U, 8) element pointers
-        total = tl.zeros(d.shape, dtype=tl.float32)
-        for p in tl.static_range(2):  # low nibbles: sub-blocks 2j; high: 2j + 1
-            sc, mn = _k_scale_min(B + scales, (2 * j + p)[None, :])
-            dot = tl.zeros(words.shape, dtype=tl.float32)
-            xsum = tl.zeros((4 * SPAN, 8), dtype=tl.float32)
-            for k in tl.static_range(4):
-                q = (words >> (8 * k + 4 * p)) & 15
-                if QTYPE == 6:  # the fifth bit: bit 2j + p of qh byte 4t + k
-                    q |= ((high >> (8 * k + 2 * j[None, :, None] + p)) & 1) << 4
-                xk = tl.load(x + 32 * p + k, mask=ok[:, None], other=0.0).to(tl.float32)
-                dot += _float(q, 0) * xk[None]
-                xsum += xk
-            total += d * sc * tl.sum(dot, 2) - dmin * mn * tl.sum(xsum, 1)[None, :]
-        return tl.sum(total, 1)
+        p = tl.arange(0, 2)[:, None, None, None]
+        k = tl.arange(0, 4)[None, None, None, :]
+        t = tl.arange(0, 8)[None, :]
+        at = Wd + r32 + (sb * words_per)[:, None]
+        qs = 4 if QTYPE == 5 else 12  # word offset of qs
+        words = tl.load(at + (qs + j * 8)[:, None] + t, mask=ok[:, None], other=0)  # (U, 8)
+        q = (words[None, :, :, None] >> (8 * k + 4 * p)) & 15  # (2, U, 8, 4)
+        if QTYPE == 6:  # the fifth bit: bit 2j + p of qh byte 4t + k
+            high = tl.load(at + 4 + t, mask=ok[:, None], other=0)
+            shift = 8 * k + 2 * j[None, :, None, None] + p
+            q |= ((high[None, :, :, None] >> shift) & 1) << 4
+        dot = tl.sum(tl.sum(_float(q, 0) * x, 3), 2)  # (2, U)
+        half = H + r16 + sb * 2 * words_per
+        d = tl.load(half, mask=ok, other=0.0).to(tl.float32)
+        dmin = tl.load(half + 1, mask=ok, other=0.0).to(tl.float32)
+        scales = B + r8 + sb * 4 * words_per + 4
+        sc, mn = _k_scale_min(scales[None, :], 2 * j[None, :] + tl.arange(0, 2)[:, None])
+        return tl.sum(tl.sum(d * sc * dot - dmin * mn * xsum, 1), 0)
+
+    # Q6_K (ql[128], qh[64], int8 scales[16], f16 d): element h*128 + n*64 + p*32 + l has low
+    # bits (nibble n of ql[h*64 + p*32 + l]), high bits (bits 2(2n + p) of qh[h*32 + l]) and
+    # scale e / 16. A step loads (groups u, 16 bytes i): group g = u % 4 of super-block u // 4
+    # holds h = g // 2 and l = 16 (g % 2) + i. So x is an (n, p, u, i) tile.
 
     @triton.jit
-    def _q6_k(B, H, row8, row16, X, step, K, SPAN: tl.constexpr):
-        """Q6_K (ql[128], qh[64], int8 scales[16], f16 d): element h*128 + n*64 + p*32 + l has
-        low bits (nibble n of ql[h*64 + p*32 + l]) and high bits (2 bits 2(2n + p) of
-        qh[h*32 + l]), scale e / 16. Loaded as (groups u, 16 bytes i): group g = u % 4 of
-        super-block u // 4 holds h = g // 2 and l = 16 (g % 2) + i."""
-        u = tl.arange(0, 4 * SPAN)
-        i = tl.arange(0, 16)
+    def _q6_first(u, n, p):
         g = u % 4
+        return (g // 2) * 128 + n * 64 + p * 32 + (g % 2) * 16  # the group's first element
+
+    @triton.jit
+    def _q6_x(X, step, K, SPAN: tl.constexpr):
+        u = tl.arange(0, 4 * SPAN)[None, None, :, None]
+        n = tl.arange(0, 2)[:, None, None, None]
+        p = tl.arange(0, 2)[None, :, None, None]
+        at = (
+            (step * SPAN + u // 4) * 256
+            + _q6_first(u, n, p)
+            + tl.arange(0, 16)[None, None, None, :]
+        )
+        return tl.load(X + at, mask=at < K, other=0.0).to(tl.float32)  # (2, 2, U, 16)
+
+    @triton.jit
+    def _q6_row(B, H, r8, r16, step, x, K, SPAN: tl.constexpr):
+        u = tl.arange(0, 4 * SPAN)
+        g = u % 4
+        i = tl.arange(0, 16)[None, :]
         sb = step * SPAN + u // 4
         ok = sb < K // 256
-        start = row8[:, None] + (sb * 210)[None, :]  # (N, U) byte offsets of the super-blocks
-        at = B + start[:, :, None]
-        qh = tl.load(at + (128 + g * 16)[None, :, None] + i[None, None, :], mask=ok[None, :, None])
-        qh = qh.to(tl.int32)
-        d = tl.load(H + row16[:, None] + (sb * 105 + 104)[None, :], mask=ok[None, :], other=0.0)
+        at = B + r8 + sb * 210  # (U,) super-block starts
+        qh = tl.load(at[:, None] + 128 + (g * 16)[:, None] + i, mask=ok[:, None], other=0)
         spot = (g // 2) * 64 + (g % 2) * 16  # (U,): where group g starts in ql
-        total = tl.zeros(d.shape, dtype=tl.float32)
-        for p in tl.static_range(2):
-            ql = tl.load(
-                at + (spot + p * 32)[None, :, None] + i[None, None, :], mask=ok[None, :, None]
-            )
-            ql = ql.to(tl.int32)
-            for n in tl.static_range(2):
-                q = ((ql >> (4 * n)) & 15) | (((qh >> (2 * (2 * n + p))) & 3) << 4)
-                e = (g // 2) * 128 + n * 64 + p * 32 + (g % 2) * 16  # (U,) first elements
-                xs = tl.load(X + (sb * 256 + e)[:, None] + i[None, :], mask=ok[:, None], other=0.0)
-                scale = tl.load(B + start + (192 + e // 16)[None, :], mask=ok[None, :], other=0)
-                scale = scale.to(tl.int8, bitcast=True).to(tl.float32)
-                total += tl.sum(_float(q, 32) * xs.to(tl.float32)[None], 2) * scale
-        return tl.sum(total * d.to(tl.float32), 1)
+        p = tl.arange(0, 2)[:, None, None]
+        ql = tl.load(
+            at[None, :, None] + spot[None, :, None] + 32 * p + i[None],
+            mask=ok[None, :, None],
+            other=0,
+        )
+        n4 = tl.arange(0, 2)[:, None, None, None]
+        p4 = p[None]
+        low = (ql[None].to(tl.int32) >> (4 * n4)) & 15
+        high = (qh[None, None].to(tl.int32) >> (2 * (2 * n4 + p4))) & 3
+        dot = tl.sum(_float(low | (high << 4), 32) * x, 3)  # (2, 2, U)
+        n3, p3 = tl.arange(0, 2)[:, None, None], tl.arange(0, 2)[None, :, None]
+        first = _q6_first(u[None, None, :], n3, p3)  # (2, 2, U)
+        scale = tl.load(at[None, None, :] + 192 + first // 16, mask=ok[None, None, :], other=0)
+        scaled = tl.sum(tl.sum(dot * scale.to(tl.int8, bitcast=True).to(tl.float32), 1), 0)
+        d = tl.load(H + r16 + sb * 105 + 104, mask=ok, other=0.0).to(tl.float32)
+        return tl.sum(scaled * d, 0)
+
+    # Q4_0, Q4_1, Q5_0, Q5_1, Q8_0: 32-element blocks of f16 d (Q4_1/Q5_1: then f16 m; Q5_x:
+    # then 4 bytes of fifth bits) and the values. 4-bit values: element i < 16 is the low
+    # nibble (p = 0) of byte i, 16 + i its high nibble. A step takes 8 SPAN blocks; blocks past
+    # K (the row's end) count zero.
 
     @triton.jit
-    def _small_blocks(
-        B, H, row8, row16, X, step, K,
-        QTYPE: tl.constexpr, SIZE: tl.constexpr, BLOCK_N: tl.constexpr, SPAN: tl.constexpr,
-    ):  # fmt: skip
-        """Q4_0, Q4_1, Q5_0, Q5_1, Q8_0: 8 SPAN 32-element blocks (f16 d, Q4_1/Q5_1: f16 m, Q5_x:
-        4 bytes of fifth bits, then the values; 4-bit values: element i < 16 the low nibble of
-        byte i, 16 + i its high nibble). Blocks past K (the row's end) count zero."""
+    def _small_x(X, step, K, QTYPE: tl.constexpr, SPAN: tl.constexpr):
         blk = step * 8 * SPAN + tl.arange(0, 8 * SPAN)
-        whole = blk < K // 32
-        inside = whole[None, :]
-        at = (B + row8)[:, None] + blk[None, :] * SIZE  # (N, blocks) block starts
-        half = row16[:, None] + blk[None, :] * (SIZE // 2)
-        d = tl.load(H + half, mask=inside, other=0.0).to(tl.float32)
-        if QTYPE == 4:  # Q8_0: int8 values from byte 2
-            i = tl.arange(0, 32)
-            q = tl.load(at[:, :, None] + 2 + i[None, None, :], mask=inside[:, :, None], other=0)
-            xs = tl.load(X + blk[:, None] * 32 + i[None, :], mask=whole[:, None], other=0.0)
-            # a signed byte s is the unsigned byte b: s + 128 = b ^ 0x80
-            dot = tl.sum(_float(q.to(tl.int32) ^ 0x80, 128) * xs.to(tl.float32)[None], 2)
-            return tl.sum(dot * d, 1)
+        if QTYPE == 4:  # (blocks, 32)
+            at = blk[:, None] * 32 + tl.arange(0, 32)[None, :]
+            x = tl.load(X + at, mask=at < K, other=0.0).to(tl.float32)
+            return x, tl.sum(x, 1)
+        else:  # (p, blocks, 16)
+            at = blk[None, :, None] * 32 + tl.arange(0, 2)[:, None, None] * 16
+            at = at + tl.arange(0, 16)[None, None, :]
+            x = tl.load(X + at, mask=at < K, other=0.0).to(tl.float32)
+            return x, tl.sum(tl.sum(x, 2), 0)
+
+    @triton.jit
+    def _small_row(
+        B, H, r8, r16, step, x, xsum, K,
+        QTYPE: tl.constexpr, SIZE: tl.constexpr, SPAN: tl.constexpr,
+    ):  # fmt: skip
+        blk = step * 8 * SPAN + tl.arange(0, 8 * SPAN)
+        ok = blk < K // 32
+        at = B + r8 + blk * SIZE  # (blocks,) block starts
+        half = H + r16 + blk * (SIZE // 2)
+        d = tl.load(half, mask=ok, other=0.0).to(tl.float32)
+        if QTYPE == 4:  # Q8_0: int8 values from byte 2; a signed byte s is b ^ 0x80 - 128
+            i = tl.arange(0, 32)[None, :]
+            q = tl.load(at[:, None] + 2 + i, mask=ok[:, None], other=0).to(tl.int32)
+            return tl.sum(tl.sum(_float(q ^ 0x80, 128) * x, 1) * d, 0)
         else:
-            i = tl.arange(0, 16)
-            scaled = tl.zeros((BLOCK_N, 8 * SPAN), dtype=tl.float32)
-            xsum = tl.zeros((8 * SPAN,), dtype=tl.float32)
             values: tl.constexpr = 2 + 2 * QTYPE  # byte offset of the nibbles: 2, 4, 6, 8
-            qs = tl.load(at[:, :, None] + values + i[None, None, :], mask=inside[:, :, None])
-            for p in tl.static_range(2):
-                q = (qs.to(tl.int32) >> (4 * p)) & 15
-                if QTYPE >= 2:  # bit 16p + i of the 4 bytes before the nibbles
-                    bits = at[:, :, None] + values - 4 + 2 * p + i[None, None, :] // 8
-                    h = tl.load(bits, mask=inside[:, :, None], other=0).to(tl.int32)
-                    q |= ((h >> (i[None, None, :] % 8)) & 1) << 4
-                e = blk[:, None] * 32 + 16 * p + i[None, :]
-                xs = tl.load(X + e, mask=whole[:, None], other=0.0).to(tl.float32)
-                if QTYPE == 0:  # w = d (q - 8)
-                    scaled += tl.sum(_float(q, 8) * xs[None], 2)
-                elif QTYPE == 2:  # w = d (q - 16)
-                    scaled += tl.sum(_float(q, 16) * xs[None], 2)
-                else:  # w = d q + m
-                    scaled += tl.sum(_float(q, 0) * xs[None], 2)
-                xsum += tl.sum(xs, 1)
-            total = tl.sum(scaled * d, 1)
+            i = tl.arange(0, 16)[None, None, :]
+            p = tl.arange(0, 2)[:, None, None]
+            qs = tl.load(at[None, :, None] + values + i, mask=ok[None, :, None], other=0)
+            q = (qs.to(tl.int32) >> (4 * p)) & 15  # (2, blocks, 16)
+            if QTYPE >= 2:  # bit 16p + i of the 4 bytes before the nibbles
+                bits = at[None, :, None] + values - 4 + 2 * p + i // 8
+                h = tl.load(bits, mask=ok[None, :, None], other=0).to(tl.int32)
+                q |= ((h >> (i % 8)) & 1) << 4
+            if QTYPE == 0:  # w = d (q - 8)
+                dot = tl.sum(tl.sum(_float(q, 8) * x, 2), 0)
+            elif QTYPE == 2:  # w = d (q - 16)
+                dot = tl.sum(tl.sum(_float(q, 16) * x, 2), 0)
+            else:  # w = d q + m
+                dot = tl.sum(tl.sum(_float(q, 0) * x, 2), 0)
+            total = dot * d
             if QTYPE % 2 == 1:
-                m = tl.load(H + half + 1, mask=inside, other=0.0).to(tl.float32)
-                total += tl.sum(m * xsum[None], 1)
-            return total
+                total += tl.load(half + 1, mask=ok, other=0.0).to(tl.float32) * xsum
+            return tl.sum(total, 0)
 
     @triton.jit
     def _gemv(
@@ -215,22 +239,30 @@ if triton is not None:
         QTYPE: tl.constexpr, BLOCK_BYTES: tl.constexpr, BLOCK_N: tl.constexpr,
         SPAN: tl.constexpr,
     ):  # fmt: skip
-        """B, H, Wd: the blocks as bytes, float16 and (Q4_K/Q5_K) int32 words. Each step of
-        the loop takes SPAN x 256 columns, so every thread has several loads in flight."""
-        n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+        """B, H, Wd: the blocks as bytes, float16 and (Q4_K/Q5_K) int32 words. Each loop step
+        loads SPAN x 256 columns of x once and uses them for the program's BLOCK_N rows, one
+        row after the other, so x stays in registers and each thread has several loads of
+        weights in flight."""
+        first = tl.program_id(0) * BLOCK_N
         m = tl.program_id(1).to(tl.int64)
-        live = n < N
-        row = tl.where(live, n, 0).to(tl.int64)  # dead rows read row 0
-        row8, row16, row32 = row * row_bytes, row * row_halves, row * row_words
-        x = X + m * K
+        x_row = X + m * K
+        lanes = tl.arange(0, BLOCK_N)
         acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
         for step in range(0, tl.cdiv(K, 256 * SPAN)):
             if QTYPE == 5 or QTYPE == 6:
-                acc += _q45_k(B, H, Wd, row8, row16, row32, x, step, K, QTYPE, SPAN)
+                x, xsum = _k45_x(x_row, step, K, SPAN)
             elif QTYPE == 7:
-                acc += _q6_k(B, H, row8, row16, x, step, K, SPAN)
+                x = _q6_x(x_row, step, K, SPAN)
             else:
-                acc += _small_blocks(
-                    B, H, row8, row16, x, step, K, QTYPE, BLOCK_BYTES, BLOCK_N, SPAN
-                )
-        tl.store(Y + m * N + n, acc.to(Y.dtype.element_ty), mask=live)
+                x, xsum = _small_x(x_row, step, K, QTYPE, SPAN)
+            for r in tl.static_range(BLOCK_N):
+                row = tl.minimum(first + r, N - 1).to(tl.int64)  # rows past N: not stored
+                r8, r16, r32 = row * row_bytes, row * row_halves, row * row_words
+                if QTYPE == 5 or QTYPE == 6:
+                    c = _k45_row(B, H, Wd, r8, r16, r32, step, x, xsum, K, QTYPE, SPAN)
+                elif QTYPE == 7:
+                    c = _q6_row(B, H, r8, r16, step, x, K, SPAN)
+                else:
+                    c = _small_row(B, H, r8, r16, step, x, xsum, K, QTYPE, BLOCK_BYTES, SPAN)
+                acc += tl.where(lanes == r, c, 0.0)
+        tl.store(Y + m * N + first + lanes, acc.to(Y.dtype.element_ty), mask=first + lanes < N)
