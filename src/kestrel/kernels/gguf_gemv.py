@@ -65,7 +65,8 @@ def gemv(
     row = blocks.stride(0)  # bytes; the float16 and int32 strides are passed whole, so Triton
     # sees their divisibility (and vectorizes the word loads)
     _gemv[(triton.cdiv(N, block_n), M)](
-        x, blocks, blocks.view(torch.float16), words, y, N, cols, row, row // 2, row // 4,
+        x, blocks, blocks.view(torch.float16), words, y, N, cols, triton.cdiv(cols, 256 * span),
+        row, row // 2, row // 4,
         QTYPE=kind, BLOCK_BYTES=size, BLOCK_N=block_n, SPAN=span, num_warps=warps,
     )  # fmt: skip
     return y
@@ -235,7 +236,7 @@ if triton is not None:
 
     @triton.jit
     def _gemv(
-        X, B, H, Wd, Y, N, K, row_bytes, row_halves, row_words,
+        X, B, H, Wd, Y, N, K, steps, row_bytes, row_halves, row_words,
         QTYPE: tl.constexpr, BLOCK_BYTES: tl.constexpr, BLOCK_N: tl.constexpr,
         SPAN: tl.constexpr,
     ):  # fmt: skip
@@ -248,7 +249,7 @@ if triton is not None:
         x_row = X + m * K
         lanes = tl.arange(0, BLOCK_N)
         acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
-        for step in range(0, tl.cdiv(K, 256 * SPAN)):
+        for step in range(0, steps):  # of SPAN x 256 columns
             if QTYPE == 5 or QTYPE == 6:
                 x, xsum = _k45_x(x_row, step, K, SPAN)
             elif QTYPE == 7:
