@@ -8,7 +8,9 @@ time. Why it is fast, against decoding every weight on its own:
 - a scale or min is decoded once per sub-block, not once per weight: each sub-block's dot
   product sum(q * x) is taken on the raw integers and scaled after (and the min times sum(x));
 - integers become floats by the exponent trick (q | 0x4B000000 is the float 2^23 + q), an
-  integer op and a subtraction, not the conversion unit's slow path.
+  integer op and a subtraction, not the conversion unit's slow path; and a value is read where
+  it lies in its word (x is scaled by a power of two instead), so masking it out and setting
+  the exponent is a single instruction with no shift.
 So a decode step reads the 4-8 bits per weight the file holds instead of bfloat16's 16.
 
 One program row per row of x: the weights come from DRAM once, the other rows find them in L2.
@@ -39,6 +41,7 @@ TYPES = {
 # --sweep on the H200
 CONFIGS = {qtype: (4, 4, 1) for qtype in TYPES}
 K_QUANTS = ("Q4_K", "Q5_K", "Q6_K")  # 256-element super-blocks; the rest hold 32 elements
+FLOAT_2_23 = 0x4B000000  # the bits of the float 2^23
 MAX_ROWS = 8  # rows of x a GEMV serves; more go through the dequantized matmul
 MIN_PROGRAMS = 256  # fewer rows a program until there are this many (about 2 per SM)
 
@@ -66,7 +69,7 @@ def gemv(
     # sees their divisibility (and vectorizes the word loads)
     _gemv[(triton.cdiv(N, block_n), M)](
         x, blocks, blocks.view(torch.float16), words, y, N, cols, triton.cdiv(cols, 256 * span),
-        row, row // 2, row // 4,
+        row, row // 2, row // 4, FLOAT_2_23,
         QTYPE=kind, BLOCK_BYTES=size, BLOCK_N=block_n, SPAN=span, num_warps=warps,
     )  # fmt: skip
     return y
@@ -75,9 +78,14 @@ def gemv(
 if triton is not None:
 
     @triton.jit
-    def _float(q, offset: tl.constexpr):
-        # integers 0 <= q < 2^23 -> float32 q - offset, exactly: 0x4B000000 is 2^23 as a float
-        return (q | 0x4B000000).to(tl.float32, bitcast=True) - (8388608.0 + offset)
+    def _float(bits, magic):
+        # `bits` (an integer q shifted left by s, below bit 23) OR the float 2^23 -> q * 2^s
+        return (bits | magic).to(tl.float32, bitcast=True) - 8388608.0
+
+    @triton.jit
+    def _inverse_power(s):
+        # 2^-s as float32, exactly
+        return 1.0 / (1 << s).to(tl.float32)
 
     @triton.jit
     def _k_scale_min(at, s):
@@ -93,19 +101,28 @@ if triton is not None:
     # Q4_K (f16 d, f16 dmin, 12 scale bytes, qs[128]) and Q5_K (the same, qh[32] before qs). A
     # step's nibble bytes load as (chunks u, 8 words t): chunk u is chunk j = u % 4 of
     # super-block u // 4, and byte k of word t holds elements 64j + 4t + k (its low nibble,
-    # p = 0, sub-block 2j) and 64j + 32 + 4t + k (high nibble, p = 1, sub-block 2j + 1). So x is
-    # a (p, u, t, k) tile.
+    # p = 0, sub-block 2j) and 64j + 32 + 4t + k (high nibble, p = 1, sub-block 2j + 1). Bytes
+    # k = 2h + l (h, l in 0, 1) are read from the word shifted right by 16h, where the nibble
+    # lies at bit s = 8l + 4p: so x is two (p, u, t, l) tiles, one per h, times 2^-s.
 
     @triton.jit
     def _k45_x(X, step, K, SPAN: tl.constexpr):
         u = tl.arange(0, 4 * SPAN)[None, :, None, None]
-        at = (step * SPAN + u // 4) * 256 + (u % 4) * 64 + tl.arange(0, 2)[:, None, None, None] * 32
-        at = at + tl.arange(0, 8)[None, None, :, None] * 4 + tl.arange(0, 4)[None, None, None, :]
-        x = tl.load(X + at, mask=at < K, other=0.0).to(tl.float32)  # (2, U, 8, 4)
-        return x, tl.sum(tl.sum(x, 3), 2)
+        p = tl.arange(0, 2)[:, None, None, None]
+        t = tl.arange(0, 8)[None, None, :, None]
+        l = tl.arange(0, 2)[None, None, None, :]  # noqa: E741
+        at = (step * SPAN + u // 4) * 256 + (u % 4) * 64 + 32 * p + 4 * t + l
+        x0 = tl.load(X + at, mask=at < K, other=0.0).to(tl.float32)  # bytes 0, 1 of each word
+        x1 = tl.load(X + at + 2, mask=at < K, other=0.0).to(tl.float32)  # bytes 2, 3
+        xsum = tl.sum(tl.sum(x0 + x1, 3), 2)  # (2, U)
+        scale = _inverse_power(8 * l + 4 * p)
+        return x0 * scale, x1 * scale, xsum
 
     @triton.jit
-    def _k45_row(B, H, Wd, r8, r16, r32, step, x, xsum, K, QTYPE: tl.constexpr, SPAN: tl.constexpr):
+    def _k45_row(
+        B, H, Wd, r8, r16, r32, step, x0, x1, xsum, K, magic,
+        QTYPE: tl.constexpr, SPAN: tl.constexpr,
+    ):  # fmt: skip
         """Sum of w * x over this step's super-blocks of one row."""
         words_per = 36 if QTYPE == 5 else 44  # the block's bytes / 4
         u = tl.arange(0, 4 * SPAN)
@@ -113,17 +130,21 @@ if triton is not None:
         sb = step * SPAN + u // 4  # (U,) super-block of each chunk
         ok = sb < K // 256
         p = tl.arange(0, 2)[:, None, None, None]
-        k = tl.arange(0, 4)[None, None, None, :]
-        t = tl.arange(0, 8)[None, :]
+        l = tl.arange(0, 2)[None, None, None, :]  # noqa: E741
+        nibble = 15 << (8 * l + 4 * p)  # (2, 1, 1, 2): where each value lies in its half-word
         at = Wd + r32 + (sb * words_per)[:, None]
         qs = 4 if QTYPE == 5 else 12  # word offset of qs
-        words = tl.load(at + (qs + j * 8)[:, None] + t, mask=ok[:, None], other=0)  # (U, 8)
-        q = (words[None, :, :, None] >> (8 * k + 4 * p)) & 15  # (2, U, 8, 4)
-        if QTYPE == 6:  # the fifth bit: bit 2j + p of qh byte 4t + k
-            high = tl.load(at + 4 + t, mask=ok[:, None], other=0)
-            shift = 8 * k + 2 * j[None, :, None, None] + p
-            q |= ((high[None, :, :, None] >> shift) & 1) << 4
-        dot = tl.sum(tl.sum(_float(q, 0) * x, 3), 2)  # (2, U)
+        t = tl.arange(0, 8)[None, :]
+        words = tl.load(at + (qs + j * 8)[:, None] + t, mask=ok[:, None], other=0)[None, :, :, None]
+        low, high = words & nibble, (words >> 16) & nibble
+        if QTYPE == 6:  # the fifth bit: bit 2j + p of qh byte 4t + k, put at bit s + 4
+            qh = tl.load(at + 4 + t, mask=ok[:, None], other=0)[None, :, :, None]
+            shift = 2 * j[None, :, None, None] + p
+            fifth = 1 << (8 * l)
+            to = 4 * p + 4
+            low |= ((qh >> shift) & fifth) << to
+            high |= ((qh >> (shift + 16)) & fifth) << to
+        dot = tl.sum(tl.sum(_float(low, magic) * x0 + _float(high, magic) * x1, 3), 2)  # (2, U)
         half = H + r16 + sb * 2 * words_per
         d = tl.load(half, mask=ok, other=0.0).to(tl.float32)
         dmin = tl.load(half + 1, mask=ok, other=0.0).to(tl.float32)
@@ -133,8 +154,9 @@ if triton is not None:
 
     # Q6_K (ql[128], qh[64], int8 scales[16], f16 d): element h*128 + n*64 + p*32 + l has low
     # bits (nibble n of ql[h*64 + p*32 + l]), high bits (bits 2(2n + p) of qh[h*32 + l]) and
-    # scale e / 16. A step loads (groups u, 16 bytes i): group g = u % 4 of super-block u // 4
-    # holds h = g // 2 and l = 16 (g % 2) + i. So x is an (n, p, u, i) tile.
+    # scale e / 16; its 6-bit value minus 32. A step loads (groups u, 16 bytes i): group
+    # g = u % 4 of super-block u // 4 holds h = g // 2 and l = 16 (g % 2) + i. The value is
+    # put together at bit 4n, where its nibble lies: x is an (n, p, u, i) tile times 2^-4n.
 
     @triton.jit
     def _q6_first(u, n, p):
@@ -146,15 +168,13 @@ if triton is not None:
         u = tl.arange(0, 4 * SPAN)[None, None, :, None]
         n = tl.arange(0, 2)[:, None, None, None]
         p = tl.arange(0, 2)[None, :, None, None]
-        at = (
-            (step * SPAN + u // 4) * 256
-            + _q6_first(u, n, p)
-            + tl.arange(0, 16)[None, None, None, :]
-        )
-        return tl.load(X + at, mask=at < K, other=0.0).to(tl.float32)  # (2, 2, U, 16)
+        i = tl.arange(0, 16)[None, None, None, :]
+        at = (step * SPAN + u // 4) * 256 + _q6_first(u, n, p) + i
+        x = tl.load(X + at, mask=at < K, other=0.0).to(tl.float32)  # (2, 2, U, 16)
+        return x * _inverse_power(4 * n), tl.sum(x, 3)
 
     @triton.jit
-    def _q6_row(B, H, r8, r16, step, x, K, SPAN: tl.constexpr):
+    def _q6_row(B, H, r8, r16, step, x, xsum, K, magic, SPAN: tl.constexpr):
         u = tl.arange(0, 4 * SPAN)
         g = u % 4
         i = tl.arange(0, 16)[None, :]
@@ -164,16 +184,13 @@ if triton is not None:
         qh = tl.load(at[:, None] + 128 + (g * 16)[:, None] + i, mask=ok[:, None], other=0)
         spot = (g // 2) * 64 + (g % 2) * 16  # (U,): where group g starts in ql
         p = tl.arange(0, 2)[:, None, None]
-        ql = tl.load(
-            at[None, :, None] + spot[None, :, None] + 32 * p + i[None],
-            mask=ok[None, :, None],
-            other=0,
-        )
-        n4 = tl.arange(0, 2)[:, None, None, None]
+        ok3 = ok[None, :, None]
+        ql = tl.load(at[None, :, None] + spot[None, :, None] + 32 * p + i[None], mask=ok3, other=0)
+        n = tl.arange(0, 2)[:, None, None, None]
         p4 = p[None]
-        low = (ql[None].to(tl.int32) >> (4 * n4)) & 15
-        high = (qh[None, None].to(tl.int32) >> (2 * (2 * n4 + p4))) & 3
-        dot = tl.sum(_float(low | (high << 4), 32) * x, 3)  # (2, 2, U)
+        low = ql[None].to(tl.int32) & (15 << (4 * n))
+        high = (qh[None, None].to(tl.int32) & (3 << (2 * (2 * n + p4)))) << (4 - 2 * p4)
+        dot = tl.sum(_float(low | high, magic) * x, 3) - 32.0 * xsum  # (2, 2, U)
         n3, p3 = tl.arange(0, 2)[:, None, None], tl.arange(0, 2)[None, :, None]
         first = _q6_first(u[None, None, :], n3, p3)  # (2, 2, U)
         scale = tl.load(at[None, None, :] + 192 + first // 16, mask=ok[None, None, :], other=0)
@@ -183,8 +200,8 @@ if triton is not None:
 
     # Q4_0, Q4_1, Q5_0, Q5_1, Q8_0: 32-element blocks of f16 d (Q4_1/Q5_1: then f16 m; Q5_x:
     # then 4 bytes of fifth bits) and the values. 4-bit values: element i < 16 is the low
-    # nibble (p = 0) of byte i, 16 + i its high nibble. A step takes 8 SPAN blocks; blocks past
-    # K (the row's end) count zero.
+    # nibble (p = 0) of byte i, 16 + i its high nibble, read where it lies (bit 4p: x times
+    # 2^-4p). A step takes 8 SPAN blocks; blocks past K (the row's end) count zero.
 
     @triton.jit
     def _small_x(X, step, K, QTYPE: tl.constexpr, SPAN: tl.constexpr):
@@ -194,14 +211,14 @@ if triton is not None:
             x = tl.load(X + at, mask=at < K, other=0.0).to(tl.float32)
             return x, tl.sum(x, 1)
         else:  # (p, blocks, 16)
-            at = blk[None, :, None] * 32 + tl.arange(0, 2)[:, None, None] * 16
-            at = at + tl.arange(0, 16)[None, None, :]
+            p = tl.arange(0, 2)[:, None, None]
+            at = blk[None, :, None] * 32 + p * 16 + tl.arange(0, 16)[None, None, :]
             x = tl.load(X + at, mask=at < K, other=0.0).to(tl.float32)
-            return x, tl.sum(tl.sum(x, 2), 0)
+            return x * _inverse_power(4 * p), tl.sum(tl.sum(x, 2), 0)
 
     @triton.jit
     def _small_row(
-        B, H, r8, r16, step, x, xsum, K,
+        B, H, r8, r16, step, x, xsum, K, magic,
         QTYPE: tl.constexpr, SIZE: tl.constexpr, SPAN: tl.constexpr,
     ):  # fmt: skip
         blk = step * 8 * SPAN + tl.arange(0, 8 * SPAN)
@@ -209,41 +226,41 @@ if triton is not None:
         at = B + r8 + blk * SIZE  # (blocks,) block starts
         half = H + r16 + blk * (SIZE // 2)
         d = tl.load(half, mask=ok, other=0.0).to(tl.float32)
-        if QTYPE == 4:  # Q8_0: int8 values from byte 2; a signed byte s is b ^ 0x80 - 128
+        if QTYPE == 4:  # Q8_0: int8 values s from byte 2, read as s + 128 = b ^ 0x80
             i = tl.arange(0, 32)[None, :]
             q = tl.load(at[:, None] + 2 + i, mask=ok[:, None], other=0).to(tl.int32)
-            return tl.sum(tl.sum(_float(q ^ 0x80, 128) * x, 1) * d, 0)
+            dot = tl.sum(_float(q ^ 0x80, magic) * x, 1) - 128.0 * xsum
+            return tl.sum(dot * d, 0)
         else:
             values: tl.constexpr = 2 + 2 * QTYPE  # byte offset of the nibbles: 2, 4, 6, 8
             i = tl.arange(0, 16)[None, None, :]
             p = tl.arange(0, 2)[:, None, None]
             qs = tl.load(at[None, :, None] + values + i, mask=ok[None, :, None], other=0)
-            q = (qs.to(tl.int32) >> (4 * p)) & 15  # (2, blocks, 16)
-            if QTYPE >= 2:  # bit 16p + i of the 4 bytes before the nibbles
+            q = qs.to(tl.int32) & (15 << (4 * p))  # (2, blocks, 16)
+            if QTYPE >= 2:  # bit 16p + i of the 4 bytes before the nibbles, put at bit 4p + 4
                 bits = at[None, :, None] + values - 4 + 2 * p + i // 8
                 h = tl.load(bits, mask=ok[None, :, None], other=0).to(tl.int32)
-                q |= ((h >> (i % 8)) & 1) << 4
+                q |= ((h >> (i % 8)) & 1) << (4 * p + 4)
+            dot = tl.sum(tl.sum(_float(q, magic) * x, 2), 0)
             if QTYPE == 0:  # w = d (q - 8)
-                dot = tl.sum(tl.sum(_float(q, 8) * x, 2), 0)
+                return tl.sum((dot - 8.0 * xsum) * d, 0)
             elif QTYPE == 2:  # w = d (q - 16)
-                dot = tl.sum(tl.sum(_float(q, 16) * x, 2), 0)
+                return tl.sum((dot - 16.0 * xsum) * d, 0)
             else:  # w = d q + m
-                dot = tl.sum(tl.sum(_float(q, 0) * x, 2), 0)
-            total = dot * d
-            if QTYPE % 2 == 1:
-                total += tl.load(half + 1, mask=ok, other=0.0).to(tl.float32) * xsum
-            return tl.sum(total, 0)
+                m = tl.load(half + 1, mask=ok, other=0.0).to(tl.float32)
+                return tl.sum(dot * d + m * xsum, 0)
 
     @triton.jit
     def _gemv(
-        X, B, H, Wd, Y, N, K, steps, row_bytes, row_halves, row_words,
+        X, B, H, Wd, Y, N, K, steps, row_bytes, row_halves, row_words, magic,
         QTYPE: tl.constexpr, BLOCK_BYTES: tl.constexpr, BLOCK_N: tl.constexpr,
         SPAN: tl.constexpr,
     ):  # fmt: skip
-        """B, H, Wd: the blocks as bytes, float16 and (Q4_K/Q5_K) int32 words. Each loop step
-        loads SPAN x 256 columns of x once and uses them for the program's BLOCK_N rows, one
-        row after the other, so x stays in registers and each thread has several loads of
-        weights in flight."""
+        """B, H, Wd: the blocks as bytes, float16 and (Q4_K/Q5_K) int32 words; `magic` is the
+        float 2^23's bits, an argument so that masking a value and setting them is one
+        instruction. Each loop step loads SPAN x 256 columns of x once and uses them for the
+        program's BLOCK_N rows, one row after the other, so x stays in registers and each
+        thread has several loads of weights in flight."""
         first = tl.program_id(0) * BLOCK_N
         m = tl.program_id(1).to(tl.int64)
         x_row = X + m * K
@@ -251,19 +268,19 @@ if triton is not None:
         acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
         for step in range(0, steps):  # of SPAN x 256 columns
             if QTYPE == 5 or QTYPE == 6:
-                x, xsum = _k45_x(x_row, step, K, SPAN)
+                x0, x1, xsum = _k45_x(x_row, step, K, SPAN)
             elif QTYPE == 7:
-                x = _q6_x(x_row, step, K, SPAN)
+                x, xsum = _q6_x(x_row, step, K, SPAN)
             else:
                 x, xsum = _small_x(x_row, step, K, QTYPE, SPAN)
             for r in tl.static_range(BLOCK_N):
                 row = tl.minimum(first + r, N - 1).to(tl.int64)  # rows past N: not stored
                 r8, r16, r32 = row * row_bytes, row * row_halves, row * row_words
                 if QTYPE == 5 or QTYPE == 6:
-                    c = _k45_row(B, H, Wd, r8, r16, r32, step, x, xsum, K, QTYPE, SPAN)
+                    c = _k45_row(B, H, Wd, r8, r16, r32, step, x0, x1, xsum, K, magic, QTYPE, SPAN)
                 elif QTYPE == 7:
-                    c = _q6_row(B, H, r8, r16, step, x, K, SPAN)
+                    c = _q6_row(B, H, r8, r16, step, x, xsum, K, magic, SPAN)
                 else:
-                    c = _small_row(B, H, r8, r16, step, x, xsum, K, QTYPE, BLOCK_BYTES, SPAN)
+                    c = _small_row(B, H, r8, r16, step, x, xsum, K, magic, QTYPE, BLOCK_BYTES, SPAN)
                 acc += tl.where(lanes == r, c, 0.0)
         tl.store(Y + m * N + first + lanes, acc.to(Y.dtype.element_ty), mask=first + lanes < N)
