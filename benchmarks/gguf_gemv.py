@@ -57,7 +57,7 @@ def sweep(qtype: str, out: int, cols: int) -> list:
     elements, size = BLOCKS[qtype]
     blocks = torch.randint(0, 256, (out, cols // elements * size), dtype=torch.uint8).cuda()
     x = torch.randn(1, cols, device="cuda", dtype=torch.bfloat16)
-    configs = [(b, s, w) for b in (2, 4, 8) for s in (2, 4, 8, 16) for w in (1, 2, 4)]
+    configs = [(b, s, w) for b in (2, 4, 8, 16) for s in (1, 2, 4, 8) for w in (1, 2, 4)]
     times = [(round(timed(lambda c=c: gemv(x, blocks, qtype, cols, c), 50), 2), c) for c in configs]
     return sorted(times)[:5]
 
