@@ -60,7 +60,7 @@ def test_gemv_equals_dequantize_then_matmul(qtype, dtype):
     torch.testing.assert_close(captured.float(), expected, **tol)
 
 
-@pytest.mark.parametrize("quant", ["Q4_K", "Q6_K", "Q8_0"])
+@pytest.mark.parametrize("quant", sorted(TYPES))
 def test_packed_gguf_decodes_the_tokens_of_the_dequantized_file(quant, tmp_path):
     """fp32 on CUDA, paged runner with graphs: decode through the GEMVs, prefill through the
     dequantized matmul; greedy tokens equal those of the file dequantized at load."""
