@@ -39,7 +39,12 @@ TYPES = {
 }
 # type -> (rows per program, 256-column tiles per loop step, warps): benchmarks/gguf_gemv.py
 # --sweep on the H200
-CONFIGS = {qtype: (4, 4, 1) for qtype in TYPES}
+CONFIGS = {
+    **dict.fromkeys(("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0"), (2, 4, 1)),
+    "Q4_K": (4, 4, 1),
+    "Q5_K": (4, 4, 1),
+    "Q6_K": (2, 2, 1),
+}
 K_QUANTS = ("Q4_K", "Q5_K", "Q6_K")  # 256-element super-blocks; the rest hold 32 elements
 FLOAT_2_23 = 0x4B000000  # the bits of the float 2^23
 MAX_ROWS = 8  # rows of x a GEMV serves; more go through the dequantized matmul
