@@ -2,20 +2,22 @@
 FP8 and NVFP4 (each format's decoding is one function of kernels/quant.py).
 
 `QuantLinear` computes x @ W.T by dequantizing W a few output rows at a time, so the float copy
-alive at once stays near `CHUNK_BYTES` whatever the matrix. On CUDA an FP8 weight multiplies on
-the FP8 tensor cores instead, its activations quantized on the fly: per row for a weight with one
-scale per row or per tensor (`torch._scaled_mm`), per 1 x 128 group for 128 x 128 tiles (the
-block-scaled `scaled_mm`, where the GPU runs it). `QuantEmbedding` dequantizes only the rows it
-gathers. Both hold the checkpoint's tensors as buffers by role (`qweight`, the
-packed values, and the format's scales), and a tied head shares its embedding's buffers. Loaders
-build them (weights/loader.py); model code calls them as the nn.Linear / nn.Embedding they replace.
+alive at once stays near `CHUNK_BYTES` whatever the matrix. On CUDA decode (a few rows of x)
+reads GGUF blocks and FP8 weights in Triton GEMVs (kernels/gguf_gemv.py, kernels/fp8_gemv.py),
+and larger FP8 batches multiply on the FP8 tensor cores, their activations quantized on the fly:
+per row for a weight with one scale per row or per tensor (`torch._scaled_mm`), per 1 x 128
+group for 128 x 128 tiles (the block-scaled `scaled_mm`, where the GPU runs it).
+`QuantEmbedding` dequantizes only the rows it gathers. Both hold the checkpoint's tensors as
+buffers by role (`qweight`, the packed values, and the format's scales), and a tied head shares
+its embedding's buffers. Loaders build them (weights/loader.py); model code calls them as the
+nn.Linear / nn.Embedding they replace.
 """
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kestrel.kernels import cpu_native, gguf_gemv
+from kestrel.kernels import cpu_native, fp8_gemv, gguf_gemv
 from kestrel.kernels.quant import (
     FP8_TILE,
     Format,
@@ -70,6 +72,8 @@ class QuantLinear(_Quantized):
             out = gguf_gemv.gemv(rows, self.qweight, self.qtype, self.in_features)
         elif self.fmt.kind == "gguf" and not x.is_cuda and cpu_native.serves(self.qtype):
             out = cpu_native.gguf_mm(rows, self.qweight, self.qtype, self.in_features)
+        elif self.fmt.kind == "fp8" and fp8_gemv.serves(rows, self.fmt.block):  # decode on CUDA
+            out = fp8_gemv.gemv(rows, self.qweight, self.scale, self.fmt.block)
         elif fp8_cores and x.is_cuda and x.dtype == torch.bfloat16:
             out = self._fp8_matmul(rows)
         else:
