@@ -37,7 +37,7 @@ TYPES = {
     "Q5_K": (6, 176),
     "Q6_K": (7, 210),
 }
-# type -> (rows per program, 256-column tiles per loop step, warps): benchmarks/gguf_gemv.py
+# type -> (rows per program, 256-column tiles per loop step, warps): benchmarks/quantized_gemv.py
 # --sweep on the H200
 CONFIGS = {
     **dict.fromkeys(("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0"), (2, 4, 1)),

@@ -1,11 +1,12 @@
-"""The GGUF GEMVs (kernels/gguf_gemv.py) against bf16 `F.linear` on Llama-3.1-8B's projection
-shapes, one row of x (single-stream decode), on the GPU. Prints one JSON line per (type, shape):
-microseconds for both, and the rate at which the GEMV reads its blocks.
+"""The quantized GEMVs (kernels/gguf_gemv.py, kernels/fp8_gemv.py) against bf16 `F.linear` on
+Llama-3.1-8B's projection shapes, one row of x (single-stream decode), on the GPU. Prints one
+JSON line per (type, shape): microseconds for both, and the rate at which the GEMV reads its
+weights. Types: the GGUF block types and FP8 (e4m3 in 128 x 128 scale tiles).
 
-    python benchmarks/gguf_gemv.py [--sweep]
+    python benchmarks/quantized_gemv.py [--sweep] [--types Q4_K FP8 ...]
 
 `--sweep` also times rows per program, tiles per step and warps on the gate/up and down shapes
-(to choose kernels/gguf_gemv.py's CONFIGS).
+(to choose kernels/gguf_gemv.py's CONFIGS; GGUF types only).
 """
 
 import argparse
@@ -15,6 +16,7 @@ import os
 import torch
 import torch.nn.functional as F
 
+from kestrel.kernels import fp8_gemv
 from kestrel.kernels.gguf_gemv import TYPES, gemv
 from kestrel.kernels.quant import BLOCKS
 
@@ -39,12 +41,22 @@ def timed(fn, iters: int = 200) -> float:
     return start.elapsed_time(end) * 1000 / iters
 
 
-def measure(qtype: str, out: int, cols: int) -> dict:
+def quantized(qtype: str, out: int, cols: int):
+    """(weights, the GEMV on x) of random bytes in `qtype`."""
+    if qtype == "FP8":
+        w = torch.randn(out, cols, device="cuda").to(torch.float8_e4m3fn)
+        scale = torch.rand(out // 128, cols // 128, device="cuda")
+        return w, lambda x: fp8_gemv.gemv(x, w, scale, (128, 128))
     elements, size = BLOCKS[qtype]
     blocks = torch.randint(0, 256, (out, cols // elements * size), dtype=torch.uint8).cuda()
+    return blocks, lambda x: gemv(x, blocks, qtype, cols)
+
+
+def measure(qtype: str, out: int, cols: int) -> dict:
+    blocks, product = quantized(qtype, out, cols)
     x = torch.randn(1, cols, device="cuda", dtype=torch.bfloat16)
     w = torch.randn(out, cols, device="cuda", dtype=torch.bfloat16)
-    packed_us = timed(lambda: gemv(x, blocks, qtype, cols))
+    packed_us = timed(lambda: product(x))
     row = dict(qtype=qtype, out=out, cols=cols, gemv_us=round(packed_us, 2))
     row["bf16_us"] = round(timed(lambda: F.linear(x, w)), 2)
     row["gemv_tb_s"] = round(blocks.numel() / packed_us / 1e6, 2)
@@ -65,14 +77,15 @@ def sweep(qtype: str, out: int, cols: int) -> list:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sweep", action="store_true")
-    parser.add_argument("--types", nargs="+", default=sorted(TYPES), choices=sorted(TYPES))
+    types = [*sorted(TYPES), "FP8"]
+    parser.add_argument("--types", nargs="+", default=types, choices=types)
     args = parser.parse_args()
     for qtype in args.types:
         for out, cols in SHAPES:
             row = measure(qtype, out, cols)
             row.update(device=torch.cuda.get_device_name(), commit=os.environ.get("KESTREL_COMMIT"))
             print(json.dumps(row), flush=True)
-        if args.sweep:
+        if args.sweep and qtype in TYPES:
             for out, cols in SHAPES[2:]:
                 best = sweep(qtype, out, cols)
                 print(json.dumps(dict(qtype=qtype, out=out, cols=cols, sweep=best)), flush=True)
