@@ -267,3 +267,30 @@ def test_bench_serve_multi_turn_resends_the_history_and_compares_without_the_cac
     assert no_cache["cached_tokens"] == 0 and cache["cached_tokens"] >= 2 * 64  # turns 2 and 3
     assert summary["mode"] == "serve-multi-turn-ratios"
     assert summary["total_tok_s_ratio"] > 0 and summary["later_turns_ttft_p50_ratio"] > 0
+
+
+@pytest.mark.parametrize("flag", ["keep", "dequantize"])
+def test_bench_loads_a_gguf_as_quantized_weights_says_and_the_roofline_counts_what_it_holds(
+    flag, tmp_path
+):
+    """`kestrel bench -m file.gguf --quantized-weights keep` measures the packed blocks (it once
+    dequantized whatever the flag said), and the ceiling counts the bytes the model holds: about
+    the file for packed blocks, float32's for dequantized ones."""
+    from argparse import Namespace
+
+    from tests.test_gguf_quantized import tiny_llama_gguf
+
+    from kestrel.bench.offline import load_model
+    from kestrel.bench.roofline import weight_bytes
+    from kestrel.models.layers.quant import QuantLinear
+
+    path = tiny_llama_gguf(tmp_path / "q4_k.gguf", "Q4_K", tied=False)
+    args = Namespace(shape=None, model=str(path), no_progress=True, quantized_weights=flag)
+    model, _, _ = load_model(args, torch.device("cpu"), torch.float32)
+    packed = any(isinstance(m, QuantLinear) for m in model.modules())
+    assert packed == (flag == "keep")
+    file_bytes = path.stat().st_size
+    if packed:
+        assert 0.9 * file_bytes < weight_bytes(model) < file_bytes
+    else:
+        assert weight_bytes(model) > 5 * file_bytes  # float32 against 4.5 bits a weight

@@ -64,14 +64,15 @@ def source_name(model: str) -> str:
 
 def load_model(args, device, dtype):
     """(model, config, label): random weights of --shape, or the checkpoint of -m."""
+    from kestrel.weights.loader import QUANTIZED_WEIGHTS, resolve
     from kestrel.weights.loader import load_model as load_checkpoint
-    from kestrel.weights.loader import resolve
 
     if args.shape:
         model, config = random_model(args.shape, dtype, device, args.seed)
         return model, config, args.shape
     source = resolve(args.model)
-    model = load_checkpoint(source, dtype, device, progress=not args.no_progress)
+    packed = QUANTIZED_WEIGHTS[args.quantized_weights]
+    model = load_checkpoint(source, dtype, device, not args.no_progress, packed)
     return model, model.config, source.name
 
 

@@ -7,13 +7,15 @@ experts; with uniform routing an expert is left unread with probability (1 - k/E
 tower of a multimodal family runs once per image, never per decoded token.
 
 The byte counts come from kestrel's family model (built on the meta device when only a config is
-at hand), which knows its experts, shared KV layers and latent caches; a raw config does not.
+at hand), which knows its experts, shared KV layers and latent caches; a raw config does not. A
+quantized layer counts the bytes it stores (its packed values and scales), not a float copy.
 """
 
 import torch
 from torch import nn
 
 from kestrel.models.layers.moe import Experts
+from kestrel.models.layers.quant import QuantEmbedding, QuantLinear
 
 # the reference machine's measured ceilings (DESIGN.md section 5)
 H200 = dict(bandwidth=4.25e12, flops=786e12)
@@ -29,8 +31,8 @@ def meta_model(config, dtype):
 
 
 def weight_bytes(model: nn.Module) -> int:
-    """Bytes of every parameter, each shared (tied) one once."""
-    return sum(_bytes(p) for p in model.parameters())
+    """Bytes of every weight, each shared (tied) one once."""
+    return sum(_bytes(p) for _, p in _weights(model))
 
 
 def kv_bytes_per_token(config, dtype) -> int:
@@ -51,8 +53,24 @@ def active_bytes_per_token(config, dtype) -> float:
     return active_weight_bytes(meta_model(config, dtype), batch=1)
 
 
+def _weights(model: nn.Module):
+    """(name, tensor) of every weight once: the parameters, and the stored tensors of quantized
+    layers (buffers by role; a tied head shares its embedding's)."""
+    seen = set()
+    stored = (
+        (f"{prefix}.{role}", getattr(m, role))
+        for prefix, m in model.named_modules()
+        if isinstance(m, (QuantLinear, QuantEmbedding))
+        for role in m.roles
+    )
+    for name, t in (*model.named_parameters(), *stored):
+        if id(t) not in seen:
+            seen.add(id(t))
+            yield name, t
+
+
 def _decode_parameters(model: nn.Module):
-    for name, p in model.named_parameters():
+    for name, p in _weights(model):
         if not any(part in NOT_PER_TOKEN for part in name.split(".")):
             yield name, p
 
@@ -60,10 +78,14 @@ def _decode_parameters(model: nn.Module):
 def _read_fractions(model: nn.Module, batch: int) -> dict[str, float]:
     """{parameter name: fraction of it a step reads} for the parameters read only in part."""
     heads = {id(m.weight) for m in model.modules() if isinstance(m, nn.Linear)}
+    heads |= {id(m.qweight) for m in model.modules() if isinstance(m, QuantLinear)}
     parts = {}
     for prefix, module in model.named_modules():
         if isinstance(module, nn.Embedding) and id(module.weight) not in heads:
             parts[f"{prefix}.weight"] = min(batch, module.num_embeddings) / module.num_embeddings
+        if isinstance(module, QuantEmbedding) and id(module.qweight) not in heads:
+            share = min(batch, module.num_embeddings) / module.num_embeddings
+            parts.update({f"{prefix}.{role}": share for role in module.roles})
         experts = getattr(module, "experts", None)
         if isinstance(experts, Experts):
             top_k = getattr(module, "top_k", None) or module.router.top_k
