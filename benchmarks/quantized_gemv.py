@@ -3,7 +3,8 @@ Llama-3.1-8B's projection shapes, one row of x (single-stream decode), on the GP
 JSON line per (type, shape): microseconds for both, and the rate at which the GEMV reads its
 weights. Types: the GGUF block types and FP8 (e4m3 in 128 x 128 scale tiles).
 
-    python benchmarks/quantized_gemv.py [--sweep] [--types Q4_K FP8 ...]
+    python benchmarks/quantized_gemv.py [--sweep] [--types Q4_K FP8 ...] > results.jsonl
+    python benchmarks/quantized_gemv.py --plot results.svg --from results.jsonl  # matplotlib
 
 `--sweep` also times rows per program, tiles per step and warps on the gate/up and down shapes
 (to choose kernels/gguf_gemv.py's CONFIGS; GGUF types only).
@@ -74,12 +75,41 @@ def sweep(qtype: str, out: int, cols: int) -> list:
     return sorted(times)[:5]
 
 
+def plot(records: list[dict], path: str) -> None:
+    """Each GEMV's speed-up over bf16 `F.linear` on the same shape, a panel per projection
+    shape; the dashed line is parity."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [r for r in records if "gemv_us" in r]
+    shapes = list(dict.fromkeys((r["out"], r["cols"]) for r in rows))
+    fig, axes = plt.subplots(1, len(shapes), figsize=(4 * len(shapes), 3.6), sharey=True)
+    for ax, (out, cols) in zip(axes, shapes, strict=True):
+        mine = [r for r in rows if (r["out"], r["cols"]) == (out, cols)]
+        drawn = ax.bar([r["qtype"] for r in mine], [r["speedup"] for r in mine])
+        ax.bar_label(drawn, [f"{r['speedup']:.2f}" for r in mine], fontsize=7)
+        ax.axhline(1.0, color="gray", linestyle="--", linewidth=1)
+        ax.set_title(f"{out} x {cols}, one row of x", fontsize=9)
+        ax.tick_params(axis="x", labelrotation=60, labelsize=8)
+    axes[0].set_ylabel("speed-up over bf16 F.linear")
+    fig.suptitle(f"Quantized GEMVs on the {rows[0]['device']} (commit {rows[0]['commit']})")
+    fig.tight_layout()
+    fig.savefig(path)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sweep", action="store_true")
     types = [*sorted(TYPES), "FP8"]
     parser.add_argument("--types", nargs="+", default=types, choices=types)
+    parser.add_argument("--plot", help="draw the results of --from into this SVG")
+    parser.add_argument("--from", dest="source", help="JSON lines of an earlier run")
     args = parser.parse_args()
+    if args.plot:
+        plot([json.loads(line) for line in open(args.source)], args.plot)
+        return
     for qtype in args.types:
         for out, cols in SHAPES:
             row = measure(qtype, out, cols)
