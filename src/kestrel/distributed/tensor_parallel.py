@@ -45,14 +45,27 @@ from kestrel.models.nemotron_h import NemotronHMLP, NemotronHMoE
 from kestrel.models.nemotron_nas import LinearAttention, LinearMLP
 
 
+def _copy(t: torch.Tensor) -> nn.Parameter:
+    """A frozen parameter holding a copy of `t` (a slice of a whole weight, which can then go)."""
+    return nn.Parameter(t.clone(), requires_grad=False)
+
+
+def _rank_share(total: int, tp: TPGroup, refusal: str) -> slice:
+    """This rank's equal share of `total` items; `refusal` (the error) when they do not split."""
+    if total % tp.size:
+        raise ValueError(f"{refusal} over {tp.size} ranks")
+    part = total // tp.size
+    return slice(tp.rank * part, (tp.rank + 1) * part)
+
+
 def column_parallel(linear: nn.Linear, rows: slice) -> nn.Linear:
     """Output rows `rows` of a Linear: x (..., in) -> this rank's slice of the outputs. A plain
     Linear, so layers/fused.py still concatenates q/k/v and gate/up into one matmul."""
     weight = linear.weight.data[rows]
     part = nn.Linear(weight.shape[1], weight.shape[0], linear.bias is not None, device="meta")
-    part.weight = nn.Parameter(weight.clone(), requires_grad=False)
+    part.weight = _copy(weight)
     if linear.bias is not None:
-        part.bias = nn.Parameter(linear.bias.data[rows].clone(), requires_grad=False)
+        part.bias = _copy(linear.bias.data[rows])
     return part
 
 
@@ -62,7 +75,7 @@ class RowParallelLinear(nn.Module):
 
     def __init__(self, linear: nn.Linear, cols: slice, tp: TPGroup):
         super().__init__()
-        self.weight = nn.Parameter(linear.weight.data[:, cols].clone(), requires_grad=False)
+        self.weight = _copy(linear.weight.data[:, cols])
         self.bias = linear.bias
         self.tp = tp
 
@@ -106,14 +119,11 @@ class ParallelExperts(nn.Module):
     def __init__(self, experts: Experts, tp: TPGroup):
         super().__init__()
         width = experts.intermediate
-        if width % tp.size:
-            raise ValueError(f"expert width {width} does not split over {tp.size} ranks")
-        part = width // tp.size
-        cols = slice(tp.rank * part, (tp.rank + 1) * part)
+        cols = _rank_share(width, tp, f"expert width {width} does not split")
         w = experts.in_proj.data  # (E, 2I, H) gate rows then up rows, or (E, I, H) ungated
         rows = torch.cat([w[:, cols], w[:, width:][:, cols]], 1) if experts.gated else w[:, cols]
         _keep_experts(experts, rows, experts.down_proj.data[:, :, cols])
-        experts.intermediate = part
+        experts.intermediate = cols.stop - cols.start
         self.experts, self.tp = experts, tp
 
     def forward(self, x, weights, ids) -> torch.Tensor:
@@ -127,13 +137,10 @@ class ExpertParallel(nn.Module):
     def __init__(self, experts: Experts, tp: TPGroup):
         super().__init__()
         total = experts.num_experts
-        if total % tp.size:
-            raise ValueError(f"{total} experts do not split over {tp.size} ranks")
-        n = total // tp.size
-        self.first, self.end = tp.rank * n, (tp.rank + 1) * n
-        own = slice(self.first, self.end)
+        own = _rank_share(total, tp, f"{total} experts do not split")
+        self.first, self.end = own.start, own.stop
         _keep_experts(experts, experts.in_proj.data[own], experts.down_proj.data[own])
-        experts.num_experts = n
+        experts.num_experts = own.stop - own.start
         self.experts, self.tp = experts, tp
 
     def forward(self, x, weights, ids) -> torch.Tensor:
@@ -145,8 +152,8 @@ class ExpertParallel(nn.Module):
 def _keep_experts(experts: Experts, in_proj: torch.Tensor, down_proj: torch.Tensor) -> None:
     """The stack holds copies of these parts of its weights (the whole ones are let go)."""
     name = "gate_up_proj" if experts.gated else "up_proj"
-    setattr(experts, name, nn.Parameter(in_proj.clone(), requires_grad=False))
-    experts.down_proj = nn.Parameter(down_proj.clone(), requires_grad=False)
+    setattr(experts, name, _copy(in_proj))
+    experts.down_proj = _copy(down_proj)
 
 
 def vocab_shard(weight: torch.Tensor, tp: TPGroup) -> torch.Tensor:
@@ -316,7 +323,7 @@ def _shard_mamba2(m: Mamba2Mixer, tp: TPGroup) -> None:
     )
     m.conv1d = _conv_channels(m.conv1d, torch.cat([x, inner + bc, inner + G * N + bc]))
     for name in ("dt_bias", "A_log", "D"):
-        setattr(m, name, nn.Parameter(getattr(m, name).data[heads].clone(), requires_grad=False))
+        setattr(m, name, _copy(getattr(m, name).data[heads]))
     whole_group = G == 1 and tp.size > 1
     m.norm = GroupNormAcrossRanks(m.norm, x, tp) if whole_group else _norm_channels(m.norm, x)
     m.out_proj = RowParallelLinear(m.out_proj, x, tp)
@@ -327,32 +334,30 @@ def _shard_mamba(m: MambaMixer, tp: TPGroup) -> None:
     """Mamba (v1, Jamba) by channels: in_proj's x and z rows, the conv, dt_proj's rows, A and D
     of this rank's channels; x_proj reads them row parallel (its dt, B and C summed over the
     ranks, so every rank has them whole), and so does out_proj."""
-    if m.inner % tp.size:
-        raise ValueError(f"Mamba's {m.inner} channels do not split over {tp.size} ranks")
-    n = m.inner // tp.size
-    x = torch.arange(tp.rank * n, (tp.rank + 1) * n)
+    own = _rank_share(m.inner, tp, f"Mamba's {m.inner} channels do not split")
+    x = torch.arange(own.start, own.stop)
     m.in_proj = column_parallel(m.in_proj, torch.cat([x, m.inner + x]))
     m.conv1d = _conv_channels(m.conv1d, x)
     m.x_proj = RowParallelLinear(m.x_proj, x, tp)
     m.dt_proj = column_parallel(m.dt_proj, x)
     for name in ("A_log", "D"):
-        setattr(m, name, nn.Parameter(getattr(m, name).data[x].clone(), requires_grad=False))
+        setattr(m, name, _copy(getattr(m, name).data[x]))
     m.out_proj = RowParallelLinear(m.out_proj, x, tp)
-    m.inner = n
+    m.inner = len(x)
 
 
 def _conv_channels(conv: nn.Conv1d, channels: torch.Tensor) -> nn.Conv1d:
     """A depthwise Conv1d of these channels only."""
     n = len(channels)
     part = nn.Conv1d(n, n, conv.kernel_size[0], groups=n, bias=conv.bias is not None, device="meta")
-    part.weight = nn.Parameter(conv.weight.data[channels].clone(), requires_grad=False)
+    part.weight = _copy(conv.weight.data[channels])
     if conv.bias is not None:
-        part.bias = nn.Parameter(conv.bias.data[channels].clone(), requires_grad=False)
+        part.bias = _copy(conv.bias.data[channels])
     return part
 
 
 def _norm_channels(norm: GatedRMSNorm, channels: torch.Tensor) -> GatedRMSNorm:
-    norm.weight = nn.Parameter(norm.weight.data[channels].clone(), requires_grad=False)
+    norm.weight = _copy(norm.weight.data[channels])
     return norm
 
 
@@ -362,7 +367,7 @@ class GroupNormAcrossRanks(nn.Module):
 
     def __init__(self, norm: GatedRMSNorm, channels: torch.Tensor, tp: TPGroup):
         super().__init__()
-        self.weight = nn.Parameter(norm.weight.data[channels].clone(), requires_grad=False)
+        self.weight = _copy(norm.weight.data[channels])
         self.eps, self.width, self.tp = norm.eps, norm.group_size, tp  # the whole group's width
 
     def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
@@ -379,10 +384,7 @@ def _heads(first: int, count: int, dim: int) -> slice:
 def _shard_mlp(mlp: GatedMLP | NemotronHMLP, tp: TPGroup) -> None:
     """Gated or not (Nemotron-H's): gate and up along the width, down_proj along its input."""
     width = mlp.up_proj.out_features
-    if width % tp.size:
-        raise ValueError(f"MLP width {width} does not split over {tp.size} ranks")
-    part = width // tp.size
-    cols = slice(tp.rank * part, (tp.rank + 1) * part)
+    cols = _rank_share(width, tp, f"MLP width {width} does not split")
     for name in ("gate_proj", "up_proj"):
         if hasattr(mlp, name):
             setattr(mlp, name, column_parallel(getattr(mlp, name), cols))
