@@ -10,7 +10,7 @@ from dataclasses import dataclass, field, fields
 from kestrel.errors import InvalidRequestError
 from kestrel.weights.embedded import DEFAULT_MODEL
 
-SPECULATIVE_METHODS = ("ngram", "draft")  # MTP is issue 20's later slice
+SPECULATIVE_METHODS = ("ngram", "draft", "mtp")
 
 
 @dataclass
@@ -60,7 +60,8 @@ class SpeculativeConfig:
     """Speculative decoding (engine/speculative.py): propose up to `num_speculative_tokens`
     tokens per decode and verify them in one forward; the output is unchanged."""
 
-    speculative: str | None = None  # "ngram" (prompt lookup), "draft" (a model); None: off
+    # "ngram" (prompt lookup), "draft" (a model), "mtp" (the checkpoint's MTP layer); None: off
+    speculative: str | None = None
     num_speculative_tokens: int = 5  # most tokens proposed per step
     ngram_min: int = 2  # shortest n-gram matched...
     ngram_max: int = 4  # ...and longest (tried first)

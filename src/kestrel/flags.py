@@ -134,7 +134,8 @@ def add_speculative_args(p: argparse.ArgumentParser) -> None:
         choices=SPECULATIVE_METHODS,
         default=None,
         help="propose tokens and verify them in one forward (ngram: prompt lookup; draft: a "
-        "smaller model with the same tokenizer, --draft-model); output unchanged",
+        "smaller model with the same tokenizer, --draft-model; mtp: the checkpoint's own "
+        "multi-token-prediction layer, EXAONE-MoE and GLM-4.x-Flash); output unchanged",
     )
     spec.add_argument(
         "--draft-model",

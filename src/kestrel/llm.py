@@ -20,8 +20,9 @@ def load_engine(config: Config, progress: bool = True, exit_with_workers: bool =
     if config.parallel.ranks > 1:
         from kestrel.distributed.workers import joined_rank, start_joined, start_ranks
 
-        if config.speculation.speculative == "draft":
-            raise ValueError("--speculative draft runs on one device: not with -tp or -pp")
+        if config.speculation.speculative in ("draft", "mtp"):
+            method = config.speculation.speculative
+            raise ValueError(f"--speculative {method} runs on one device: not with -tp or -pp")
         if joined_rank() is not None:  # torchrun started every rank (other machines too)
             return start_joined(config, progress)
         return start_ranks(config, progress, exit_with_workers)

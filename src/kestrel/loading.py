@@ -34,10 +34,11 @@ def load_model(config: Config, device: torch.device, progress: bool = True, sele
     a named shape (source None). `select(model)`: names of parameters a checkpoint's loading
     leaves on the meta device (weights.loader.load_model)."""
     dtype = resolve_dtype(config.model.dtype, device)
+    mtp = config.speculation.speculative == "mtp"  # the checkpoint's MTP layer proposes
     if config.model.shape:
-        return (*load_shape(config.model.shape, dtype, device, select=select), None)
+        return (*load_shape(config.model.shape, dtype, device, select=select, mtp=mtp), None)
     model = config.model
-    return load(model.model, dtype, device, progress, model.quantized_weights, select)
+    return load(model.model, dtype, device, progress, model.quantized_weights, select, mtp)
 
 
 def load_draft(config: Config, device: torch.device, tokenizer, progress: bool = True):

@@ -407,8 +407,10 @@ def run_bench(args) -> int:
     out = open(args.output, "a") if args.output else None
     env = environment(device)
     modes = ["latency", "throughput"] if args.mode == "all" else [args.mode]
-    if args.speculative == "draft" and modes != ["engine"]:
-        raise SystemExit("kestrel bench: --speculative draft runs only as `kestrel bench engine`")
+    if args.speculative in ("draft", "mtp") and modes != ["engine"]:
+        raise SystemExit(
+            f"kestrel bench: --speculative {args.speculative} runs only as `kestrel bench engine`"
+        )
     latency = Workload(1, args.latency_prompt_tokens, args.latency_output_tokens, seed=args.seed)
     batch = Workload(
         args.num_requests, args.prompt_tokens, args.output_tokens, args.random_lengths, args.seed

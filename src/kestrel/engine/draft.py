@@ -69,14 +69,12 @@ class DraftProposer:
         wanted: dict[str, int] = {}
         for request, m in zip(requests, most, strict=True):
             m = min(self.k, m)
-            if m > 0 and len(request.prompt_ids) + len(request.output_ids) + m <= self.max_len:
+            if self._ready(request, m):
                 wanted[request.request_id] = m
-                self._sync(request)
-            else:
-                self.release(request.request_id)
-        drafts = {request_id: [] for request_id in wanted}
-        active = [self.shadows[request_id] for request_id in wanted]
+        drafts = {request_id: self._head(request_id) for request_id in wanted}
+        active = [self.shadows[r] for r in wanted if len(drafts[r]) < wanted[r]]
         while active:
+            self._before_round(active)
             for shadow, token in self._round(active):
                 if token is None:  # failed: no proposal, and its draft cache starts over
                     drafts[shadow.request_id] = []
@@ -90,6 +88,21 @@ class DraftProposer:
                 if s.request_id in self.shadows and len(drafts[s.request_id]) < wanted[s.request_id]
             ]
         return [drafts.get(request.request_id, []) for request in requests]
+
+    def _ready(self, request: Request, m: int) -> bool:
+        """Whether the request gets m proposals this step, its shadow then synced to it."""
+        if m <= 0 or len(request.prompt_ids) + len(request.output_ids) + m > self.max_len:
+            self.release(request.request_id)
+            return False
+        self._sync(request)
+        return True
+
+    def _head(self, request_id: str) -> list[int]:
+        """The proposals a request has before the rounds (none: the rounds make them all)."""
+        return []
+
+    def _before_round(self, active: list[Request]) -> None:
+        """What the shadows need before a round (nothing: the draft takes only tokens)."""
 
     def _sync(self, request: Request) -> None:
         """The request's shadow holds its tokens, its computed keys cut back to the longest
@@ -152,9 +165,15 @@ def draft_proposer(draft, device: torch.device, config: Config, max_len: int, vo
             "rolled back)"
         )
     k = config.speculation.num_speculative_tokens
+    return DraftProposer(draft_runner(draft, device, config, max_len), k, max_len)
+
+
+def draft_runner(draft, device: torch.device, config: Config, max_len: int, **kwargs) -> DraftRunner:
+    """The runner of a draft model for this target's scheduler limits."""
+    k = config.speculation.num_speculative_tokens
     sched = config.scheduler
     cache = replace(config.cache, prefix_caching=False, num_blocks=None)
-    runner = DraftRunner(
+    return DraftRunner(
         draft,
         device,
         sched.max_num_seqs,
@@ -163,5 +182,5 @@ def draft_proposer(draft, device: torch.device, config: Config, max_len: int, vo
         cache,
         config.model.cuda_graphs,
         speculative_tokens=k,  # catch-up chunks of up to k + 1 tokens run in graphs too
+        **kwargs,
     )
-    return DraftProposer(runner, k, max_len)

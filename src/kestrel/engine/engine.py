@@ -7,6 +7,7 @@ import torch
 
 from kestrel.config import Config
 from kestrel.engine.draft import DraftProposer, draft_proposer
+from kestrel.engine.mtp import MtpProposer, mtp_proposer
 from kestrel.engine.grammar import GrammarMasks
 from kestrel.engine.paged_runner import make_runner
 from kestrel.engine.request import Request
@@ -81,9 +82,11 @@ class Engine:
         self.eos_ids = stop_token_ids(tokenizer, text)
         self.ctx_size = self.config.model.ctx_size or getattr(text, "max_position_embeddings", 4096)
         # before the target's runner: on CUDA its pool takes its share of memory first
-        proposer = self._draft_proposer(draft)
+        proposer = self._draft_proposer(model, draft)
         # CUDA: the paged runner (pool, kernels, graphs); the reference runner otherwise
         self.runner = make_runner(model, self.device, self.config, self.ctx_size)
+        if isinstance(proposer, MtpProposer):  # it catches up on the model's hidden states
+            self.runner.hidden_out = proposer.observe
         self.runner.grammar = GrammarMasks(tokenizer, self.vocab_size, self.eos_ids)
         blocks = self.runner.block_manager(self.config.scheduler.kv_capacity)
         # the KV capacity in effect (the GPU pool's, when it has one) bounds what requests ask
@@ -108,7 +111,9 @@ class Engine:
         # hook("detokenize", request) before each detokenization
         self.fault_hook = None
 
-    def _draft_proposer(self, draft) -> DraftProposer | None:
+    def _draft_proposer(self, model, draft) -> DraftProposer | None:
+        if self.config.speculation.speculative == "mtp":
+            return mtp_proposer(model, self.device, self.config, self.ctx_size)
         if self.config.speculation.speculative != "draft":
             return None
         if draft is None:

@@ -86,6 +86,7 @@ def make_runner(model, device: torch.device, config: Config, max_model_len: int)
             config.model.cuda_graphs,
             config.scheduler.kv_capacity,
             config.speculation.num_speculative_tokens if config.speculation.speculative else 0,
+            keep_hidden=config.speculation.speculative == "mtp",
         )
     return ModelRunner(model, device)
 
@@ -107,10 +108,19 @@ class PagedRunner(ModelRunner):
         cuda_graphs: bool = True,
         kv_capacity: int | None = None,
         speculative_tokens: int = 0,
+        keep_hidden: bool = False,
     ):
         """`kv_capacity` (tokens) bounds the pool below what memory allows; `speculative_tokens`
-        (k, 0: none) adds CUDA graphs for steps of chunks of up to 1 + k tokens (verify steps)."""
+        (k, 0: none) adds CUDA graphs for steps of chunks of up to 1 + k tokens (verify steps).
+        `keep_hidden`: each step hands every chunk's final hidden states to `hidden_out` (an MTP
+        draft catches up on them: engine/mtp.py)."""
         super().__init__(model, device)
+        self.keep_hidden = keep_hidden
+        # hidden_out(chunks, per chunk its rows' (n, H) hidden states, results), after each step
+        self.hidden_out = None
+        # an MTP draft's runner: hidden_in(chunks) -> (T, H), the hidden state each row takes
+        self.takes_hidden = getattr(model, "takes_hidden", False)
+        self.hidden_in = None
         self.cache_config = cache or CacheConfig()
         self.cuda_graphs = cuda_graphs
         self.max_num_seqs, self.token_budget = max_num_seqs, token_budget
@@ -283,15 +293,24 @@ class PagedRunner(ModelRunner):
         speculative = [c for c in chunks if c.draft]
         masks = self._start_masks(sampling)  # on the host, while the device runs the forward
         if graph is not None:
-            logits, hidden = self._replay(packed, *graph, chunks), None  # nothing pooled
+            logits, rows = self._replay(packed, *graph, chunks)
+            hidden = None  # nothing pooled
         else:
             batch = self._to_batch(packed, tile_tokens=1 if decode else None)
+            batch.keep_hidden = self.keep_hidden
+            if self.takes_hidden:
+                batch.prev_hidden = self.hidden_in(chunks)
             logits, hidden = self._forward(batch, len(packed.rows) + len(packed.verify_rows))
+            rows = batch.hidden, [(start, n) for _, start, n in packed.tiles]
         self._advance(chunks)
         plain, verify = logits[: len(sampling)], logits[len(sampling) :]
         masked, failed = self._apply_masks(masks, plain)
         results = self._sample_batch(sampling, plain, masked) + self._verify(speculative, verify)
-        return self._finish(chunks, self._accept(results, failed), hidden)
+        results = self._finish(chunks, self._accept(results, failed), hidden)
+        if self.keep_hidden:
+            all_rows, spans = rows
+            self.hidden_out(chunks, [all_rows[s : s + n] for s, n in spans], results)
+        return results
 
     def _pack_batch(self, chunks) -> PagedBatch:
         return self._to_batch(self._pack_host(chunks), None)
@@ -367,6 +386,7 @@ class PagedRunner(ModelRunner):
         # constant index rows (a graph reads its inputs where they were at capture: they live
         # as long as it does)
         rows = torch.arange(big * width, device=self.device)
+        hidden_size = self.model.config.get_text_config().hidden_size
         self.static[width] = (
             zeros(5, big * width),
             zeros(7, big),
@@ -374,6 +394,7 @@ class PagedRunner(ModelRunner):
             rows,
             rows[:big],
             rows[:big] * width,
+            torch.zeros(big * width, hidden_size, dtype=self.dtype, device=self.device),
         )
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
@@ -384,12 +405,12 @@ class PagedRunner(ModelRunner):
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph, pool=self.graph_pool, stream=stream):
                     logits = self.model(batch)
-                self.graphs[width, b] = (graph, logits)
+                self.graphs[width, b] = (graph, logits, batch.hidden)
         torch.cuda.current_stream().wait_stream(stream)
         torch.cuda.synchronize()
 
     def _static_batch(self, width: int, b: int) -> PagedBatch:
-        tokens, seqs, table, rows, seq, tile_start = self.static[width]
+        tokens, seqs, table, rows, seq, tile_start, hidden_in = self.static[width]
         ids, pos, slots, rope, ends = (row[: b * width] for row in tokens)
         t_len, nb, n_sink, main, live, keep, state_slots = (row[:b] for row in seqs)
         seq = seq[:b]
@@ -414,7 +435,16 @@ class PagedRunner(ModelRunner):
             groups = [(seq[:, None], PoolStates(self.states, state_slots))]
         rows = rows[: b * width]  # every row's logits
         return PagedBatch(
-            ids, pos, [], rows, rope, chunk_ends=ends, state_groups=groups, attention=meta
+            ids,
+            pos,
+            [],
+            rows,
+            rope,
+            chunk_ends=ends,
+            state_groups=groups,
+            keep_hidden=self.keep_hidden,
+            prev_hidden=hidden_in[: b * width] if self.takes_hidden else None,
+            attention=meta,
         )
 
     def _graph_for(self, chunks: list[ScheduledChunk], p: Packed) -> tuple[int, int] | None:
@@ -428,11 +458,10 @@ class PagedRunner(ModelRunner):
             ((w, b) for w, b in sorted(self.graphs) if w >= widest and b >= len(chunks)), None
         )
 
-    def _replay(
-        self, p: Packed, width: int, size: int, chunks: list[ScheduledChunk]
-    ) -> torch.Tensor:
+    def _replay(self, p: Packed, width: int, size: int, chunks: list[ScheduledChunk]):
         """The step through its graph: (rows, V) logits, the plain chunks' last rows first, then
-        every row of each speculative chunk (as the eager step's `rows` order them)."""
+        every row of each speculative chunk (as the eager step's `rows` order them); and the
+        graph's (T, H) hidden states with each chunk's (start, length) in them."""
         b = len(p.seqs)
         blocks_width = max(len(s[0]) for s in p.seqs)
         host = array("q")  # the per-token rows, the per-sequence rows, then the block table
@@ -457,15 +486,21 @@ class PagedRunner(ModelRunner):
         tokens[:, : size * width].copy_(host[:n].view(5, -1), non_blocking=True)
         seqs[:, :size].copy_(host[n : n + 7 * size].view(7, size), non_blocking=True)
         table[:b, :blocks_width].copy_(host[n + 7 * size :].view(b, -1), non_blocking=True)
-        graph, logits = self.graphs[width, size]
+        spans = [(s * width, c.num_tokens) for s, c in enumerate(chunks)]
+        if self.takes_hidden:  # each chunk's rows at the start of its `width` rows
+            rows = [s + i for s, n in spans for i in range(n)]
+            index = torch.tensor(rows, device=self.device)
+            self.static[width][-1].index_copy_(0, index, self.hidden_in(chunks))
+        graph, logits, hidden = self.graphs[width, size]
         graph.replay()
         if width == 1:
-            return logits[:b]
+            return logits[:b], (hidden, spans)
         last = [s * width + c.num_tokens - 1 for s, c in enumerate(chunks) if not c.draft]
         verify = [
             s * width + i for s, c in enumerate(chunks) if c.draft for i in range(c.num_tokens)
         ]
-        return logits.index_select(0, torch.tensor(last + verify, device=logits.device))
+        rows = torch.tensor(last + verify, device=logits.device)
+        return logits.index_select(0, rows), (hidden, spans)
 
     # -- sampling on the device ---------------------------------------------------------------
 

@@ -61,6 +61,8 @@ class CausalLM(nn.Module):
             self.model = self.backbone(config)
             self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
             self.tie_weights()
+        if getattr(config, "with_mtp", False):  # weights.loader.build_model(mtp=True)
+            self.mtp = self.next_token_predictor()
 
     def cache_specs(self) -> list[CacheSpec]:
         """One spec per layer: what each layer keeps per sequence."""
@@ -76,6 +78,14 @@ class CausalLM(nn.Module):
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """(R, H) hidden states -> (R, V) logits."""
         return self.lm_head(hidden)
+
+    def next_token_predictor(self) -> nn.Module:
+        """The checkpoint's multi-token-prediction layer (models/layers/mtp.py), to be loaded as
+        `mtp.*`; families whose checkpoints carry one build it."""
+        raise ValueError(
+            f"--speculative mtp: {self.config.model_type} checkpoints carry no multi-token "
+            "prediction layer (EXAONE-MoE and GLM-4.x-Flash do)"
+        )
 
     def checkpoint_name(self, name: str) -> str | Slot | None:
         """Map a checkpoint tensor name to a parameter name or a `Slot` (None: not ours, skip it)."""

@@ -76,6 +76,11 @@ class ForwardBatch:
     images: ImageRows | None = None
     chunk_ends: torch.Tensor | None = None
     state_groups: list | None = None  # the paged runner's recurrent-state groups (layers/mamba.py)
+    # multi-token prediction (models/layers/mtp.py): every row's final hidden state is kept in
+    # `hidden` (keep_hidden); an MTP draft's rows take their hidden state from `prev_hidden`
+    keep_hidden: bool = False
+    hidden: torch.Tensor | None = None
+    prev_hidden: torch.Tensor | None = None
 
     @classmethod
     def single(

@@ -9,6 +9,8 @@ GGUF files (llama.cpp's "exaone-moe") store gate and up experts as two stacked t
 comes from their metadata (`config_from_gguf`), which transformers cannot read.
 """
 
+import copy
+
 import torch
 from torch import nn
 from transformers import ExaoneMoeConfig
@@ -19,6 +21,7 @@ from kestrel.models.batch import ForwardBatch
 from kestrel.models.layers.attention import Attention
 from kestrel.models.layers.mlp import GatedMLP
 from kestrel.models.layers.moe import SparseMoE, expert_slot
+from kestrel.models.layers.mtp import MultiTokenPredictor, final_norm, predictor_name
 from kestrel.models.layers.norm import RMSNorm
 from kestrel.models.layers.rope import RotaryEmbedding
 
@@ -84,7 +87,7 @@ class ExaoneMoeModel(nn.Module):
         cos_sin = self.rotary_emb(batch.positions)  # (T, D) each, shared by the RoPE layers
         for layer in self.layers:
             x = layer(x, batch, cos_sin)
-        return self.norm(x[batch.logits_rows])
+        return final_norm(self.norm, x, batch)
 
 
 class ExaoneMoeForCausalLM(CausalLM):
@@ -94,9 +97,21 @@ class ExaoneMoeForCausalLM(CausalLM):
         windows = [layer.self_attn.window for layer in self.model.layers]
         return [CacheSpec("sliding", w) if w else CacheSpec("full") for w in windows]
 
+    def next_token_predictor(self) -> MultiTokenPredictor:
+        """vLLM's K-EXAONE MTP layer: a dense block whose attention is `mtp_layer_types[0]`."""
+        config = copy.copy(self.config)
+        kind = (getattr(config, "mtp_layer_types", None) or ["full_attention"])[0]
+        config.layer_types, config.mlp_layer_types = [kind], ["dense"]
+        block = ExaoneMoeBlock(config, 0, self.model.rotary_emb)
+        window = block.self_attn.window
+        spec = CacheSpec("sliding", window) if window else CacheSpec("full")
+        return MultiTokenPredictor(config, block, spec, chain_normed=True)
+
     def checkpoint_name(self, name: str) -> str | Slot | None:
-        if name.startswith("mtp."):
-            return None  # multi-token-prediction head: not used for decoding
+        if name.startswith("mtp."):  # the MTP layer: loaded with --speculative mtp
+            if not hasattr(self, "mtp"):
+                return None
+            return predictor_name(name.removeprefix("mtp."), MTP_NAMES, "layers.0.")
         name = name.replace("mlp.e_score_correction_bias", "mlp.gate.e_score_correction_bias")
         if name.endswith((".experts.gate_proj", ".experts.up_proj")):  # GGUF: (E, I, H) each
             I = self.config.moe_intermediate_size  # noqa: E741
@@ -152,3 +167,12 @@ class ExaoneMoeForCausalLM(CausalLM):
             bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
             eos_token_id=meta.get("tokenizer.ggml.eos_token_id"),
         )
+
+
+# the MTP layer's own tensors (checkpoint names under "mtp.")
+MTP_NAMES = {
+    "fc": "proj",
+    "pre_fc_norm_embedding": "embed_norm",
+    "pre_fc_norm_hidden": "hidden_norm",
+    "norm": "norm",
+}

@@ -4,14 +4,19 @@ Multi-head latent attention (models/layers/mla.py) with interleaved RoPE pairs (
 the cache keeps only each token's normed KV latent and shared RoPE key, so KV memory per token
 is `kv_lora_rank + qk_rope_head_dim`. Feed-forward per `mlp_layer_types`: a dense MLP or a
 sigmoid-routed MoE with score-correction bias, group-limited top-k, routed scaling and shared
-experts (models/layers/moe.py). Checkpoints store one tensor per expert and may carry multi-token
-prediction layers past `num_hidden_layers`, which match no parameter and are skipped.
+experts (models/layers/moe.py). Checkpoints store one tensor per expert and carry a multi-token
+prediction layer as layer `num_hidden_layers` (DeepSeek-V3's names: enorm, hnorm, eh_proj,
+shared_head), an MoE block that `--speculative mtp` loads (models/layers/mtp.py) and that is
+skipped otherwise.
 """
+
+import copy
 
 from torch import nn
 
 from kestrel.models.base import Slot
-from kestrel.models.layers.mla import LatentCausalLM, MLADecoder
+from kestrel.models.layers.mla import LatentCausalLM, MLADecoder, latent_cache_specs, mla_block
+from kestrel.models.layers.mtp import MultiTokenPredictor, predictor_name
 from kestrel.models.layers.mlp import GatedMLP
 from kestrel.models.layers.moe import SparseMoE, expert_slot
 
@@ -43,6 +48,27 @@ class Glm4MoeLiteModel(MLADecoder):
 class Glm4MoeLiteForCausalLM(LatentCausalLM):
     backbone = Glm4MoeLiteModel
 
+    def next_token_predictor(self) -> MultiTokenPredictor:
+        config = copy.copy(self.config)
+        config.mlp_layer_types = ["sparse"]  # DeepSeek's MTP block is an MoE layer
+        block = mla_block(config, 0, feed_forward(config, 0))
+        return MultiTokenPredictor(config, block, latent_cache_specs(1)[0], chain_normed=False)
+
     def checkpoint_name(self, name: str) -> str | Slot | None:
-        # multi-token-prediction layers (past num_hidden_layers) match no parameter: skipped
+        mtp_prefix = f"model.layers.{self.config.num_hidden_layers}."
+        if name.startswith(mtp_prefix):  # the MTP layer: loaded with --speculative mtp
+            name = hasattr(self, "mtp") and predictor_name(name[len(mtp_prefix) :], MTP_NAMES, "")
+            if not name:
+                return None
         return expert_slot(name, self.config.moe_intermediate_size) or name
+
+
+# the MTP layer's own tensors; its copies of the embeddings and head are the model's
+MTP_NAMES = {
+    "enorm": "embed_norm",
+    "hnorm": "hidden_norm",
+    "eh_proj": "proj",
+    "shared_head.norm": "norm",
+    "shared_head.head": None,
+    "embed_tokens": None,
+}

@@ -1,5 +1,6 @@
 """Resolve a model argument (alias, .gguf file, HF folder) and build the model with its weights."""
 
+import copy
 import json
 import logging
 import os
@@ -174,10 +175,16 @@ def _dense_bytes(tensors, dtype: torch.dtype) -> int:
     return sum(t.n_elements for _, t in tensors) * (torch.finfo(dtype).bits // 8)
 
 
-def build_model(config, dtype: torch.dtype, device: torch.device, empty: bool = False) -> CausalLM:
+def build_model(
+    config, dtype: torch.dtype, device: torch.device, empty: bool = False, mtp: bool = False
+) -> CausalLM:
     """The model of `config` with random weights on `device`; with `empty`, its parameters on the
-    meta device (no memory, no initialization) for `load_weights` to materialize."""
+    meta device (no memory, no initialization) for `load_weights` to materialize; with `mtp`,
+    its multi-token-prediction layer too (as `model.mtp`; models/layers/mtp.py)."""
     cls = model_class(config.model_type)
+    if mtp:
+        config = copy.copy(config)  # the caller's config stays as it was
+        config.with_mtp = True
     previous = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
@@ -523,6 +530,11 @@ def _check_all_loaded(model, params: dict, loaded: set, source: ModelSource) -> 
     missing += [
         n for n, p in model.named_parameters() if p.is_meta and n not in missing and n not in loaded
     ]
+    if missing and all(name.startswith("mtp.") for name in missing):
+        raise ModelLoadError(
+            f"{source.path}: --speculative mtp: the checkpoint has no multi-token-prediction "
+            f"layer (it lacks {len(missing)} tensors, e.g. {missing[:3]})"
+        )
     if missing:
         raise ModelLoadError(
             f"{source.path}: checkpoint lacks {len(missing)} tensors, e.g. {missing[:3]}"
@@ -536,11 +548,18 @@ def load_model(
     progress: bool = True,
     packed: bool | None = None,
     select=None,
+    mtp: bool = False,
 ):
     """The model with its weights; `packed` as `load_weights` (default: `keep_packed`);
-    `select(model)`: the names of parameters to leave unloaded, from the model built empty."""
+    `select(model)`: the names of parameters to leave unloaded, from the model built empty;
+    `mtp`: with its multi-token-prediction layer (`build_model`)."""
+    if mtp and source.is_gguf:
+        raise ValueError(
+            "--speculative mtp: the multi-token-prediction layer loads from a safetensors "
+            "checkpoint; not from a GGUF file"
+        )
     config = text_config(load_config(source))
-    model = build_model(config, dtype, device, empty=True)
+    model = build_model(config, dtype, device, empty=True, mtp=mtp)
     skip = frozenset(select(model)) if select is not None else frozenset()
     load_weights(model, source, progress, device, packed, skip)
     return model
@@ -556,14 +575,15 @@ def load(
     progress: bool = True,
     quantized_weights: str = "auto",
     select=None,
+    mtp: bool = False,
 ):
     """(model, tokenizer, source) for a model argument; `quantized_weights` as the flag;
-    `select` as `load_model`."""
+    `select` and `mtp` as `load_model`."""
     if quantized_weights not in QUANTIZED_WEIGHTS:
         raise ValueError(
             f"quantized_weights {quantized_weights!r}; supported: {', '.join(QUANTIZED_WEIGHTS)}"
         )
     source = resolve(model)
     packed = QUANTIZED_WEIGHTS[quantized_weights]
-    model = load_model(source, dtype, device, progress, packed, select)
+    model = load_model(source, dtype, device, progress, packed, select, mtp)
     return model, load_tokenizer(source), source

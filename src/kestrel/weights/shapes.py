@@ -412,10 +412,10 @@ def decoder_config(config):
     return config.get_text_config()
 
 
-def random_model(name: str, dtype, device, seed: int = 0, select=None):
+def random_model(name: str, dtype, device, seed: int = 0, select=None, mtp: bool = False):
     """(model, config): random weights of the named shape, built on `device`; `select(model)`:
     names of parameters left on the meta device (a pipeline stage's other layers, as
-    weights.loader.load_model leaves them)."""
+    weights.loader.load_model leaves them); `mtp`: with a multi-token-prediction layer."""
     import torch
 
     from kestrel.weights.loader import build_model
@@ -423,9 +423,9 @@ def random_model(name: str, dtype, device, seed: int = 0, select=None):
     config = shape_config(name)
     torch.manual_seed(seed)
     if select is None:
-        model = build_model(config, dtype, device)
+        model = build_model(config, dtype, device, mtp=mtp)
     else:
-        model = build_model(config, dtype, device, empty=True)
+        model = build_model(config, dtype, device, empty=True, mtp=mtp)
         _materialize(model, device, set(select(model)))
     randomize(model)
     return model, config
@@ -476,8 +476,8 @@ def shape_tokenizer(vocab_size: int):
     )
 
 
-def load_shape(name: str, dtype, device, seed: int = 0, select=None):
+def load_shape(name: str, dtype, device, seed: int = 0, select=None, mtp: bool = False):
     """(model, tokenizer) of a named random shape, as weights.loader.load gives a checkpoint's
-    (`select` as `random_model`)."""
-    model, config = random_model(name, dtype, device, seed, select)
+    (`select` and `mtp` as `random_model`)."""
+    model, config = random_model(name, dtype, device, seed, select, mtp)
     return model, shape_tokenizer(decoder_config(config).vocab_size)

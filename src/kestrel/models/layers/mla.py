@@ -24,6 +24,7 @@ from kestrel.kernels import fused
 from kestrel.kernels.attention import attend
 from kestrel.models.base import CausalLM, rope_parameters
 from kestrel.models.batch import ForwardBatch
+from kestrel.models.layers.mtp import final_norm
 from kestrel.models.layers.norm import RMSNorm
 from kestrel.models.layers.rope import (
     RotaryEmbedding,
@@ -217,6 +218,13 @@ def llama4_query_scale(positions: torch.Tensor, beta: float, original_max: int) 
     return 1 + beta * torch.log1p(torch.floor(positions.float() / original_max))
 
 
+def mla_block(config, layer_idx: int, mlp: nn.Module) -> MLABlock:
+    """Layer `layer_idx` of an MLA stack, with the feed-forward `mlp`."""
+    scale = mla_scale(config.qk_nope_head_dim + config.qk_rope_head_dim, rope_parameters(config))
+    interleaved = bool(config.rope_interleave)
+    return MLABlock(config, MultiHeadLatentAttention(config, layer_idx, scale, interleaved), mlp)
+
+
 class MLADecoder(nn.Module):
     """The DeepSeek-V3-shaped stack mistral4 and glm4_moe_lite share: embeddings, one rotary table
     for the RoPE part, MLA blocks whose feed-forward `feed_forward(config, i)` builds (dense MLP or
@@ -235,16 +243,8 @@ class MLADecoder(nn.Module):
         )
         self.beta = rope.get("llama_4_scaling_beta")
         self.original_max = rope.get("original_max_position_embeddings")
-        scale = mla_scale(config.qk_nope_head_dim + config.qk_rope_head_dim, rope)
         self.layers = nn.ModuleList(
-            MLABlock(
-                config,
-                MultiHeadLatentAttention(
-                    config, i, scale, interleaved=bool(config.rope_interleave)
-                ),
-                feed_forward(config, i),
-            )
-            for i in range(config.num_hidden_layers)
+            mla_block(config, i, feed_forward(config, i)) for i in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -256,7 +256,7 @@ class MLADecoder(nn.Module):
             q_scale = llama4_query_scale(batch.positions, self.beta, self.original_max)
         for layer in self.layers:
             x = layer(x, batch, cos_sin, q_scale)
-        return self.norm(x[batch.logits_rows])
+        return final_norm(self.norm, x, batch)
 
 
 class LatentCausalLM(CausalLM):
