@@ -1,11 +1,13 @@
 """What a speculative verify step costs against a plain decode step: one sequence of a random-weight
 shape, its prompt in, then steps that feed the pending token and k proposed ones (k = 0: a plain
 decode) through the paged runner of an engine built for k (its CUDA graphs), timed on the device; and the draft model's one-token step when
-`--draft` names a shape. From these, the speed-up a draft of acceptance rate a gives:
-(1 - a^(k+1)) / (1 - a) tokens per (k draft steps + one verify step), against one token per plain
-step.
+`--draft` names a shape, or with `--mtp` the shape's own multi-token-prediction layer's (one
+chained round of `--speculative mtp`; its catch-up after each verify step is counted as one
+more). From these, the speed-up a draft of acceptance rate a gives: (1 - a^(k+1)) / (1 - a)
+tokens per (k draft steps + one verify step), against one token per plain step.
 
     python benchmarks/verify_cost.py --shape llama3-8b --draft llama3.2-1b --out FILE
+    python benchmarks/verify_cost.py --shape glm-4.7-flash --mtp --out FILE
 """
 
 import argparse
@@ -51,6 +53,31 @@ def step_ms(engine: Engine, k: int, context: int, repeats: int) -> float:
     return 1e3 * statistics.median(times[3:])
 
 
+def mtp_round_ms(engine: Engine, context: int, repeats: int) -> float:
+    """Median time of one chained round of the engine's MTP proposer (one token, one sequence),
+    after decode steps that keep its catch-up current."""
+    scheduler, runner, proposer = engine.scheduler, engine.runner, engine.scheduler.proposer
+    request = Request("mtp", [1] * context, SamplingParams(temperature=0), 512)
+    scheduler.add(request)
+    plan = scheduler.schedule()
+    runner.execute(plan.chunks)  # the proposer catches up on the prompt's hidden states
+    scheduler.computed(plan.chunks, set())
+    request.output_ids.append(2)
+    times = []
+    for _ in range(repeats + 3):
+        chunk = ScheduledChunk(request, 1)
+        (result,) = runner.execute([chunk])
+        scheduler.computed([chunk], set())
+        request.output_ids.append(result.token)
+        sync(engine)
+        start = time.perf_counter()
+        proposer.propose_all([request], [2])  # the catch-up's token, then one round
+        sync(engine)
+        times.append(time.perf_counter() - start)
+    engine.abort(request.request_id)
+    return 1e3 * statistics.median(times[3:])
+
+
 def sync(engine: Engine) -> None:
     if engine.device.type == "cuda":
         torch.cuda.synchronize()
@@ -65,6 +92,9 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--shape", default="llama3-8b")
     p.add_argument("--draft", help="a draft model's shape: its one-token step is timed too")
+    p.add_argument(
+        "--mtp", action="store_true", help="time the shape's MTP layer's round (as a draft's step)"
+    )
     p.add_argument("--context", type=int, default=512, help="prompt tokens before the steps")
     p.add_argument("--repeats", type=int, default=20)
     p.add_argument("--device", default="auto")
@@ -76,10 +106,10 @@ def main() -> int:
     def measure(shape: str, ks) -> dict[int, float]:
         """Per k, a step's time on an engine built for k (its verify graphs hold 1 + k rows)."""
         model, tokenizer = load_shape(shape, dtype, device)
+        blocks = (args.context + 1024) // 16 * 4 + 8
         times = {}
         for k in ks:
             spec = {"speculative": "ngram", "num_speculative_tokens": k} if k else {}
-            blocks = (args.context + 1024) // 16 * 4 + 8
             config = build_config(max_num_seqs=8, num_blocks=blocks, **spec)
             engine = Engine(model, tokenizer, config, device)
             times[k] = step_ms(engine, k, args.context, args.repeats)
@@ -98,11 +128,17 @@ def main() -> int:
         "step_ms": verify,
         "verify_over_plain": {k: verify[k] / verify[0] for k in KS},
     }
-    if args.draft:
+    if args.mtp:
+        model, tokenizer = load_shape(args.shape, dtype, device, mtp=True)
+        config = build_config(max_num_seqs=8, speculative="mtp", num_speculative_tokens=2)
+        draft = mtp_round_ms(Engine(model, tokenizer, config, device), args.context, args.repeats)
+        record["draft"], record["draft_step_ms"] = "mtp", draft
+    elif args.draft:
         if device.type == "cuda":
             torch.cuda.empty_cache()
         draft = measure(args.draft, (0,))[0]
         record["draft"], record["draft_step_ms"] = args.draft, draft
+    if args.mtp or args.draft:
         record["draft_speedup"] = {
             f"a={a}": {k: speedup(a, k, verify[k], draft, verify[0]) for k in KS if k}
             for a in (0.5, 0.6, 0.7, 0.8, 0.9)

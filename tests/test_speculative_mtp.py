@@ -19,6 +19,7 @@ from tests.test_speculative import (  # noqa: F401 (one_thread: an autouse fixtu
     serve,
 )
 
+from kestrel import LLM
 from kestrel.cache.sequence import SequenceCache
 from kestrel.config import build_config
 from kestrel.engine.engine import Engine
@@ -152,3 +153,16 @@ def test_mtp_is_refused_where_there_is_none(tmp_path, smollm2_tokenizer):
     save_tiny(model_cls, config_cls(**config), tmp_path / "glm")
     with pytest.raises(ModelLoadError, match="speculative mtp: the checkpoint has no multi-token"):
         load_with_mtp(tmp_path / "glm")
+
+
+def test_llm_with_mtp_gives_the_plain_tokens(checkpoint):
+    """LLM(..., speculative="mtp") loads the checkpoint's MTP layer and proposes with it; the
+    greedy tokens are those of LLM(...) without it."""
+    folder, vocab = checkpoint
+    prompts = [repeating_prompt(vocab, 1, 20), repeating_prompt(vocab, 6, 13)]
+    params = greedy(24)
+    plain = LLM(str(folder), progress=False).generate(prompts, params)
+    llm = LLM(str(folder), progress=False, speculative="mtp", num_speculative_tokens=2)
+    spec = llm.generate(prompts, params)
+    assert [o.outputs[0].token_ids for o in spec] == [o.outputs[0].token_ids for o in plain]
+    assert llm.engine.scheduler.num_draft_tokens > 0

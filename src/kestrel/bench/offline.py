@@ -67,12 +67,13 @@ def load_model(args, device, dtype):
     from kestrel.weights.loader import QUANTIZED_WEIGHTS, resolve
     from kestrel.weights.loader import load_model as load_checkpoint
 
+    mtp = args.speculative == "mtp"  # with the multi-token-prediction layer that proposes
     if args.shape:
-        model, config = random_model(args.shape, dtype, device, args.seed)
+        model, config = random_model(args.shape, dtype, device, args.seed, mtp=mtp)
         return model, config, args.shape
     source = resolve(args.model)
     packed = QUANTIZED_WEIGHTS[args.quantized_weights]
-    model = load_checkpoint(source, dtype, device, not args.no_progress, packed)
+    model = load_checkpoint(source, dtype, device, not args.no_progress, packed, mtp=mtp)
     return model, model.config, source.name
 
 

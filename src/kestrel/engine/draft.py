@@ -168,7 +168,9 @@ def draft_proposer(draft, device: torch.device, config: Config, max_len: int, vo
     return DraftProposer(draft_runner(draft, device, config, max_len), k, max_len)
 
 
-def draft_runner(draft, device: torch.device, config: Config, max_len: int, **kwargs) -> DraftRunner:
+def draft_runner(
+    draft, device: torch.device, config: Config, max_len: int, **kwargs
+) -> DraftRunner:
     """The runner of a draft model for this target's scheduler limits."""
     k = config.speculation.num_speculative_tokens
     sched = config.scheduler

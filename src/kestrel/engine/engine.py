@@ -7,8 +7,8 @@ import torch
 
 from kestrel.config import Config
 from kestrel.engine.draft import DraftProposer, draft_proposer
-from kestrel.engine.mtp import MtpProposer, mtp_proposer
 from kestrel.engine.grammar import GrammarMasks
+from kestrel.engine.mtp import MtpProposer, mtp_proposer
 from kestrel.engine.paged_runner import make_runner
 from kestrel.engine.request import Request
 from kestrel.engine.runner import ModelRunner, StepResult, run_step  # noqa: F401

@@ -16,9 +16,9 @@ from torch import nn
 
 from kestrel.models.base import Slot
 from kestrel.models.layers.mla import LatentCausalLM, MLADecoder, latent_cache_specs, mla_block
-from kestrel.models.layers.mtp import MultiTokenPredictor, predictor_name
 from kestrel.models.layers.mlp import GatedMLP
 from kestrel.models.layers.moe import SparseMoE, expert_slot
+from kestrel.models.layers.mtp import MultiTokenPredictor, predictor_name
 
 
 def feed_forward(config, layer_idx: int) -> nn.Module:
