@@ -66,6 +66,42 @@ class Packed:
     images: list[tuple[int, ImageRows]] = field(default_factory=list)
 
 
+@dataclass
+class GraphInputs:
+    """The input tensors of one graph width's CUDA graphs, for up to `big` sequences (a graph
+    reads its inputs where they were at capture: they live as long as it does)."""
+
+    tokens: torch.Tensor  # (5, big * width): ids, positions, slots, RoPE ids, chunk ends
+    tile_len: torch.Tensor  # (big * tiles,): each query tile's tokens (0: padding)
+    seqs: torch.Tensor  # (6, big): num_blocks, n_sink, main, live, keep, recurrent-state slot
+    table: torch.Tensor  # (big, table width): block tables
+    rows: torch.Tensor  # (big * width,): every row (all of them give logits)
+    tile_seq: torch.Tensor  # (big * tiles,): each tile's sequence (constant)
+    tile_start: torch.Tensor  # (big * tiles,): each tile's first row (constant)
+    hidden: torch.Tensor  # (big * width, H): an MTP draft's rows' hidden states
+    tile_tokens: int  # query tokens per tile
+    tiles: int  # query tiles per sequence
+
+    @classmethod
+    def allocate(cls, width, big, tile_tokens, table_width, hidden_size, dtype, device):
+        zeros = lambda *shape: torch.zeros(shape, dtype=torch.long, device=device)  # noqa: E731
+        tiles = -(-width // tile_tokens)
+        tile = torch.arange(big * tiles, device=device)
+        seq = tile // tiles
+        return cls(
+            zeros(5, big * width),
+            zeros(big * tiles),
+            zeros(6, big),
+            zeros(big, table_width),
+            torch.arange(big * width, device=device),
+            seq,
+            seq * width + tile % tiles * tile_tokens,
+            torch.zeros(big * width, hidden_size, dtype=dtype, device=device),
+            tile_tokens,
+            tiles,
+        )
+
+
 def pool_serves(model) -> bool:
     """Whether the paged pools hold every layer's cache."""
     return {spec.kind for spec in model.cache_specs()} <= POOL_KINDS
@@ -145,7 +181,7 @@ class PagedRunner(ModelRunner):
             num_blocks = min(num_blocks, -(-kv_capacity // bs) + 1)
         self._use_pool(num_blocks)
         self.graphs: dict[tuple[int, int], tuple] = {}  # (width, batch size) -> graph, logits
-        self.static: dict[int, tuple] = {}  # width -> its graphs' input tensors
+        self.static: dict[int, GraphInputs] = {}  # width -> its graphs' input tensors
         if device.type == "cuda" and cuda_graphs:
             self._capture_graphs()
 
@@ -360,13 +396,13 @@ class PagedRunner(ModelRunner):
         """Graphs of `width` tokens per sequence for `b` sequences: width 1 for decode steps, and
         with speculation 1 + k for verify steps (chunks of fewer tokens are padded to it; their
         extra rows write the scratch block and are never read), while b * width stays within
-        VERIFY_GRAPH_TOKENS."""
+        VERIFY_GRAPH_TOKENS. A verify chunk's query tiles are an eager step's (tile_tokens each)."""
         sizes = [b for b in GRAPH_SIZES if b <= self.max_num_seqs] or [1]
         if self.max_num_seqs > sizes[-1]:
             sizes.append(self.max_num_seqs)
         widths = {1: sizes}
         w = self.verify_width
-        if 1 < w <= self.tile_tokens:  # one query tile per sequence, as an eager step has
+        if w > 1:
             widths[w] = [b for b in sizes if b * w <= VERIFY_GRAPH_TOKENS] or [1]
         self.graph_pool = torch.cuda.graph_pool_handle()
         for width, batch_sizes in widths.items():
@@ -379,22 +415,10 @@ class PagedRunner(ModelRunner):
                 self.graphs = {key: g for key, g in self.graphs.items() if key[0] == 1}
 
     def _capture_width(self, width: int, sizes: list[int]) -> None:
-        big = sizes[-1]
-        zeros = lambda *shape: torch.zeros(shape, dtype=torch.long, device=self.device)  # noqa: E731
-        # per token: ids, positions, slots, RoPE ids, chunk ends; per sequence: tile length,
-        # num_blocks, n_sink, main, live, keep, recurrent-state slot; the block tables; and the
-        # constant index rows (a graph reads its inputs where they were at capture: they live
-        # as long as it does)
-        rows = torch.arange(big * width, device=self.device)
+        tile_tokens = 1 if width == 1 else min(width, self.tile_tokens)
         hidden_size = self.model.config.get_text_config().hidden_size
-        self.static[width] = (
-            zeros(5, big * width),
-            zeros(7, big),
-            zeros(big, self.table_width),
-            rows,
-            rows[:big],
-            rows[:big] * width,
-            torch.zeros(big * width, hidden_size, dtype=self.dtype, device=self.device),
+        self.static[width] = GraphInputs.allocate(
+            width, sizes[-1], tile_tokens, self.table_width, hidden_size, self.dtype, self.device
         )
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
@@ -410,40 +434,39 @@ class PagedRunner(ModelRunner):
         torch.cuda.synchronize()
 
     def _static_batch(self, width: int, b: int) -> PagedBatch:
-        tokens, seqs, table, rows, seq, tile_start, hidden_in = self.static[width]
-        ids, pos, slots, rope, ends = (row[: b * width] for row in tokens)
-        t_len, nb, n_sink, main, live, keep, state_slots = (row[:b] for row in seqs)
-        seq = seq[:b]
+        g = self.static[width]
+        ids, pos, slots, rope, ends = (row[: b * width] for row in g.tokens)
+        nb, n_sink, main, live, keep, state_slots = (row[:b] for row in g.seqs)
+        tiles = b * g.tiles
         meta = PagedAttention(
             self.pool,
             slots,
             pos,
-            seq,
-            tile_start[:b],
-            t_len,
-            table[:b],
+            g.tile_seq[:tiles],
+            g.tile_start[:tiles],
+            g.tile_len[:tiles],
+            g.table[:b],
             nb,
             n_sink,
             main,
             live,
             keep,
-            1 if width == 1 else self.tile_tokens,
+            g.tile_tokens,
             True,
         )
         groups = None
         if self.states is not None and width == 1:  # every row a sequence of one token
-            groups = [(seq[:, None], PoolStates(self.states, state_slots))]
-        rows = rows[: b * width]  # every row's logits
+            groups = [(g.tile_seq[:b, None], PoolStates(self.states, state_slots))]
         return PagedBatch(
             ids,
             pos,
             [],
-            rows,
+            g.rows[: b * width],  # every row's logits
             rope,
             chunk_ends=ends,
             state_groups=groups,
             keep_hidden=self.keep_hidden,
-            prev_hidden=hidden_in[: b * width] if self.takes_hidden else None,
+            prev_hidden=g.hidden[: b * width] if self.takes_hidden else None,
             attention=meta,
         )
 
@@ -462,16 +485,20 @@ class PagedRunner(ModelRunner):
         """The step through its graph: (rows, V) logits, the plain chunks' last rows first, then
         every row of each speculative chunk (as the eager step's `rows` order them); and the
         graph's (T, H) hidden states with each chunk's (start, length) in them."""
-        b = len(p.seqs)
+        b, g = len(p.seqs), self.static[width]
         blocks_width = max(len(s[0]) for s in p.seqs)
-        host = array("q")  # the per-token rows, the per-sequence rows, then the block table
+        # the per-token rows, the per-tile lengths, the per-sequence rows, then the block table
+        host = array("q")
         fills = ((p.ids, False), (p.positions, True), (p.slots, False), (p.rope_ids, True))
         for column, repeat in (*fills, (p.chunk_ends, True)):
             host.extend(_padded(column, p.tiles, width, size, repeat))
+        tt = g.tile_tokens
+        for *_, n in p.tiles:  # a chunk shorter than the width leaves its last tiles empty
+            host.extend(min(max(n - j * tt, 0), tt) for j in range(g.tiles))
+        host.extend([0] * ((size - b) * g.tiles))
         pad = [0] * (size - b)
-        for column in ([n for *_, n in p.tiles], [len(s[0]) for s in p.seqs]):
-            host.extend(column)
-            host.extend(pad)
+        host.extend(len(s[0]) for s in p.seqs)
+        host.extend(pad)
         for k in range(1, 5):  # n_sink, main_start, live_start, keep
             host.extend(s[k] for s in p.seqs)
             host.extend(pad)
@@ -481,16 +508,17 @@ class PagedRunner(ModelRunner):
             host.extend(blocks)
             host.extend([0] * (blocks_width - len(blocks)))
         host = torch.frombuffer(host, dtype=torch.long)
-        tokens, seqs, table = self.static[width][:3]
-        n = 5 * size * width
-        tokens[:, : size * width].copy_(host[:n].view(5, -1), non_blocking=True)
-        seqs[:, :size].copy_(host[n : n + 7 * size].view(7, size), non_blocking=True)
-        table[:b, :blocks_width].copy_(host[n + 7 * size :].view(b, -1), non_blocking=True)
+        n, tiles = 5 * size * width, size * g.tiles
+        g.tokens[:, : size * width].copy_(host[:n].view(5, -1), non_blocking=True)
+        g.tile_len[:tiles].copy_(host[n : n + tiles], non_blocking=True)
+        n += tiles
+        g.seqs[:, :size].copy_(host[n : n + 6 * size].view(6, size), non_blocking=True)
+        g.table[:b, :blocks_width].copy_(host[n + 6 * size :].view(b, -1), non_blocking=True)
         spans = [(s * width, c.num_tokens) for s, c in enumerate(chunks)]
         if self.takes_hidden:  # each chunk's rows at the start of its `width` rows
             rows = [s + i for s, n in spans for i in range(n)]
             index = torch.tensor(rows, device=self.device)
-            self.static[width][-1].index_copy_(0, index, self.hidden_in(chunks))
+            g.hidden.index_copy_(0, index, self.hidden_in(chunks))
         graph, logits, hidden = self.graphs[width, size]
         graph.replay()
         if width == 1:
