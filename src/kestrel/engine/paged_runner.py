@@ -415,7 +415,9 @@ class PagedRunner(ModelRunner):
                 self.graphs = {key: g for key, g in self.graphs.items() if key[0] == 1}
 
     def _capture_width(self, width: int, sizes: list[int]) -> None:
-        tile_tokens = 1 if width == 1 else self.tile_tokens  # an eager step's query tiles
+        # an eager step's query tiles (a power of two: the attention kernel's rows), no wider
+        # than the graph's chunks
+        tile_tokens = min(self.tile_tokens, 1 << (width - 1).bit_length())
         hidden_size = self.model.config.get_text_config().hidden_size
         self.static[width] = GraphInputs.allocate(
             width, sizes[-1], tile_tokens, self.table_width, hidden_size, self.dtype, self.device
