@@ -166,3 +166,20 @@ def test_llm_with_mtp_gives_the_plain_tokens(checkpoint):
     spec = llm.generate(prompts, params)
     assert [o.outputs[0].token_ids for o in spec] == [o.outputs[0].token_ids for o in plain]
     assert llm.engine.scheduler.num_draft_tokens > 0
+
+
+def test_mtp_follows_a_request_whose_prompt_hit_the_prefix_cache(checkpoint, smollm2_tokenizer):
+    """A second prompt that shares 24 tokens with a first one starts from the prefix cache: the
+    target never computes those positions, so its MTP shadow starts after them (earlier keys
+    masked). It still proposes, and the tokens are those without speculation."""
+    folder, vocab = checkpoint
+    first = repeating_prompt(vocab, 3, 30)
+    jobs = [("first", first, greedy(20), None)]
+    late = [("second", first[:24] + repeating_prompt(vocab, 7, 6), greedy(30), None)]
+    plain = serve(engine(load_kestrel(folder), smollm2_tokenizer, False), jobs, late)
+    spec_engine = engine(load_with_mtp(folder), smollm2_tokenizer, True)
+    spec = serve(spec_engine, jobs, late)
+    for key in plain:
+        assert spec[key][:3] == plain[key][:3], key
+    assert spec_engine.requests == {} and spec["second"][3] > 0
+    assert spec_engine.scheduler.blocks.prefix.hit_tokens >= 24

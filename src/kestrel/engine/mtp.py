@@ -14,7 +14,9 @@ computed in those rounds took the layer's own hidden state, not the target's, so
 catch-up steps back over them first.
 
 A request whose earliest positions the target never computed (a prefix-cache hit) has no hidden
-states for them: it decodes without proposals.
+states for them: its shadow starts where the target's computing did, its keys before that
+position masked as a trim masks them (the layer reads the context through the target's hidden
+states; it only attends less far back).
 """
 
 import torch
@@ -33,7 +35,6 @@ class MtpProposer(DraftProposer):
         self.first: dict[str, int] = {}  # per request: the catch-up's proposal
         self.inputs: dict[str, torch.Tensor] = {}  # per shadow: the hidden states it feeds next
         self.chain: dict[str, torch.Tensor] = {}  # per shadow: the (1, H) state it hands on
-        self.blind: set[str] = set()  # requests it cannot follow (a prefix-cache hit)
         runner.hidden_in = self._hidden_in
         runner.hidden_out = self._hand_on
 
@@ -50,8 +51,7 @@ class MtpProposer(DraftProposer):
                 self.release(chunk.request.request_id)
                 continue
             new = result.tokens or ([result.token] if result.token is not None else [])
-            if (shadow := self._follow(chunk, rows, new)) is not None:
-                catch_up.append(shadow)
+            catch_up.append(self._follow(chunk, rows, new))
         for shadow, token in self._round(catch_up) if catch_up else []:
             if token is None:
                 self.release(shadow.request_id)
@@ -59,23 +59,17 @@ class MtpProposer(DraftProposer):
                 self.true_end[shadow.request_id] = shadow.num_computed
                 self.first[shadow.request_id] = token
 
-    def _follow(self, chunk: ScheduledChunk, rows: torch.Tensor, new: list[int]):
+    def _follow(self, chunk: ScheduledChunk, rows: torch.Tensor, new: list[int]) -> Request:
         """The request's shadow with the chunk's kept positions pending (their hidden states in
-        `inputs`); None where it cannot follow."""
+        `inputs`)."""
         request = chunk.request
         rid, start = request.request_id, request.num_computed
-        if rid in self.blind:
-            return None
         shadow = self.shadows.get(rid)
-        if shadow is None:
-            if start > 0:  # its first positions came from the prefix cache: no hidden states
-                self.blind.add(rid)
-                return None
-            shadow = self.shadows[rid] = Request(rid, [], GREEDY, 1 << 30)
-        if start > self.true_end.get(rid, 0):
+        if shadow is not None and start > self.true_end[rid]:  # recomputed from a prefix hit
             self.release(rid)
-            self.blind.add(rid)
-            return None
+            shadow = None
+        if shadow is None:
+            shadow = self._start(rid, start)
         if start < shadow.num_computed:  # its drafted positions, or a recompute
             self.runner.rollback(shadow, start)
         kept = len(new) if chunk.draft else chunk.num_tokens  # a verify step's accepted rows
@@ -84,6 +78,14 @@ class MtpProposer(DraftProposer):
         shadow.output_ids = []
         self.first.pop(rid, None)
         self.inputs[rid] = rows[:kept]
+        return shadow
+
+    def _start(self, request_id: str, start: int) -> Request:
+        """A shadow whose keys begin at `start` (0, or where a prefix hit left the target)."""
+        shadow = self.shadows[request_id] = Request(request_id, [0] * start, GREEDY, 1 << 30)
+        shadow.num_computed = self.true_end[request_id] = start
+        if start:  # no keys before it: masked as a trim masks them
+            self.runner.blocks.table(request_id).live_start = start
         return shadow
 
     # -- the scheduler's side -------------------------------------------------------------------
@@ -112,7 +114,6 @@ class MtpProposer(DraftProposer):
         super().release(request_id)
         for held in (self.true_end, self.first, self.inputs, self.chain):
             held.pop(request_id, None)
-        self.blind.discard(request_id)
 
     # -- the MTP runner's hooks -----------------------------------------------------------------
 
