@@ -105,7 +105,7 @@ class ExaoneMoeForCausalLM(CausalLM):
         block = ExaoneMoeBlock(config, 0, self.model.rotary_emb)
         window = block.self_attn.window
         spec = CacheSpec("sliding", window) if window else CacheSpec("full")
-        return MultiTokenPredictor(config, block, spec, chain_normed=True)
+        return MultiTokenPredictor(config, block, spec, chain_normed=True, blank_first=False)
 
     def checkpoint_name(self, name: str) -> str | Slot | None:
         if name.startswith("mtp."):  # the MTP layer: loaded with --speculative mtp

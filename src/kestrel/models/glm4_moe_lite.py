@@ -52,7 +52,8 @@ class Glm4MoeLiteForCausalLM(LatentCausalLM):
         config = copy.copy(self.config)
         config.mlp_layer_types = ["sparse"]  # DeepSeek's MTP block is an MoE layer
         block = mla_block(config, 0, feed_forward(config, 0))
-        return MultiTokenPredictor(config, block, latent_cache_specs(1)[0], chain_normed=False)
+        spec = latent_cache_specs(1)[0]
+        return MultiTokenPredictor(config, block, spec, chain_normed=False, blank_first=True)
 
     def checkpoint_name(self, name: str) -> str | Slot | None:
         mtp_prefix = f"model.layers.{self.config.num_hidden_layers}."

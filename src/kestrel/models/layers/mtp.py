@@ -25,11 +25,14 @@ from kestrel.models.layers.norm import RMSNorm
 
 class MultiTokenPredictor(nn.Module):
     """`block` (a decoder block of the family, built as layer 0 of its own cache) behind the
-    normed-and-projected pair (embedding, hidden state). `chain_normed`: the hidden state it
-    hands its next round is its normed output (EXAONE-MoE) rather than the block's (DeepSeek's
-    layout: GLM), as each family's reference implementation chains it."""
+    normed-and-projected pair (embedding, hidden state). As each family's reference
+    implementation (vLLM's) runs it: `chain_normed`, the hidden state it hands its next round is
+    its normed output (EXAONE-MoE) rather than the block's (DeepSeek's layout: GLM);
+    `blank_first`, position 0 takes a zero embedding (DeepSeek's)."""
 
-    def __init__(self, config, block: nn.Module, spec: CacheSpec, chain_normed: bool):
+    def __init__(
+        self, config, block: nn.Module, spec: CacheSpec, chain_normed: bool, blank_first: bool
+    ):
         super().__init__()
         hidden, eps = config.hidden_size, config.rms_norm_eps
         self.embed_norm = RMSNorm(hidden, eps)
@@ -37,11 +40,13 @@ class MultiTokenPredictor(nn.Module):
         self.proj = nn.Linear(2 * hidden, hidden, bias=False)
         self.block = block
         self.norm = RMSNorm(hidden, eps)
-        self.spec, self.chain_normed = spec, chain_normed
+        self.spec, self.chain_normed, self.blank_first = spec, chain_normed, blank_first
 
     def forward(self, embeds, hidden, batch: ForwardBatch, cos_sin):
         """(T, H) embeddings of the next tokens and (T, H) hidden states -> (T, H) normed output
         (the head's input) and (T, H) the hidden state its next round takes."""
+        if self.blank_first:
+            embeds = torch.where(batch.positions[:, None] == 0, 0.0, embeds)
         x = self.proj(torch.cat([self.embed_norm(embeds), self.hidden_norm(hidden)], dim=-1))
         x = self.block(x, batch, cos_sin)
         out = self.norm(x)
