@@ -2,7 +2,7 @@
 
 y = x @ W.T for a few rows of x, W (N, K) kept as the file's blocks. Each program owns BLOCK_N
 rows of W and walks them 256 columns (a k-quant super-block, or eight 32-element blocks) at a
-time. Why it is fast, against decoding every weight on its own:
+time. What it does instead of decoding every weight on its own:
 - the quantized values load as whole words or byte runs, each thread decoding several nibbles
   from one register;
 - a scale or min is decoded once per sub-block, not once per weight: each sub-block's dot
@@ -11,7 +11,11 @@ time. Why it is fast, against decoding every weight on its own:
   integer op and a subtraction, not the conversion unit's slow path; and a value is read where
   it lies in its word (x is scaled by a power of two instead), so masking it out and setting
   the exponent is a single instruction with no shift.
-So a decode step reads the 4-8 bits per weight the file holds instead of bfloat16's 16.
+So a decode step reads the 4-8 bits per weight the file holds instead of bfloat16's 16. On the
+H200 these kernels still take about as long per matrix as bfloat16's: they issue some 7-9
+instructions per weight, so they are bound by instructions, not bytes (benchmarks/README.md,
+"Quantized weights on the H200"); integer dot products (dp4a) on pre-quantized x are the next
+step.
 
 One program row per row of x: the weights come from DRAM once, the other rows find them in L2.
 The PyTorch path (kernels/quant.py's `dequantize`, then a matmul) is the CPU path and these

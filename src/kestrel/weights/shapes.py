@@ -66,68 +66,47 @@ GEMMA4_TEXT = dict(
     },
 )
 
+# meta-llama/Llama-3.1-8B; the other Llama 3 shapes differ from it only where listed
+LLAMA3_8B = dict(
+    model_type="llama",
+    hidden_size=4096,
+    intermediate_size=14336,
+    num_hidden_layers=32,
+    num_attention_heads=32,
+    num_key_value_heads=8,
+    vocab_size=128256,
+    max_position_embeddings=131072,
+    rms_norm_eps=1e-5,
+    rope_theta=500000.0,
+    rope_scaling=dict(
+        rope_type="llama3",
+        factor=8.0,
+        low_freq_factor=1.0,
+        high_freq_factor=4.0,
+        original_max_position_embeddings=8192,
+    ),
+)
+
 # model_type + config fields of the named shapes (as in their Hugging Face config.json)
 SHAPES = {
-    "llama3-8b": dict(
-        model_type="llama",
-        hidden_size=4096,
-        intermediate_size=14336,
-        num_hidden_layers=32,
-        num_attention_heads=32,
-        num_key_value_heads=8,
-        vocab_size=128256,
-        max_position_embeddings=131072,
-        rms_norm_eps=1e-5,
-        rope_theta=500000.0,
-        rope_scaling=dict(
-            rope_type="llama3",
-            factor=8.0,
-            low_freq_factor=1.0,
-            high_freq_factor=4.0,
-            original_max_position_embeddings=8192,
-        ),
-    ),
+    "llama3-8b": LLAMA3_8B,
     # Llama-3.1-70B: 141 GB in bf16, more than one H200 holds (-tp 2 or -pp 2 over two)
     "llama3-70b": dict(
-        model_type="llama",
+        LLAMA3_8B,
         hidden_size=8192,
         intermediate_size=28672,
         num_hidden_layers=80,
         num_attention_heads=64,
-        num_key_value_heads=8,
-        vocab_size=128256,
-        max_position_embeddings=131072,
-        rms_norm_eps=1e-5,
-        rope_theta=500000.0,
-        rope_scaling=dict(
-            rope_type="llama3",
-            factor=8.0,
-            low_freq_factor=1.0,
-            high_freq_factor=4.0,
-            original_max_position_embeddings=8192,
-        ),
     ),
     # Llama-3.2-1B: the usual draft model for Llama-3.1-8B (the same tokenizer)
     "llama3.2-1b": dict(
-        model_type="llama",
+        LLAMA3_8B,
         hidden_size=2048,
         intermediate_size=8192,
         num_hidden_layers=16,
-        num_attention_heads=32,
-        num_key_value_heads=8,
         head_dim=64,
-        vocab_size=128256,
         tie_word_embeddings=True,
-        max_position_embeddings=131072,
-        rms_norm_eps=1e-5,
-        rope_theta=500000.0,
-        rope_scaling=dict(
-            rope_type="llama3",
-            factor=32.0,
-            low_freq_factor=1.0,
-            high_freq_factor=4.0,
-            original_max_position_embeddings=8192,
-        ),
+        rope_scaling=dict(LLAMA3_8B["rope_scaling"], factor=32.0),
     ),
     "qwen2.5-0.5b": dict(
         model_type="qwen2",
