@@ -329,3 +329,45 @@ def test_bench_engine_runs_over_two_ranks_and_other_modes_are_refused(checkpoint
     refused = subprocess.run([*bench, "latency"], capture_output=True, text=True)
     assert refused.returncode != 0
     assert "-tp and -pp run only as `kestrel bench engine`" in refused.stderr
+
+
+# -- loading only a rank's shard -------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("family", ["llama", "exaone_moe", "glm4_moe_lite", "gemma4", "nemotron_h"])
+def test_a_rank_loads_its_shard_one_layer_at_a_time(family, checkpoints, monkeypatch):
+    """`load_sharded` gives each rank exactly the tensors that loading the whole model and then
+    cutting it gives, and while it loads a rank never holds more than its shard plus one whole
+    layer (the loader reads a layer's tensors only when that layer's turn comes)."""
+    import kestrel.loading
+    from kestrel.config import build_config
+    from kestrel.distributed.tensor_parallel import load_sharded
+    from kestrel.loading import load_model
+
+    config = build_config(model=checkpoints[family])
+    whole, _, _ = load_model(config, CPU, progress=False)
+    whole_bytes = sum(p.numel() * p.element_size() for p in whole.parameters())
+    held: list[int] = []  # bytes materialized after each layer's load
+    load_weights = kestrel.loading.load_weights
+
+    def observed(model, *args, **kwargs):
+        load_weights(model, *args, **kwargs)
+        held.append(sum(p.numel() * p.element_size() for p in model.parameters() if not p.is_meta))
+
+    monkeypatch.setattr(kestrel.loading, "load_weights", observed)
+    for rank in (0, 1):
+        tp = TPGroup(rank, 2)
+        held.clear()
+        sharded, _, _ = load_sharded(config, CPU, tp, expert_parallel=False, progress=False)
+        cut = shard_model(load_model(config, CPU, progress=False)[0], tp)
+        got, want = dict(sharded.named_parameters()), dict(cut.named_parameters())
+        assert got.keys() == want.keys()
+        for name, p in want.items():
+            assert torch.equal(got[name], p), (family, rank, name)
+        shard_bytes = sum(p.numel() * p.element_size() for p in sharded.parameters())
+        layer_bytes = max(
+            sum(p.numel() * p.element_size() for p in layer.parameters())
+            for layer in whole.model.layers
+        )
+        assert len(held) == len(whole.model.layers)
+        assert max(held) <= shard_bytes + layer_bytes < whole_bytes, (held, shard_bytes)

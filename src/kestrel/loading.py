@@ -6,8 +6,8 @@ from dataclasses import replace
 import torch
 
 from kestrel.config import Config
-from kestrel.weights.loader import load
-from kestrel.weights.shapes import load_shape
+from kestrel.weights.loader import QUANTIZED_WEIGHTS, load, load_weights
+from kestrel.weights.shapes import fill_random, load_shape
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -39,6 +39,30 @@ def load_model(config: Config, device: torch.device, progress: bool = True, sele
         return (*load_shape(config.model.shape, dtype, device, select=select, mtp=mtp), None)
     model = config.model
     return load(model.model, dtype, device, progress, model.quantized_weights, select, mtp)
+
+
+def load_in_groups(config: Config, device: torch.device, groups_of, each, progress: bool = True):
+    """`load_model`, one group of parameters at a time, so that only the group being loaded is
+    ever whole: `groups_of(model)` (the model built empty) lists (parameter names, key) groups
+    in load order, covering every parameter; `each(model, key)` runs once a group is in (a
+    tensor-parallel rank cuts it to its shard there). Returns what `load_model` does."""
+    groups: list[tuple[set[str], object]] = []
+
+    def first(model) -> set[str]:
+        groups.extend(groups_of(model))
+        return set().union(*(names for names, _ in groups[1:]))
+
+    model, tokenizer, source = load_model(config, device, progress, first)
+    each(model, groups[0][1])
+    packed = QUANTIZED_WEIGHTS[config.model.quantized_weights]
+    for names, key in groups[1:]:
+        if source is None:  # a random shape
+            fill_random(model, device, names)
+        else:
+            every = {name for name, _ in model.named_parameters(remove_duplicate=False)}
+            load_weights(model, source, False, device, packed, frozenset(every - names))
+        each(model, key)
+    return model, tokenizer, source
 
 
 def load_draft(config: Config, device: torch.device, tokenizer, progress: bool = True):

@@ -86,10 +86,10 @@ def _parse(spec: str, size: int, num_layers: int) -> list[tuple[int, int]]:
 
 def decoder_layers(model: nn.Module) -> nn.ModuleList:
     """The decoder's layer stack: the ModuleList named `layers` of the text model."""
-    return _decoder_stack(model)[1]
+    return decoder_stack(model)[1]
 
 
-def _decoder_stack(model: nn.Module) -> tuple[str, nn.ModuleList]:
+def decoder_stack(model: nn.Module) -> tuple[str, nn.ModuleList]:
     text = model.config.get_text_config()
     stacks = [
         (name, m)
@@ -120,7 +120,7 @@ def other_stages_parameters(rank: int, size: int, spec: str | None = None):
     this rank's stage, which it then never reads."""
 
     def select(model: nn.Module) -> set[str]:
-        prefix, layers = _decoder_stack(model)
+        prefix, layers = decoder_stack(model)
         first, end = stage_of(model, rank, size, spec).layers
         return {
             f"{prefix}.{i}.{name}"

@@ -34,6 +34,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kestrel.distributed.group import TPGroup
+from kestrel.distributed.pipeline import decoder_stack
 from kestrel.models.base import head_dim
 from kestrel.models.gemma4 import Gemma4Attention, Gemma4Block, Gemma4Model, Gemma4Router
 from kestrel.models.layers.attention import Attention
@@ -166,6 +167,46 @@ def vocab_shard(weight: torch.Tensor, tp: TPGroup) -> torch.Tensor:
 def shard_model(model: nn.Module, tp: TPGroup, expert_parallel: bool = False) -> nn.Module:
     """Rewire `model` (loaded whole) to hold this rank's slices (`expert_parallel`: its whole
     experts, not a slice of each); returns it."""
+    check_covered(model)
+    shard_modules(list(model.modules()), tp, expert_parallel)
+    _shard_vocab(model, tp)
+    return _finish(model, tp)
+
+
+def load_sharded(config, device, tp: TPGroup, expert_parallel: bool, progress: bool = True):
+    """(model, tokenizer, source) with this rank's shard, loaded one decoder layer at a time and
+    each cut as soon as it is in (after the rest: embeddings, head, norms): a rank holds its
+    shard and one whole group at most, never the whole model."""
+    from kestrel.loading import load_in_groups
+
+    def groups(model: nn.Module) -> list[tuple[set[str], nn.Module | None]]:
+        check_covered(model)
+        prefix, stack = decoder_stack(model)
+        layers = [
+            (
+                {f"{prefix}.{i}.{n}" for n, _ in layer.named_parameters(remove_duplicate=False)},
+                layer,
+            )
+            for i, layer in enumerate(stack)
+        ]
+        every = {n for n, _ in model.named_parameters(remove_duplicate=False)}
+        return [(every - set().union(*(names for names, _ in layers)), None), *layers]
+
+    def cut(model: nn.Module, layer: nn.Module | None) -> None:
+        if layer is not None:
+            shard_modules(list(layer.modules()), tp, expert_parallel)
+            return
+        inside = {id(m) for m in decoder_stack(model)[1].modules()}  # the rest of the model
+        shard_modules([m for m in model.modules() if id(m) not in inside], tp, expert_parallel)
+        _shard_vocab(model, tp)
+
+    model, tokenizer, source = load_in_groups(config, device, groups, cut, progress)
+    return _finish(model, tp), tokenizer, source
+
+
+def check_covered(model: nn.Module) -> None:
+    """ValueError naming the Linears tensor parallel has no rule for (the model may still be on
+    the meta device)."""
     uncovered = _uncovered_linears(model)
     if uncovered:
         raise ValueError(
@@ -173,7 +214,11 @@ def shard_model(model: nn.Module, tp: TPGroup, expert_parallel: bool = False) ->
             f"{', '.join(uncovered[:4])}{' ...' if len(uncovered) > 4 else ''}; it covers "
             "GQA and latent attention, gated MLPs, routed experts, the embedding and the head"
         )
-    for module in list(model.modules()):
+
+
+def shard_modules(modules: list[nn.Module], tp: TPGroup, expert_parallel: bool = False) -> None:
+    """Cut each of `modules` that a rule covers (loaded whole) to this rank's slices."""
+    for module in modules:
         if isinstance(module, (Attention, Gemma4Attention)):
             _shard_attention(module, tp)
         elif isinstance(module, MultiHeadLatentAttention):
@@ -187,7 +232,10 @@ def shard_model(model: nn.Module, tp: TPGroup, expert_parallel: bool = False) ->
         elif isinstance(getattr(module, "experts", None), Experts):
             split = ExpertParallel if expert_parallel else ParallelExperts
             module.experts = split(module.experts, tp)
-    _shard_vocab(model, tp)
+
+
+def _finish(model: nn.Module, tp: TPGroup) -> nn.Module:
+    """The config and KV layout of this rank's heads, once every layer is cut."""
     model.config = _sharded_config(model.config, tp)
     _pool_keeps_held_heads(model)
     return model

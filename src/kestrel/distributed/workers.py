@@ -46,7 +46,7 @@ import torch.distributed as dist
 from kestrel.config import Config
 from kestrel.distributed.group import TPGroup, join, leave
 from kestrel.distributed.pipeline import other_stages_parameters, split_stages
-from kestrel.distributed.tensor_parallel import shard_model
+from kestrel.distributed.tensor_parallel import load_sharded
 from kestrel.engine.engine import Engine
 from kestrel.engine.request import Request
 from kestrel.loading import load_model, resolve_device
@@ -149,8 +149,8 @@ def _rank_config(config: Config) -> Config:
 
 def load_shard(config: Config, rank: int, size: int, progress: bool, local_rank: int | None = None):
     """(model, tokenizer, source, device): the model loaded on this rank's device (GPU
-    `local_rank` of its machine; by default its rank), then cut to this rank's shard (loaded
-    whole first: it must fit one device) or stage (only its layers' weights are read)."""
+    `local_rank` of its machine; by default its rank), cut to this rank's shard (one layer at a
+    time: tensor_parallel.load_sharded) or stage (only its layers' weights are read)."""
 
     device = resolve_device(config.model.device)
     if device.type == "cuda":
@@ -164,9 +164,9 @@ def load_shard(config: Config, rank: int, size: int, progress: bool, local_rank:
         select = other_stages_parameters(rank, size, config.parallel.pp_layers)
         model, tokenizer, source = load_model(config, device, progress, select)
         split_stages(model, rank, size, config.parallel.pp_layers)
-    else:
-        model, tokenizer, source = load_model(config, device, progress)
-        shard_model(model, TPGroup(rank, size), config.parallel.enable_expert_parallel)
+    else:  # one layer at a time, each cut to this rank's shard once it is in
+        tp, ep = TPGroup(rank, size), config.parallel.enable_expert_parallel
+        model, tokenizer, source = load_sharded(config, device, tp, ep, progress)
     gc.collect()  # the whole weights the shard was cut from
     if device.type == "cuda":
         torch.cuda.empty_cache()

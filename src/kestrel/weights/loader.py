@@ -240,8 +240,9 @@ def load_weights(
 
 
 def _load_file(model, source: ModelSource, progress: bool, device, packed, skip) -> "_Target":
-    """A GGUF file or a float Hugging Face folder, tensor by tensor."""
-    tensors, total = _checkpoint_tensors(model, source)
+    """A GGUF file or a float Hugging Face folder, tensor by tensor (those `skip` covers never
+    read)."""
+    tensors, total = _checkpoint_tensors(model, source, skip)
     if packed is None:
         packed = source.is_gguf and keep_packed(
             device, _dense_bytes(tensors, next(model.parameters()).dtype)
@@ -513,15 +514,23 @@ def _stored_bytes(entry: dict | None) -> int:
     return entry["data_offsets"][1] - entry["data_offsets"][0]
 
 
-def _checkpoint_tensors(model, source: ModelSource):
+def _checkpoint_tensors(model, source: ModelSource, skip=frozenset()):
     """(checkpoint name, tensor) pairs and their bytes: gguf's records for a GGUF file (read by
-    `_load_gguf`), tensors for safetensors."""
+    `_load_gguf`), tensors for safetensors (those of parameters in `skip` never read)."""
     if source.is_gguf:
         reader = gguf_weights.open_gguf(source.path)
         gguf_weights.check_quant_types(reader, source.path)
         tensors = gguf_weights.read_tensors(reader, model.gguf_names)
         return tensors, sum(t.n_bytes for _, t in tensors)
-    return st_weights.read_tensors(source.path), st_weights.tensor_bytes(source.path)
+    wanted = None
+    if skip:
+        params = {name for name, _ in model.named_parameters(remove_duplicate=False)} - skip
+
+        def wanted(name: str) -> bool:
+            slot = model.checkpoint_name(name)
+            return (slot if isinstance(slot, str) else getattr(slot, "name", None)) in params
+
+    return st_weights.read_tensors(source.path, wanted), st_weights.tensor_bytes(source.path)
 
 
 def _check_all_loaded(model, params: dict, loaded: set, source: ModelSource) -> None:

@@ -25,12 +25,14 @@ def shard_files(folder: Path) -> list[Path]:
     return files
 
 
-def read_tensors(folder: Path) -> Iterator[tuple[str, torch.Tensor]]:
+def read_tensors(folder: Path, wanted=None) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, tensor) of every tensor, in file order; `wanted(name)` False: not read at all."""
     for f in shard_files(folder):
         try:
             with safe_open(str(f), "pt") as shard:
                 for name in shard.keys():
-                    yield name, shard.get_tensor(name)
+                    if wanted is None or wanted(name):
+                        yield name, shard.get_tensor(name)
         except SafetensorError as e:
             raise ModelLoadError(f"{f}: truncated or corrupt safetensors file ({e})") from e
 

@@ -410,6 +410,14 @@ def random_model(name: str, dtype, device, seed: int = 0, select=None, mtp: bool
     return model, config
 
 
+def fill_random(model, device, names: set[str]) -> None:
+    """The meta parameters `names` of a shape built with `select`, materialized and randomized
+    (a later group of `loading.load_in_groups`; the same values on every rank)."""
+    every = {name for name, _ in model.named_parameters(remove_duplicate=False)}
+    _materialize(model, device, every - names)
+    randomize(model, names)
+
+
 def _materialize(model, device, skip: set[str]) -> None:
     """Every parameter not in `skip` moves from the meta device to `device` (uninitialized; a
     parameter under several names once)."""
@@ -426,12 +434,15 @@ def _materialize(model, device, skip: set[str]) -> None:
         setattr(model.get_submodule(owner), attr, done[id(p)])
 
 
-def randomize(model) -> None:
+def randomize(model, names: set[str] | None = None) -> None:
+    """Random weights for every parameter (`names`: only those)."""
     import torch
 
     # small normal weights keep activations finite through many layers of random matrices
     with torch.no_grad():
         for name, p in model.named_parameters():
+            if names is not None and name not in names:
+                continue
             if "norm" in name:
                 p.fill_(1.0)
             else:
