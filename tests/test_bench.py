@@ -285,7 +285,9 @@ def test_bench_loads_a_gguf_as_quantized_weights_says_and_the_roofline_counts_wh
     from kestrel.models.layers.quant import QuantLinear
 
     path = tiny_llama_gguf(tmp_path / "q4_k.gguf", "Q4_K", tied=False)
-    args = Namespace(shape=None, model=str(path), no_progress=True, quantized_weights=flag)
+    args = Namespace(
+        shape=None, model=str(path), no_progress=True, quantized_weights=flag, speculative=None
+    )
     model, _, _ = load_model(args, torch.device("cpu"), torch.float32)
     packed = any(isinstance(m, QuantLinear) for m in model.modules())
     assert packed == (flag == "keep")
