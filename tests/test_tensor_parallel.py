@@ -371,3 +371,17 @@ def test_a_rank_loads_its_shard_one_layer_at_a_time(family, checkpoints, monkeyp
         )
         assert len(held) == len(whole.model.layers)
         assert max(held) <= shard_bytes + layer_bytes < whole_bytes, (held, shard_bytes)
+
+
+# -- tensor parallel inside pipeline stages: -tp 2 -pp 2, four ranks ----------------------------
+
+
+@pytest.mark.parametrize("family", ["llama", "exaone_moe"])
+def test_tensor_parallel_inside_pipeline_stages_generates_what_one_process_generates(
+    checkpoints, family
+):
+    """Four ranks: two stages of two tensor-parallel ranks each (every stage collects over its
+    own process group; hidden states go to the same tensor-parallel rank of the next stage)."""
+    want = generate_with(checkpoints[family])
+    got = generate_with(checkpoints[family], tensor_parallel_size=2, pipeline_parallel_size=2)
+    assert_same_outputs(got, want)

@@ -103,11 +103,6 @@ class ParallelConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise InvalidRequestError(f"must be >= 1, not {value!r}", name)
-        if self.tensor_parallel_size > 1 and self.pipeline_parallel_size > 1:
-            raise InvalidRequestError(
-                "tensor and pipeline parallel do not combine yet: use one of them",
-                "pipeline_parallel_size",
-            )
         if self.pp_layers and self.pipeline_parallel_size == 1:
             raise InvalidRequestError("only used with --pipeline-parallel-size", "pp_layers")
         if self.enable_expert_parallel and self.tensor_parallel_size == 1:

@@ -44,13 +44,15 @@ def load_model(config: Config, device: torch.device, progress: bool = True, sele
 def load_in_groups(config: Config, device: torch.device, groups_of, each, progress: bool = True):
     """`load_model`, one group of parameters at a time, so that only the group being loaded is
     ever whole: `groups_of(model)` (the model built empty) lists (parameter names, key) groups
-    in load order, covering every parameter; `each(model, key)` runs once a group is in (a
-    tensor-parallel rank cuts it to its shard there). Returns what `load_model` does."""
+    in load order; parameters in none stay on the meta device, never read (a pipeline stage's
+    other layers). `each(model, key)` runs once a group is in (a tensor-parallel rank cuts it to
+    its shard there). Returns what `load_model` does."""
     groups: list[tuple[set[str], object]] = []
 
     def first(model) -> set[str]:
         groups.extend(groups_of(model))
-        return set().union(*(names for names, _ in groups[1:]))
+        every = {name for name, _ in model.named_parameters(remove_duplicate=False)}
+        return every - groups[0][0]
 
     model, tokenizer, source = load_model(config, device, progress, first)
     each(model, groups[0][1])

@@ -132,19 +132,24 @@ def other_stages_parameters(rank: int, size: int, spec: str | None = None):
     return select
 
 
-def split_stages(model: nn.Module, rank: int, size: int, spec: str | None = None) -> nn.Module:
-    """Cut `model` to this rank's stage, in place; the process group must be joined."""
+def split_stages(
+    model: nn.Module, rank: int, size: int, spec: str | None = None, tp: int = 1
+) -> nn.Module:
+    """Cut `model` to its stage of `size`, in place. With tensor parallel inside the stages
+    (`tp` ranks each), global rank g is stage g // tp's tensor-parallel rank g % tp, and `rank`
+    is that global rank: its hidden states go to the same tensor-parallel rank of the next
+    stage (g + tp)."""
     layers = decoder_layers(model)
-    stage = stage_of(model, rank, size, spec)
+    stage = stage_of(model, rank // tp, size, spec)
     first, end = stage.layers
     for i, layer in enumerate(layers):
         if not first <= i < end:
             _drop_weights(layer)
-            layer.forward = _passes_through(layer, send_to=rank + 1 if i == end else None)
-    if rank > 0:
-        layers[first].forward = _receives(layers[first].forward, rank - 1)
+            layer.forward = _passes_through(layer, send_to=rank + tp if i == end else None)
+    if stage.rank > 0:
+        layers[first].forward = _receives(layers[first].forward, rank - tp)
     _keep_pool_entries(model, first, end)
-    _share_hidden(model, stage)
+    _share_hidden(model, (size - 1) * tp)
     return model
 
 
@@ -187,10 +192,10 @@ def _keep_pool_entries(model: nn.Module, first: int, end: int) -> None:
     ]
 
 
-def _share_hidden(model: nn.Module, stage: Stage) -> None:
-    """Every rank gets the last stage's final-norm hidden states (the head's input)."""
+def _share_hidden(model: nn.Module, last: int) -> None:
+    """Every rank gets the last stage's final-norm hidden states (the head's input), from that
+    stage's first rank `last` (its tensor-parallel ranks all hold the same)."""
     hidden = model.hidden
-    last = stage.size - 1
 
     def shared(batch):
         h = hidden(batch).contiguous()

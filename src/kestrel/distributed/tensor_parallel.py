@@ -30,6 +30,7 @@ definition. A model with a Linear that no rule here covers is refused, naming it
 import copy
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
@@ -173,24 +174,25 @@ def shard_model(model: nn.Module, tp: TPGroup, expert_parallel: bool = False) ->
     return _finish(model, tp)
 
 
-def load_sharded(config, device, tp: TPGroup, expert_parallel: bool, progress: bool = True):
+def load_sharded(
+    config, device, tp: TPGroup, expert_parallel: bool, progress: bool = True, layers=None
+):
     """(model, tokenizer, source) with this rank's shard, loaded one decoder layer at a time and
     each cut as soon as it is in (after the rest: embeddings, head, norms): a rank holds its
-    shard and one whole group at most, never the whole model."""
+    shard and one whole group at most, never the whole model. `layers(model)`: the [first, end)
+    range of decoder layers to load (a pipeline stage's); the others stay on the meta device."""
     from kestrel.loading import load_in_groups
 
     def groups(model: nn.Module) -> list[tuple[set[str], nn.Module | None]]:
         check_covered(model)
         prefix, stack = decoder_stack(model)
-        layers = [
-            (
-                {f"{prefix}.{i}.{n}" for n, _ in layer.named_parameters(remove_duplicate=False)},
-                layer,
-            )
+        names = [
+            {f"{prefix}.{i}.{n}" for n, _ in layer.named_parameters(remove_duplicate=False)}
             for i, layer in enumerate(stack)
         ]
-        every = {n for n, _ in model.named_parameters(remove_duplicate=False)}
-        return [(every - set().union(*(names for names, _ in layers)), None), *layers]
+        first, end = layers(model) if layers is not None else (0, len(stack))
+        rest = {n for n, _ in model.named_parameters(remove_duplicate=False)} - set().union(*names)
+        return [(rest, None), *((names[i], stack[i]) for i in range(first, end))]
 
     def cut(model: nn.Module, layer: nn.Module | None) -> None:
         if layer is not None:
@@ -202,6 +204,20 @@ def load_sharded(config, device, tp: TPGroup, expert_parallel: bool, progress: b
 
     model, tokenizer, source = load_in_groups(config, device, groups, cut, progress)
     return _finish(model, tp), tokenizer, source
+
+
+def use_stage_groups(model: nn.Module, rank: int, parallel) -> None:
+    """With tensor parallel inside pipeline stages (`parallel`: the config's ParallelConfig),
+    each stage's ranks get a process group of their own (every rank creates every stage's, in
+    order, right after joining) and this rank's sharded layers collect over its stage's."""
+    tp_size, pp_size = parallel.tensor_parallel_size, parallel.pipeline_parallel_size
+    if tp_size == 1 or pp_size == 1:
+        return
+    groups = [dist.new_group(list(range(s * tp_size, (s + 1) * tp_size))) for s in range(pp_size)]
+    mine = TPGroup(rank % tp_size, tp_size, groups[rank // tp_size])
+    for module in model.modules():
+        if isinstance(getattr(module, "tp", None), TPGroup):
+            module.tp = mine
 
 
 def check_covered(model: nn.Module) -> None:

@@ -45,8 +45,8 @@ import torch.distributed as dist
 
 from kestrel.config import Config
 from kestrel.distributed.group import TPGroup, join, leave
-from kestrel.distributed.pipeline import other_stages_parameters, split_stages
-from kestrel.distributed.tensor_parallel import load_sharded
+from kestrel.distributed.pipeline import other_stages_parameters, split_stages, stage_of
+from kestrel.distributed.tensor_parallel import load_sharded, use_stage_groups
 from kestrel.engine.engine import Engine
 from kestrel.engine.request import Request
 from kestrel.loading import load_model, resolve_device
@@ -96,6 +96,7 @@ def start_ranks(config: Config, progress: bool, exit_with_workers: bool):
         model, tokenizer, source, device = load_shard(config, 0, size, progress)
         workers.wait("loaded")
         join(0, size, device, address, COLLECTIVE_TIMEOUT_S)
+        use_stage_groups(model, 0, config.parallel)
         build = lambda c: LockstepEngine(model, tokenizer, c, device, workers)  # noqa: E731
         engine = build(config)
         workers.wait("ready")  # every engine built (a rank that died says so here)
@@ -160,13 +161,23 @@ def load_shard(config: Config, rank: int, size: int, progress: bool, local_rank:
         torch.cuda.set_device(device)
     elif not config.parallel.threads:  # the ranks share the machine's cores
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // size))
-    if config.parallel.pipeline_parallel_size > 1:  # a stage reads only its layers' weights
-        select = other_stages_parameters(rank, size, config.parallel.pp_layers)
+    par = config.parallel
+    tp_size, pp_size, stage = (
+        par.tensor_parallel_size,
+        par.pipeline_parallel_size,
+        rank // par.tensor_parallel_size,
+    )
+    if tp_size == 1:  # a stage reads only its layers' weights
+        select = other_stages_parameters(stage, pp_size, par.pp_layers)
         model, tokenizer, source = load_model(config, device, progress, select)
-        split_stages(model, rank, size, config.parallel.pp_layers)
-    else:  # one layer at a time, each cut to this rank's shard once it is in
-        tp, ep = TPGroup(rank, size), config.parallel.enable_expert_parallel
-        model, tokenizer, source = load_sharded(config, device, tp, ep, progress)
+    else:  # one layer at a time (of its stage's), each cut to this rank's shard once it is in
+        tp, ep = TPGroup(rank % tp_size, tp_size), par.enable_expert_parallel
+        layers = None
+        if pp_size > 1:
+            layers = lambda model: stage_of(model, stage, pp_size, par.pp_layers).layers  # noqa: E731
+        model, tokenizer, source = load_sharded(config, device, tp, ep, progress, layers)
+    if pp_size > 1:
+        split_stages(model, rank, pp_size, par.pp_layers, tp_size)
     gc.collect()  # the whole weights the shard was cut from
     if device.type == "cuda":
         torch.cuda.empty_cache()
@@ -288,6 +299,7 @@ def worker_main(fd: int) -> None:
         model, tokenizer, _, device = load_shard(config, rank, size, progress=False)
         _send(pipe, ("loaded",))
         join(rank, size, device, address, COLLECTIVE_TIMEOUT_S)
+        use_stage_groups(model, rank, config.parallel)
         build = lambda c: Engine(model, tokenizer, c, device)  # noqa: E731
         engine = build(config)
         _send(pipe, ("ready",))
@@ -397,6 +409,7 @@ def _join(config: Config, progress: bool):
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     model, tokenizer, source, device = load_shard(config, rank, size, progress, local_rank)
     join(rank, size, device, "env://", COLLECTIVE_TIMEOUT_S)
+    use_stage_groups(model, rank, config.parallel)
     group = GroupWorkers(dist.new_group(backend="gloo"))
     if rank == 0:
         build = lambda c: LockstepEngine(model, tokenizer, c, device, group)  # noqa: E731
