@@ -4,6 +4,7 @@ benchmarks and the tensor-parallel workers, which all load through here."""
 from dataclasses import replace
 
 import torch
+from tqdm import tqdm
 
 from kestrel.config import Config
 from kestrel.weights.loader import QUANTIZED_WEIGHTS, load, load_weights
@@ -57,7 +58,8 @@ def load_in_groups(config: Config, device: torch.device, groups_of, each, progre
     model, tokenizer, source = load_model(config, device, progress, first)
     each(model, groups[0][1])
     packed = QUANTIZED_WEIGHTS[config.model.quantized_weights]
-    for names, key in groups[1:]:
+    layers = tqdm(groups[1:], desc="loading layer by layer", disable=not progress, leave=False)
+    for names, key in layers:
         if source is None:  # a random shape
             fill_random(model, device, names)
         else:

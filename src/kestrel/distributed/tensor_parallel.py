@@ -162,7 +162,9 @@ def vocab_shard(weight: torch.Tensor, tp: TPGroup) -> torch.Tensor:
     """This rank's rows of a (V, H) table, V padded with zero rows to a multiple of the ranks."""
     n = -(-weight.shape[0] // tp.size)
     shard = weight.data[tp.rank * n : (tp.rank + 1) * n]
-    return torch.cat([shard, shard.new_zeros(n - shard.shape[0], shard.shape[1])]).clone()
+    if shard.shape[0] == n:
+        return shard.clone()
+    return torch.cat([shard, shard.new_zeros(n - shard.shape[0], shard.shape[1])])  # a new tensor
 
 
 def shard_model(model: nn.Module, tp: TPGroup, expert_parallel: bool = False) -> nn.Module:
