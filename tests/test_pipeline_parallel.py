@@ -163,7 +163,7 @@ def test_stage_ranges_split_evenly_or_as_told():
 def test_bad_parallel_settings_name_their_flag():
     for kwargs, param in [
         ({"pipeline_parallel_size": 0}, "pipeline_parallel_size"),
-        ({"tensor_parallel_size": 2, "pipeline_parallel_size": 2}, "pipeline_parallel_size"),
+        ({"tensor_parallel_size": 0, "pipeline_parallel_size": 2}, "tensor_parallel_size"),
         ({"pp_layers": "0-1,2-3"}, "pp_layers"),
         ({"enable_expert_parallel": True}, "enable_expert_parallel"),
     ]:
