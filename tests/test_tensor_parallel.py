@@ -385,3 +385,35 @@ def test_tensor_parallel_inside_pipeline_stages_generates_what_one_process_gener
     want = generate_with(checkpoints[family])
     got = generate_with(checkpoints[family], tensor_parallel_size=2, pipeline_parallel_size=2)
     assert_same_outputs(got, want)
+
+
+@pytest.mark.parametrize("key", ["fp8-block", "mlx-4"])
+def test_a_quantized_folder_gives_each_rank_the_shard_of_its_dequantized_weights(
+    tmp_path, key, smollm2_tokenizer, monkeypatch
+):
+    """A quantized folder (its loader reads every tensor on a pass, so it loads in one pass
+    before the cut, not a pass per layer): each rank's tensors are those of the whole
+    dequantized model, cut."""
+    from tests.test_quant_formats import write_pair
+
+    import kestrel.loading
+    from kestrel.config import build_config
+    from kestrel.distributed.tensor_parallel import load_sharded
+    from kestrel.loading import load_model
+
+    folder, _ = write_pair(tmp_path, key)
+    smollm2_tokenizer.save_pretrained(folder)
+    config = build_config(model=str(folder), quantized_weights="dequantize")
+    passes = []
+    load_weights = kestrel.loading.load_weights
+    monkeypatch.setattr(
+        kestrel.loading, "load_weights", lambda *a, **k: passes.append(1) or load_weights(*a, **k)
+    )
+    for rank in (0, 1):
+        tp = TPGroup(rank, 2)
+        sharded, _, _ = load_sharded(config, CPU, tp, expert_parallel=False, progress=False)
+        cut = shard_model(load_model(config, CPU, progress=False)[0], tp)
+        got, want = dict(sharded.named_parameters()), dict(cut.named_parameters())
+        assert got.keys() == want.keys()
+        assert all(torch.equal(got[name], p) for name, p in want.items()), (key, rank)
+    assert not passes  # no pass per layer

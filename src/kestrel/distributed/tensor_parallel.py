@@ -182,8 +182,10 @@ def load_sharded(
     """(model, tokenizer, source) with this rank's shard, loaded one decoder layer at a time and
     each cut as soon as it is in (after the rest: embeddings, head, norms): a rank holds its
     shard and one whole group at most, never the whole model. `layers(model)`: the [first, end)
-    range of decoder layers to load (a pipeline stage's); the others stay on the meta device."""
-    from kestrel.loading import load_in_groups
+    range of decoder layers to load (a pipeline stage's); the others stay on the meta device.
+    A quantized folder (FP8, MLX, NVFP4) loads whole first: its loader reads every tensor on
+    each pass, so a pass per layer would read the checkpoint once per layer."""
+    from kestrel.loading import load_in_groups, load_model
 
     def groups(model: nn.Module) -> list[tuple[set[str], nn.Module | None]]:
         check_covered(model)
@@ -204,8 +206,28 @@ def load_sharded(
         shard_modules([m for m in model.modules() if id(m) not in inside], tp, expert_parallel)
         _shard_vocab(model, tp)
 
-    model, tokenizer, source = load_in_groups(config, device, groups, cut, progress)
+    if _quantized_folder(config):
+
+        def outside(model: nn.Module) -> set[str]:  # what no group loads (other stages' layers)
+            loaded = set().union(*(names for names, _ in groups(model)))
+            return {n for n, _ in model.named_parameters(remove_duplicate=False)} - loaded
+
+        model, tokenizer, source = load_model(config, device, progress, outside)
+        for _, key in groups(model):
+            cut(model, key)
+    else:
+        model, tokenizer, source = load_in_groups(config, device, groups, cut, progress)
     return _finish(model, tp), tokenizer, source
+
+
+def _quantized_folder(config) -> bool:
+    from kestrel.weights.loader import resolve
+    from kestrel.weights.quantized import read_scheme
+
+    if config.model.shape:
+        return False
+    source = resolve(config.model.model)
+    return not source.is_gguf and read_scheme(source.path) is not None
 
 
 def use_stage_groups(model: nn.Module, rank: int, parallel) -> None:
