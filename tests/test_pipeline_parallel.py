@@ -172,10 +172,16 @@ def test_bad_parallel_settings_name_their_flag():
         assert error.value.param == param
 
 
-def test_two_torchrun_nodes_generate_what_one_process_generates(checkpoints):  # noqa: F811
+@pytest.mark.parametrize("per_node, split", [(1, ["-pp", "2"]), (2, ["-tp", "2", "-pp", "2"])])
+def test_two_torchrun_nodes_generate_what_one_process_generates(
+    checkpoints,  # noqa: F811
+    per_node,
+    split,
+):
     """The two stages started as two torchrun "nodes" on this host (separate launches, loopback
-    rendezvous), each running the same `kestrel generate -pp 2`: rank 0 prints what one process
-    prints, and both exit 0."""
+    rendezvous), each running the same `kestrel generate -pp 2`, one process a node, or `-tp 2
+    -pp 2`, a stage's two tensor-parallel ranks on each node: rank 0 prints what one process
+    prints, and every process exits 0."""
     command = ["-m", "kestrel", "generate", "-m", checkpoints["llama"], "-n", "12", "--temp", "0"]
     command += ["-p", "The quick brown fox"]
     one = subprocess.run([sys.executable, *command], capture_output=True, text=True, timeout=120)
@@ -184,10 +190,11 @@ def test_two_torchrun_nodes_generate_what_one_process_generates(checkpoints):  #
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     launch = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2"]
-    launch += ["--nproc-per-node", "1", "--master-addr", "127.0.0.1", "--master-port", str(port)]
+    launch += ["--nproc-per-node", str(per_node), "--master-addr", "127.0.0.1"]
+    launch += ["--master-port", str(port)]
     nodes = [
         subprocess.Popen(
-            [*launch, "--node-rank", str(rank), *command, "-pp", "2"],
+            [*launch, "--node-rank", str(rank), *command, *split],
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
