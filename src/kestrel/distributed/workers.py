@@ -162,11 +162,8 @@ def load_shard(config: Config, rank: int, size: int, progress: bool, local_rank:
     elif not config.parallel.threads:  # the ranks share the machine's cores
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // size))
     par = config.parallel
-    tp_size, pp_size, stage = (
-        par.tensor_parallel_size,
-        par.pipeline_parallel_size,
-        rank // par.tensor_parallel_size,
-    )
+    tp_size, pp_size = par.tensor_parallel_size, par.pipeline_parallel_size
+    stage = rank // tp_size
     if tp_size == 1:  # a stage reads only its layers' weights
         select = other_stages_parameters(stage, pp_size, par.pp_layers)
         model, tokenizer, source = load_model(config, device, progress, select)
