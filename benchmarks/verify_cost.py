@@ -32,20 +32,11 @@ KS = (0, 1, 2, 3, 5, 8)
 def step_ms(engine: Engine, k: int, context: int, repeats: int) -> float:
     """Median time of a step that feeds one sequence's pending token and k proposed ones."""
     scheduler, runner = engine.scheduler, engine.runner
-    request = Request(f"k{k}", [1] * context, SamplingParams(temperature=0), 512)
-    scheduler.add(request)
-    plan = scheduler.schedule()  # the prompt, in one chunk
-    runner.execute(plan.chunks)
-    scheduler.computed(plan.chunks, set())
-    request.output_ids.append(2)
-    times = []
+    request = prefilled(engine, f"k{k}", context)
+    times: list[float] = []
     for _ in range(repeats + 3):  # the first three warm up (kernels compile, graphs load)
         chunk = ScheduledChunk(request, 1 + k, [3] * k)
-        sync(engine)
-        start = time.perf_counter()
-        (result,) = runner.execute([chunk])
-        sync(engine)
-        times.append(time.perf_counter() - start)
+        (result,) = timed(engine, lambda c=chunk: runner.execute([c]), times)
         tokens = result.tokens or [result.token]
         scheduler.computed([chunk], set(), {request.request_id: len(tokens) - 1})
         request.output_ids += tokens
@@ -57,25 +48,38 @@ def mtp_round_ms(engine: Engine, context: int, repeats: int) -> float:
     """Median time of one chained round of the engine's MTP proposer (one token, one sequence),
     after decode steps that keep its catch-up current."""
     scheduler, runner, proposer = engine.scheduler, engine.runner, engine.scheduler.proposer
-    request = Request("mtp", [1] * context, SamplingParams(temperature=0), 512)
-    scheduler.add(request)
-    plan = scheduler.schedule()
-    runner.execute(plan.chunks)  # the proposer catches up on the prompt's hidden states
-    scheduler.computed(plan.chunks, set())
-    request.output_ids.append(2)
-    times = []
+    request = prefilled(engine, "mtp", context)  # the proposer catches up on the prompt
+    times: list[float] = []
     for _ in range(repeats + 3):
         chunk = ScheduledChunk(request, 1)
         (result,) = runner.execute([chunk])
         scheduler.computed([chunk], set())
         request.output_ids.append(result.token)
-        sync(engine)
-        start = time.perf_counter()
-        proposer.propose_all([request], [2])  # the catch-up's token, then one round
-        sync(engine)
-        times.append(time.perf_counter() - start)
+        # the catch-up's token, then one round
+        timed(engine, lambda: proposer.propose_all([request], [2]), times)
     engine.abort(request.request_id)
     return 1e3 * statistics.median(times[3:])
+
+
+def prefilled(engine: Engine, request_id: str, context: int) -> Request:
+    """A request whose `context` prompt tokens are in (one chunk) and one output token pending."""
+    request = Request(request_id, [1] * context, SamplingParams(temperature=0), 512)
+    engine.scheduler.add(request)
+    plan = engine.scheduler.schedule()
+    engine.runner.execute(plan.chunks)
+    engine.scheduler.computed(plan.chunks, set())
+    request.output_ids.append(2)
+    return request
+
+
+def timed(engine: Engine, work, times: list[float]):
+    """work(), its time on the device appended to `times`."""
+    sync(engine)
+    start = time.perf_counter()
+    out = work()
+    sync(engine)
+    times.append(time.perf_counter() - start)
+    return out
 
 
 def sync(engine: Engine) -> None:

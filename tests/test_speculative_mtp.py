@@ -18,10 +18,10 @@ from tests.test_speculative import (  # noqa: F401 (one_thread: an autouse fixtu
     repeating_prompt,
     serve,
 )
+from tests.test_speculative import engine as plain_or_ngram_engine
 
 from kestrel import LLM
 from kestrel.cache.sequence import SequenceCache
-from kestrel.config import build_config
 from kestrel.engine.engine import Engine
 from kestrel.errors import ModelLoadError
 from kestrel.models.batch import ForwardBatch
@@ -78,11 +78,9 @@ def checkpoint(request, tmp_path_factory, smollm2_tokenizer):
 
 
 def engine(model, tokenizer, mtp: bool, **settings) -> Engine:
+    """test_speculative's engine, speculating with the MTP layer (`mtp`) or not at all."""
     spec = {"speculative": "mtp", "num_speculative_tokens": 3} if mtp else {}
-    config = build_config(
-        block_size=4, num_blocks=128, max_num_seqs=4, prefill_chunk_size=8, **spec, **settings
-    )
-    return Engine(model, tokenizer, config)
+    return plain_or_ngram_engine(model, tokenizer, False, **spec, **settings)
 
 
 class Proposals:

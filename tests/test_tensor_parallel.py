@@ -334,6 +334,26 @@ def test_bench_engine_runs_over_two_ranks_and_other_modes_are_refused(checkpoint
 # -- loading only a rank's shard -------------------------------------------------------------------
 
 
+def loaded_and_cut(config, tp: TPGroup):
+    """(this rank's model from `load_sharded`, the whole model loaded and then cut to it)."""
+    from kestrel.distributed.tensor_parallel import load_sharded
+    from kestrel.loading import load_model
+
+    sharded, _, _ = load_sharded(config, CPU, tp, expert_parallel=False, progress=False)
+    return sharded, shard_model(load_model(config, CPU, progress=False)[0], tp)
+
+
+def assert_same_parameters(got: torch.nn.Module, want: torch.nn.Module, label) -> None:
+    got, want = dict(got.named_parameters()), dict(want.named_parameters())
+    assert got.keys() == want.keys()
+    for name, p in want.items():
+        assert torch.equal(got[name], p), (label, name)
+
+
+def nbytes(params) -> int:
+    return sum(p.numel() * p.element_size() for p in params)
+
+
 @pytest.mark.parametrize("family", ["llama", "exaone_moe", "glm4_moe_lite", "gemma4", "nemotron_h"])
 def test_a_rank_loads_its_shard_one_layer_at_a_time(family, checkpoints, monkeypatch):
     """`load_sharded` gives each rank exactly the tensors that loading the whole model and then
@@ -341,34 +361,25 @@ def test_a_rank_loads_its_shard_one_layer_at_a_time(family, checkpoints, monkeyp
     layer (the loader reads a layer's tensors only when that layer's turn comes)."""
     import kestrel.loading
     from kestrel.config import build_config
-    from kestrel.distributed.tensor_parallel import load_sharded
     from kestrel.loading import load_model
 
     config = build_config(model=checkpoints[family])
     whole, _, _ = load_model(config, CPU, progress=False)
-    whole_bytes = sum(p.numel() * p.element_size() for p in whole.parameters())
+    whole_bytes = nbytes(whole.parameters())
     held: list[int] = []  # bytes materialized after each layer's load
     load_weights = kestrel.loading.load_weights
 
     def observed(model, *args, **kwargs):
         load_weights(model, *args, **kwargs)
-        held.append(sum(p.numel() * p.element_size() for p in model.parameters() if not p.is_meta))
+        held.append(nbytes(p for p in model.parameters() if not p.is_meta))
 
     monkeypatch.setattr(kestrel.loading, "load_weights", observed)
     for rank in (0, 1):
-        tp = TPGroup(rank, 2)
         held.clear()
-        sharded, _, _ = load_sharded(config, CPU, tp, expert_parallel=False, progress=False)
-        cut = shard_model(load_model(config, CPU, progress=False)[0], tp)
-        got, want = dict(sharded.named_parameters()), dict(cut.named_parameters())
-        assert got.keys() == want.keys()
-        for name, p in want.items():
-            assert torch.equal(got[name], p), (family, rank, name)
-        shard_bytes = sum(p.numel() * p.element_size() for p in sharded.parameters())
-        layer_bytes = max(
-            sum(p.numel() * p.element_size() for p in layer.parameters())
-            for layer in whole.model.layers
-        )
+        sharded, cut = loaded_and_cut(config, TPGroup(rank, 2))
+        assert_same_parameters(sharded, cut, (family, rank))
+        shard_bytes = nbytes(sharded.parameters())
+        layer_bytes = max(nbytes(layer.parameters()) for layer in whole.model.layers)
         assert len(held) == len(whole.model.layers)
         assert max(held) <= shard_bytes + layer_bytes < whole_bytes, (held, shard_bytes)
 
@@ -398,8 +409,6 @@ def test_a_quantized_folder_gives_each_rank_the_shard_of_its_dequantized_weights
 
     import kestrel.loading
     from kestrel.config import build_config
-    from kestrel.distributed.tensor_parallel import load_sharded
-    from kestrel.loading import load_model
 
     folder, _ = write_pair(tmp_path, key)
     smollm2_tokenizer.save_pretrained(folder)
@@ -410,10 +419,6 @@ def test_a_quantized_folder_gives_each_rank_the_shard_of_its_dequantized_weights
         kestrel.loading, "load_weights", lambda *a, **k: passes.append(1) or load_weights(*a, **k)
     )
     for rank in (0, 1):
-        tp = TPGroup(rank, 2)
-        sharded, _, _ = load_sharded(config, CPU, tp, expert_parallel=False, progress=False)
-        cut = shard_model(load_model(config, CPU, progress=False)[0], tp)
-        got, want = dict(sharded.named_parameters()), dict(cut.named_parameters())
-        assert got.keys() == want.keys()
-        assert all(torch.equal(got[name], p) for name, p in want.items()), (key, rank)
+        sharded, cut = loaded_and_cut(config, TPGroup(rank, 2))
+        assert_same_parameters(sharded, cut, (key, rank))
     assert not passes  # no pass per layer

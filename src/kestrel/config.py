@@ -11,6 +11,8 @@ from kestrel.errors import InvalidRequestError
 from kestrel.weights.embedded import DEFAULT_MODEL
 
 SPECULATIVE_METHODS = ("ngram", "draft", "mtp")
+# methods that run a draft beside the model: in the engine of one process, on one device
+DRAFT_METHODS = ("draft", "mtp")
 
 
 @dataclass

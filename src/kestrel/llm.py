@@ -3,7 +3,7 @@
 import itertools
 from dataclasses import dataclass, field
 
-from kestrel.config import Config, build_config
+from kestrel.config import DRAFT_METHODS, Config, build_config
 from kestrel.engine.engine import Engine, RequestOutput
 from kestrel.loading import load_draft, load_model, resolve_device
 from kestrel.media import MediaLimits, image_part_params
@@ -20,8 +20,8 @@ def load_engine(config: Config, progress: bool = True, exit_with_workers: bool =
     if config.parallel.ranks > 1:
         from kestrel.distributed.workers import joined_rank, start_joined, start_ranks
 
-        if config.speculation.speculative in ("draft", "mtp"):
-            method = config.speculation.speculative
+        method = config.speculation.speculative
+        if method in DRAFT_METHODS:
             raise ValueError(f"--speculative {method} runs on one device: not with -tp or -pp")
         if joined_rank() is not None:  # torchrun started every rank (other machines too)
             return start_joined(config, progress)

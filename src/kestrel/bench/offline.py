@@ -20,6 +20,7 @@ import torch
 
 from kestrel.bench.roofline import H200, ceilings, meta_model
 from kestrel.bench.serve import add_serve_bench_args
+from kestrel.config import DRAFT_METHODS
 from kestrel.weights.shapes import (
     decoder_config,
     random_model,
@@ -408,7 +409,7 @@ def run_bench(args) -> int:
     out = open(args.output, "a") if args.output else None
     env = environment(device)
     modes = ["latency", "throughput"] if args.mode == "all" else [args.mode]
-    if args.speculative in ("draft", "mtp") and modes != ["engine"]:
+    if args.speculative in DRAFT_METHODS and modes != ["engine"]:
         raise SystemExit(
             f"kestrel bench: --speculative {args.speculative} runs only as `kestrel bench engine`"
         )

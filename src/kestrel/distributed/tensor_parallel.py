@@ -207,13 +207,15 @@ def load_sharded(
         _shard_vocab(model, tp)
 
     if _quantized_folder(config):
+        planned: list[tuple[set[str], nn.Module | None]] = []
 
         def outside(model: nn.Module) -> set[str]:  # what no group loads (other stages' layers)
-            loaded = set().union(*(names for names, _ in groups(model)))
+            planned.extend(groups(model))
+            loaded = set().union(*(names for names, _ in planned))
             return {n for n, _ in model.named_parameters(remove_duplicate=False)} - loaded
 
         model, tokenizer, source = load_model(config, device, progress, outside)
-        for _, key in groups(model):
+        for _, key in planned:
             cut(model, key)
     else:
         model, tokenizer, source = load_in_groups(config, device, groups, cut, progress)
