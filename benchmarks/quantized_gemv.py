@@ -1,13 +1,16 @@
-"""The quantized GEMVs (kernels/gguf_gemv.py, kernels/fp8_gemv.py) against bf16 `F.linear` on
-Llama-3.1-8B's projection shapes, one row of x (single-stream decode), on the GPU. Prints one
-JSON line per (type, shape): microseconds for both, and the rate at which the GEMV reads its
-weights. Types: the GGUF block types and FP8 (e4m3 in 128 x 128 scale tiles).
+"""The quantized GEMVs (kernels/gguf_gemv.py, kernels/gguf_dp4a.py, kernels/fp8_gemv.py) against
+bf16 `F.linear` on Llama-3.1-8B's projection shapes, one row of x (single-stream decode), on the
+GPU. Prints one JSON line per (type, shape): microseconds for both, and the rate at which the
+GEMV reads its weights. Types: the GGUF block types and FP8 (e4m3 in 128 x 128 scale tiles); each
+runs through `QuantLinear`, so the kernel is the one a decode step uses (for the k-quants, the
+int8 kernels; `--float` adds the float kernels' figures for them).
 
     python benchmarks/quantized_gemv.py [--sweep] [--types Q4_K FP8 ...] > results.jsonl
     python benchmarks/quantized_gemv.py --plot results.svg --from results.jsonl  # matplotlib
 
 `--sweep` also times rows per program, tiles per step and warps on the gate/up and down shapes
-(to choose kernels/gguf_gemv.py's CONFIGS; GGUF types only).
+(to choose the CONFIGS of kernels/gguf_dp4a.py for the k-quants, of kernels/gguf_gemv.py for the
+rest).
 """
 
 import argparse
@@ -17,9 +20,9 @@ import os
 import torch
 import torch.nn.functional as F
 
-from kestrel.kernels import fp8_gemv
-from kestrel.kernels.gguf_gemv import TYPES, gemv
-from kestrel.kernels.quant import BLOCKS
+from kestrel.kernels import gguf_dp4a, gguf_gemv
+from kestrel.kernels.quant import BLOCKS, Format
+from kestrel.models.layers.quant import QuantLinear
 
 # (out, in) of Llama-3.1-8B's q, k/v, o, gate/up and down projections
 SHAPES = [(4096, 4096), (1024, 4096), (14336, 4096), (4096, 14336)]
@@ -42,23 +45,28 @@ def timed(fn, iters: int = 200) -> float:
     return start.elapsed_time(end) * 1000 / iters
 
 
-def quantized(qtype: str, out: int, cols: int):
-    """(weights, the GEMV on x) of random bytes in `qtype`."""
+def quantized(qtype: str, out: int, cols: int, kernel=None):
+    """(weights, the GEMV on x) of random bytes in `qtype`: the `QuantLinear` a model holds, or
+    `kernel(x, blocks, qtype, cols)` on its blocks."""
     if qtype == "FP8":
         w = torch.randn(out, cols, device="cuda").to(torch.float8_e4m3fn)
         scale = torch.rand(out // 128, cols // 128, device="cuda")
-        return w, lambda x: fp8_gemv.gemv(x, w, scale, (128, 128))
+        return w, QuantLinear(w, Format("fp8", block=(128, 128)), cols, scale=scale)
     elements, size = BLOCKS[qtype]
     blocks = torch.randint(0, 256, (out, cols // elements * size), dtype=torch.uint8).cuda()
-    return blocks, lambda x: gemv(x, blocks, qtype, cols)
+    if kernel is not None:
+        return blocks, lambda x: kernel(x, blocks, qtype, cols)
+    return blocks, QuantLinear(blocks, qtype, cols)
 
 
-def measure(qtype: str, out: int, cols: int) -> dict:
-    blocks, product = quantized(qtype, out, cols)
+def measure(qtype: str, out: int, cols: int, kernel=None) -> dict:
+    blocks, product = quantized(qtype, out, cols, kernel)
     x = torch.randn(1, cols, device="cuda", dtype=torch.bfloat16)
     w = torch.randn(out, cols, device="cuda", dtype=torch.bfloat16)
     packed_us = timed(lambda: product(x))
     row = dict(qtype=qtype, out=out, cols=cols, gemv_us=round(packed_us, 2))
+    if kernel is not None:
+        row["kernel"] = kernel.__module__.rsplit(".", 1)[-1]
     row["bf16_us"] = round(timed(lambda: F.linear(x, w)), 2)
     row["gemv_tb_s"] = round(blocks.numel() / packed_us / 1e6, 2)
     row["speedup"] = round(row["bf16_us"] / row["gemv_us"], 2)
@@ -70,7 +78,8 @@ def sweep(qtype: str, out: int, cols: int) -> list:
     elements, size = BLOCKS[qtype]
     blocks = torch.randint(0, 256, (out, cols // elements * size), dtype=torch.uint8).cuda()
     x = torch.randn(1, cols, device="cuda", dtype=torch.bfloat16)
-    configs = [(b, s, w) for b in (2, 4, 8, 16) for s in (1, 2, 4, 8) for w in (1, 2, 4)]
+    gemv = (gguf_dp4a if qtype in gguf_dp4a.TYPES else gguf_gemv).gemv
+    configs = [(b, s, w) for b in (1, 2, 4, 8, 16) for s in (1, 2, 4, 8) for w in (1, 2, 4)]
     times = [(round(timed(lambda c=c: gemv(x, blocks, qtype, cols, c), 50), 2), c) for c in configs]
     return sorted(times)[:5]
 
@@ -102,7 +111,8 @@ def plot(records: list[dict], path: str) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sweep", action="store_true")
-    types = [*sorted(TYPES), "FP8"]
+    parser.add_argument("--float", action="store_true", help="the k-quants' float kernels too")
+    types = [*sorted(gguf_gemv.TYPES), "FP8"]
     parser.add_argument("--types", nargs="+", default=types, choices=types)
     parser.add_argument("--plot", help="draw the results of --from into this SVG")
     parser.add_argument("--from", dest="source", help="JSON lines of an earlier run")
@@ -112,10 +122,14 @@ def main() -> None:
         return
     for qtype in args.types:
         for out, cols in SHAPES:
-            row = measure(qtype, out, cols)
-            row.update(device=torch.cuda.get_device_name(), commit=os.environ.get("KESTREL_COMMIT"))
-            print(json.dumps(row), flush=True)
-        if args.sweep and qtype in TYPES:
+            kernels = [None]
+            if args.float and qtype in gguf_dp4a.TYPES:
+                kernels.append(gguf_gemv.gemv)
+            for kernel in kernels:
+                row = measure(qtype, out, cols, kernel)
+                row.update(device=torch.cuda.get_device_name(), commit=os.environ.get("KESTREL_COMMIT"))
+                print(json.dumps(row), flush=True)
+        if args.sweep and qtype in gguf_gemv.TYPES:
             for out, cols in SHAPES[2:]:
                 best = sweep(qtype, out, cols)
                 print(json.dumps(dict(qtype=qtype, out=out, cols=cols, sweep=best)), flush=True)

@@ -11,6 +11,7 @@ from tests.test_paged_cache import prompts, run_to_end
 from kestrel.config import CacheConfig
 from kestrel.engine.paged_runner import PagedRunner
 from kestrel.engine.request import Request
+from kestrel.kernels import gguf_dp4a
 from kestrel.kernels.gguf_gemv import K_QUANTS, TYPES, gemv
 from kestrel.kernels.quant import BLOCKS, dequantize
 from kestrel.models.layers.quant import QuantLinear
@@ -58,6 +59,34 @@ def test_gemv_equals_dequantize_then_matmul(qtype, dtype):
         captured = gemv(x, blocks, qtype, cols)
     graph.replay()
     torch.testing.assert_close(captured.float(), expected, **tol)
+
+
+@pytest.mark.parametrize("qtype", sorted(gguf_dp4a.TYPES))
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_int8_gemv_equals_the_quantized_x_times_dequantize(qtype, dtype):
+    """The dp4a kernels compute x's int8 rounding (`quantize`) times W exactly, up to float
+    summation order: 3 super-blocks (a step of two ends inside the row), rows not a multiple of
+    the tile, 1 and 5 rows of x, inside a CUDA graph too; and the rounding stays within 1% of
+    x's largest value per group."""
+    torch.manual_seed(0)
+    blocks = random_blocks(qtype, 37, 768)
+    weights = dequantize(blocks, qtype, 768)
+    for rows in (1, 5):
+        x = torch.randn(rows, 768, device=CUDA).to(dtype)
+        words, info = gguf_dp4a.quantize(x)
+        q = words.view(torch.int8).float().reshape(rows, -1, 32)
+        rounded = (q * info[:, :, :1]).reshape(rows, 768)
+        groups = x.float().reshape(rows, -1, 32)
+        error = (rounded.reshape(groups.shape) - groups).abs().amax(2)
+        assert (error <= groups.abs().amax(2) / 127 / 2 + 1e-6).all()
+        expected = (rounded @ weights.T).to(dtype).float()
+        tol = dict(rtol=1e-2, atol=1e-2)
+        torch.testing.assert_close(gguf_dp4a.gemv(x, blocks, qtype, 768).float(), expected, **tol)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            captured = gguf_dp4a.gemv(x, blocks, qtype, 768)
+        graph.replay()
+        torch.testing.assert_close(captured.float(), expected, **tol)
 
 
 @pytest.mark.parametrize("quant", sorted(TYPES))

@@ -3,7 +3,8 @@ FP8 and NVFP4 (each format's decoding is one function of kernels/quant.py).
 
 `QuantLinear` computes x @ W.T by dequantizing W a few output rows at a time, so the float copy
 alive at once stays near `CHUNK_BYTES` whatever the matrix. On CUDA decode (a few rows of x)
-reads GGUF blocks and FP8 weights in Triton GEMVs (kernels/gguf_gemv.py, kernels/fp8_gemv.py),
+reads GGUF blocks and FP8 weights in Triton GEMVs (kernels/gguf_gemv.py, kernels/fp8_gemv.py;
+the k-quants on int8-quantized half-precision x in kernels/gguf_dp4a.py),
 and larger FP8 batches multiply on the FP8 tensor cores, their activations quantized on the fly:
 per row for a weight with one scale per row or per tensor (`torch._scaled_mm`), per 1 x 128
 group for 128 x 128 tiles (the block-scaled `scaled_mm`, where the GPU runs it).
@@ -17,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kestrel.kernels import cpu_native, fp8_gemv, gguf_gemv
+from kestrel.kernels import cpu_native, fp8_gemv, gguf_dp4a, gguf_gemv
 from kestrel.kernels.quant import (
     FP8_TILE,
     Format,
@@ -68,7 +69,9 @@ class QuantLinear(_Quantized):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         fp8_cores = self.fp8_scale is not None or self.fp8_tiles is not None
         rows = x.reshape(-1, self.in_features)
-        if self.fmt.kind == "gguf" and gguf_gemv.serves(rows, self.qtype):  # decode on CUDA
+        if self.fmt.kind == "gguf" and gguf_dp4a.serves(rows, self.qtype):  # half decode on CUDA
+            out = gguf_dp4a.gemv(rows, self.qweight, self.qtype, self.in_features)
+        elif self.fmt.kind == "gguf" and gguf_gemv.serves(rows, self.qtype):  # decode on CUDA
             out = gguf_gemv.gemv(rows, self.qweight, self.qtype, self.in_features)
         elif self.fmt.kind == "gguf" and not x.is_cuda and cpu_native.serves(self.qtype):
             out = cpu_native.gguf_mm(rows, self.qweight, self.qtype, self.in_features)
