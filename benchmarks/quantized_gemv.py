@@ -127,7 +127,9 @@ def main() -> None:
                 kernels.append(gguf_gemv.gemv)
             for kernel in kernels:
                 row = measure(qtype, out, cols, kernel)
-                row.update(device=torch.cuda.get_device_name(), commit=os.environ.get("KESTREL_COMMIT"))
+                row.update(
+                    device=torch.cuda.get_device_name(), commit=os.environ.get("KESTREL_COMMIT")
+                )
                 print(json.dumps(row), flush=True)
         if args.sweep and qtype in gguf_gemv.TYPES:
             for out, cols in SHAPES[2:]:

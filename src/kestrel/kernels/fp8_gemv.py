@@ -6,8 +6,8 @@ decode step reads one byte a weight instead of bfloat16's two, and x stays in bf
 the FP8 tensor-core GEMM (kernels/quant.py's `fp8_block_linear`), nothing quantizes the
 activations, and one kernel replaces that path's six (pad, amax, scale, cast, GEMM, slice),
 whose launches cost more than a decode step's GEMV. Each program owns BLOCK_N rows and walks K
-in steps of BLOCK_K columns, loading the next step's weights while it computes this one's; a
-step's sums are taken per 128 columns and scaled once each.
+in steps of CHUNKS x 16 columns; each thread sums a (row, 16 columns) chunk on its own and
+scales it once (the scale is constant over 16 columns: a tile is 128 wide or the whole row).
 
 The PyTorch path (kernels/quant.py's `dequantize_rows`, then a matmul) is the CPU path and this
 kernel's oracle in the GPU tests. Imports nothing from kestrel.
@@ -22,16 +22,22 @@ except ImportError:  # CPU-only installs
     triton = None
 
 GROUP = 128  # columns summed before a scale multiplies them
+SPAN = 16  # columns a thread loads at once: one 16-byte load of weights
 MAX_ROWS = 8  # rows of x a GEMV serves; more go through the tensor cores
-BLOCK_N, BLOCK_K, WARPS = 8, 512, 4
+BLOCK_N, CHUNKS, WARPS = 4, 32, 2  # rows per program, SPAN-column chunks per loop step, warps
+MIN_PROGRAMS = 2048  # fewer rows a program until there are this many (15 per SM)
 
 
 def serves(x: torch.Tensor, block: tuple[int, int]) -> bool:
     """Whether `gemv` computes x (M, K) times FP8 weights with scale tiles `block`: CUDA,
-    Triton, few rows, and a scale that is constant over each group of 128 columns."""
-    rows = x.numel() // x.shape[-1]
-    whole_groups = block[1] % GROUP == 0 or block[1] >= x.shape[-1]
-    return triton is not None and x.is_cuda and rows <= MAX_ROWS and whole_groups
+    Triton, few rows, K a multiple of 16 and scale tiles a power-of-two multiple of 128 columns
+    wide (or the whole row)."""
+    rows, cols = x.numel() // x.shape[-1], x.shape[-1]
+    width = block[1]  # a power of two: the kernel finds a column's tile by a shift
+    whole_groups = (width % GROUP == 0 and width & (width - 1) == 0) or width >= cols
+    return (
+        triton is not None and x.is_cuda and rows <= MAX_ROWS and whole_groups and cols % SPAN == 0
+    )
 
 
 def gemv(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, block: tuple[int, int]):
@@ -39,11 +45,15 @@ def gemv(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, block: tuple[int
     float32 (tile rows, tile cols) grid of `block` tiles."""
     M, K = x.shape
     N = w.shape[0]
+    block_n = BLOCK_N
+    while block_n > 1 and triton.cdiv(N, block_n) < MIN_PROGRAMS:
+        block_n //= 2  # a short matrix (k/v projections): more programs, fewer rows each
     x = x.contiguous()
     y = torch.empty(M, N, device=x.device, dtype=x.dtype)
-    _gemv[(triton.cdiv(N, BLOCK_N), M)](
-        x, w, scale, y, N, K, w.stride(0), triton.cdiv(K, BLOCK_K), min(block[0], N),
-        min(block[1], K), scale.stride(0), BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, num_warps=WARPS,
+    _gemv[(triton.cdiv(N, block_n), M)](
+        x, w, scale, y, N, K, w.stride(0), triton.cdiv(K, CHUNKS * SPAN), min(block[0], N),
+        31 if block[1] >= K else block[1].bit_length() - 1, scale.stride(0),
+        BLOCK_N=block_n, CHUNKS=CHUNKS, num_warps=WARPS,
     )  # fmt: skip
     return y
 
@@ -52,24 +62,30 @@ if triton is not None:
 
     @triton.jit
     def _gemv(
-        X, W, S, Y, N, K, w_stride, steps, tile_rows, tile_cols, scale_stride,
-        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+        X, W, S, Y, N, K, w_stride, steps, tile_rows, tile_shift, scale_stride,
+        BLOCK_N: tl.constexpr, CHUNKS: tl.constexpr,
     ):  # fmt: skip
-        n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+        """A thread owns a (row, 16 columns) chunk: it loads the weights in one 16-byte load
+        and its own copy of x's 16 values (from L1, shared by the rows' threads), and sums
+        them on its own; the chunk's scale multiplies the sum. Chunks past K (the last step's
+        tail) read the last chunk again and count zero, so no load needs a mask; rows past N
+        recompute row N - 1 and are not stored. A column's scale tile is column >> tile_shift."""
+        first = tl.program_id(0) * BLOCK_N
         m = tl.program_id(1).to(tl.int64)
-        row = tl.where(n < N, n, 0).to(tl.int64)  # rows past N read row 0, not stored
-        g = tl.arange(0, BLOCK_K // 128)  # (G,) groups of a step
-        k = g[:, None] * 128 + tl.arange(0, 128)[None, :]  # (G, 128) columns of a step
-        at = W + row[:, None, None] * w_stride + k[None]
-        ahead = tl.load(at, mask=k[None] < K, other=0.0)
-        acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
+        rows = tl.minimum(first + tl.arange(0, BLOCK_N), N - 1).to(tl.int64)[:, None]
+        chunk = tl.arange(0, CHUNKS)[None, :]
+        span = tl.arange(0, 16)[None, None, :]
+        tile_row = (rows // tile_rows) * scale_stride
+        acc = tl.zeros((BLOCK_N, CHUNKS), dtype=tl.float32)
         for step in range(0, steps):
-            start = step * BLOCK_K
-            w = ahead
-            ahead = tl.load(at + start + BLOCK_K, mask=k[None] + start + BLOCK_K < K, other=0.0)
-            x = tl.load(X + m * K + start + k, mask=start + k < K, other=0.0).to(tl.float32)
-            part = tl.sum(w.to(tl.float32) * x[None], 2)  # (N, G)
-            tiles = (row // tile_rows)[:, None] * scale_stride + ((start + g * 128) // tile_cols)
-            scale = tl.load(S + tiles, mask=(start + g * 128 < K)[None, :], other=0.0)
-            acc += tl.sum(part * scale, 1)
-        tl.store(Y + m * N + n, acc.to(Y.dtype.element_ty), mask=n < N)
+            start = (step * CHUNKS + chunk) * 16  # (1, C) each chunk's first column
+            ok = start < K
+            start = tl.minimum(start, K - 16)
+            cols = start[:, :, None] + span  # (1, C, 16)
+            w = tl.load(W + rows[:, :, None] * w_stride + cols)  # (BLOCK_N, C, 16)
+            x = tl.load(X + m * K + cols + 0 * rows[:, :, None]).to(tl.float32)
+            part = tl.sum(w.to(tl.float32) * x, 2)
+            scale = tl.load(S + tile_row + (start >> tile_shift))  # (BLOCK_N, C)
+            acc += tl.where(ok, part * scale, 0.0)
+        lanes = first + tl.arange(0, BLOCK_N)
+        tl.store(Y + m * N + lanes, tl.sum(acc, 1).to(Y.dtype.element_ty), mask=lanes < N)

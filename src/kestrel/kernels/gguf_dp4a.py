@@ -93,7 +93,7 @@ def gemv(
 if triton is not None:
 
     @triton.jit
-    def _quantize(X, Q, I, K, GROUPS: tl.constexpr):
+    def _quantize(X, Q, Info, K, GROUPS: tl.constexpr):
         """Each group of 32: scale d = max |x| / 127, q = x / d rounded to nearest (even), the
         words of four q (byte k of a word is q[4t + k]) and `quantize`'s four floats."""
         m = tl.program_id(1).to(tl.int64)
@@ -115,9 +115,11 @@ if triton is not None:
         first, last = tl.split(halves)
         column = tl.arange(0, 4)[None, :]
         d, first, last = d[:, None], first[:, None], last[:, None]
-        info = tl.where(column == 0, d, tl.where(column == 1, first, tl.where(column == 2, last, first + last)))
+        info = tl.where(
+            column == 0, d, tl.where(column == 1, first, tl.where(column == 2, last, first + last))
+        )
         at = (m * (K // 32) + g[:, None]) * 4 + column
-        tl.store(I + at, info, mask=g[:, None] * 32 < K)
+        tl.store(Info + at, info, mask=g[:, None] * 32 < K)
 
     @triton.jit
     def _dp4a(a, b, c, EMULATE: tl.constexpr):
@@ -130,7 +132,12 @@ if triton is not None:
             return total
         else:
             return tl.inline_asm_elementwise(
-                "dp4a.u32.s32 $0, $1, $2, $3;", "=r,r,r,r", [a, b, c + tl.zeros_like(a)], dtype=tl.int32, is_pure=True, pack=1
+                "dp4a.u32.s32 $0, $1, $2, $3;",
+                "=r,r,r,r",
+                [a, b, c + tl.zeros_like(a)],
+                dtype=tl.int32,
+                is_pure=True,
+                pack=1,
             )
 
     @triton.jit
@@ -253,9 +260,7 @@ if triton is not None:
         return value0, value1
 
     @triton.jit
-    def _q6_step(
-        Q, X, W, rows, m, step, K, row_halves, SPAN: tl.constexpr, EMULATE: tl.constexpr
-    ):
+    def _q6_step(Q, X, W, rows, m, step, K, row_halves, SPAN: tl.constexpr, EMULATE: tl.constexpr):
         """(BLOCK_N, chunks): each chunk's four 16-value groups' sum of w * x. A chunk's 16
         values a = (l < 16) and b load as (rows, chunks, 4) words each."""
         u = tl.arange(0, 4 * SPAN)
