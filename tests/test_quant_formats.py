@@ -12,13 +12,21 @@ import torch
 import transformers
 from safetensors.torch import load_file, save_file
 from tests.family_suite import one_thread  # noqa: F401  (tiny tensors: one thread is faster)
-from tests.quant_writer import mlx_quantize, quant_config, quantize_state, write_folder
+from tests.quant_writer import (
+    fp8_quantize,
+    mlx_quantize,
+    quant_config,
+    quantize_state,
+    write_folder,
+)
 from tests.reference import assert_close, chunked_logits
 from tests.test_gguf_quantized import CONFIG, PROMPT
 from tests.test_models_glm4_moe_lite import CONFIG as GLM
 from tests.test_models_glm4_moe_lite import randomize_correction_bias
 
 from kestrel.errors import ModelLoadError, UnsupportedModelError
+from kestrel.kernels.quant import Format
+from kestrel.models.layers.fused import _concat_projection
 from kestrel.models.layers.quant import QuantEmbedding, QuantLinear
 from kestrel.weights.loader import build_model, checkpoint_summary, load_model, resolve
 
@@ -361,3 +369,38 @@ def test_quantized_projections_keep_their_float_biases(key, tmp_path):
     with torch.no_grad():
         hf = transformers.Qwen2ForCausalLM.from_pretrained(floats, dtype=torch.float32)
         assert_close(hf(torch.tensor([PROMPT])).logits[0], expected)
+
+
+def fp8_projections(rows: list[int], block) -> torch.nn.Module:
+    """A module with FP8 QuantLinears q/k/v of `rows` outputs over 256 inputs, `block` tiles
+    (None: one tile per tensor)."""
+    module = torch.nn.Module()
+    for name, n in zip(("q_proj", "k_proj", "v_proj"), rows, strict=True):
+        tiles = block or (n, 256)
+        q, scale, _ = fp8_quantize(torch.randn(n, 256), tiles)
+        setattr(module, name, QuantLinear(q, Format("fp8", block=tiles), 256, scale=scale))
+    return module
+
+
+@pytest.mark.parametrize(
+    "rows, block, fused",
+    [
+        ([256, 128, 128], (128, 128), True),  # tiles stack
+        ([256, 128, 128], (1, 256), True),  # a scale per row
+        ([128, 128, 128], None, True),  # one tile per tensor, all of one shape
+        ([256, 128, 128], None, False),  # tensors of different shapes: their scales differ
+        ([256, 64, 64], (128, 128), False),  # a tile would straddle k and v
+    ],
+)
+def test_fp8_projections_fuse_when_their_scale_tiles_line_up(rows, block, fused):
+    """The paged runner's fusion joins FP8 q/k/v into one weight and one scale grid (the
+    layers keep views of them); the joined product equals the three side by side."""
+    torch.manual_seed(0)
+    module = fp8_projections(rows, block)
+    x = torch.randn(3, 256)
+    expected = torch.cat([module.q_proj(x), module.k_proj(x), module.v_proj(x)], dim=1)
+    joined = _concat_projection(module, ["q_proj", "k_proj", "v_proj"])
+    assert (joined is not None) == fused
+    if fused:
+        torch.testing.assert_close(joined(x), expected, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(module.k_proj(x), expected[:, rows[0] : rows[0] + rows[1]])

@@ -3,17 +3,21 @@
 y = x @ W.T for a few rows of x, W (N, K) kept as the file's Q4_K, Q5_K or Q6_K blocks. This is
 llama.cpp's scheme for decode (its MMVQ kernels): x is first quantized to int8 in groups of 32,
 one float scale each (`quantize`), and then a 32-bit word of four packed weights meets a word of
-four int8 x values in one dp4a, four multiply-adds in one integer instruction. Decoding a weight
-is one or two bit operations on a whole word, so a weight costs about one instruction where the
-float kernels (kernels/gguf_gemv.py) spend seven to nine, and the GEMV becomes bound by the
-bytes it reads. The price is x's rounding to 8 bits per group of 32 (a relative error near
-bfloat16's own), so these kernels serve bfloat16 and float16 x; float32 x keeps the float
-kernels, exact to float tolerance.
+four int8 x values in one dp4a, four multiply-adds in one integer instruction. Decoding four
+weights is one or two bit operations on a whole word, so a weight costs about two instructions
+in all (three for Q6_K) where the float kernels (kernels/gguf_gemv.py) spend seven to nine: on
+the H200, Q4_K reads 2.7 TB/s, 2.5x bfloat16's speed on Llama-3.1-8B's MLP shapes, and Q6_K,
+whose halfword loads cost more, 1.7 TB/s (benchmarks/README.md). The price is x's rounding to
+8 bits per group of 32 (a relative error near bfloat16's own), so these kernels serve bfloat16
+and float16 x; float32 x keeps the float kernels, exact to float tolerance.
 
 Each sub-block's integer dot product is scaled once: by the weights' scale (d times its 6-bit
 scale) and x's group scale; the weights' offsets (Q4_K/Q5_K's min, Q6_K's 32) multiply the sum of
 the group's int8 x, which `quantize` stores per 16 values. A program owns BLOCK_N rows of W and
-walks K in steps of SPAN super-blocks (256 columns each). Q6_K's blocks (210 bytes) are only
+walks K in steps of SPAN super-blocks (256 columns each); a thread owns a (row, chunk) and sums
+it on its own, x's words loaded in the weights' shape (each row's thread reads its own copy
+from L1), so no value crosses threads inside the loop. Chunks past the row's end read the last
+super-block again and count zero, so no load needs a mask. Q6_K's blocks (210 bytes) are only
 2-byte aligned in a row, so its words are put together from halfwords.
 
 The PyTorch path (kernels/quant.py's `dequantize`, then a matmul on the dequantized x) is these
@@ -30,8 +34,8 @@ try:
 except ImportError:  # CPU-only installs
     triton = None
 
-# type -> (kernel id, bytes per block); the launch shapes come from `CONFIGS`
-TYPES = {"Q4_K": (0, 144), "Q5_K": (1, 176), "Q6_K": (2, 210)}
+# type -> kernel id; the launch shapes come from `CONFIGS`
+TYPES = {"Q4_K": 0, "Q5_K": 1, "Q6_K": 2}
 # type -> (rows per program, super-blocks per loop step, warps)
 CONFIGS = {"Q4_K": (4, 4, 1), "Q5_K": (4, 4, 1), "Q6_K": (2, 4, 1)}
 GROUP = 32  # x values per int8 scale
@@ -72,7 +76,7 @@ def gemv(
 ) -> torch.Tensor:
     """x (M, K) times W.T -> (M, N) in x's dtype; blocks (N, row bytes) uint8 in `qtype`.
     `config` (rows per program, super-blocks per step, warps) overrides `CONFIGS`."""
-    kind, size = TYPES[qtype]
+    kind = TYPES[qtype]
     M, N = x.shape[0], blocks.shape[0]
     block_n, span, warps = config or CONFIGS[qtype]
     while config is None and block_n > 1 and triton.cdiv(N, block_n) < MIN_PROGRAMS:
@@ -83,8 +87,8 @@ def gemv(
     # Q4_K/Q5_K blocks are 16-byte aligned: int32 words; Q6_K's only 2-byte: halfwords
     w = blocks.view(torch.int32) if kind < 2 else blocks.view(torch.uint16)
     _gemv[(triton.cdiv(N, block_n), M)](
-        words, info, w, blocks, y, N, cols, triton.cdiv(cols, 256 * span),
-        row // 4 if kind < 2 else row // 2, row,
+        words, info, w, y, N, cols, triton.cdiv(cols, 256 * span),
+        row // 4 if kind < 2 else row // 2,
         QTYPE=kind, BLOCK_N=block_n, SPAN=span, EMULATE=EMULATE_DP4A, num_warps=warps,
     )  # fmt: skip
     return y
@@ -147,11 +151,11 @@ if triton is not None:
 
     @triton.jit
     def _gemv(
-        Q, X, W, B, Y, N, K, steps, row_units, row_bytes,
+        Q, X, W, Y, N, K, steps, row_units,
         QTYPE: tl.constexpr, BLOCK_N: tl.constexpr, SPAN: tl.constexpr, EMULATE: tl.constexpr,
     ):  # fmt: skip
-        """Q, X: x's words and scales from `quantize`; W the blocks as int32 words (Q4_K, Q5_K) or halfwords
-        (Q6_K), B as bytes, `row_units` a row's length in W's units. Rows past N recompute
+        """Q, X: x's words and scales from `quantize`; W the blocks as int32 words (Q4_K, Q5_K)
+        or halfwords (Q6_K), `row_units` a row's length in W's units. Rows past N recompute
         row N - 1 and are not stored."""
         first = tl.program_id(0) * BLOCK_N
         m = tl.program_id(1).to(tl.int64)

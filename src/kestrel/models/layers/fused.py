@@ -1,8 +1,9 @@
 """`fuse_model`: rewire a loaded model's Attention / GatedMLP / RMSNorm instances to the fused
 kernels of kernels/fused.py (Triton on CUDA, the native kernels on the CPU): q/k/v (and gate/up)
-weights, or their GGUF blocks when all are of one type, become views of one concatenated tensor,
-so names and memory stay the same and one matmul replaces three (two). Model files are
-untouched; the paged runner calls this, the reference runner never does.
+weights, their GGUF blocks when all are of one type, or their FP8 weights and scales when the
+scale tiles line up, become views of one concatenated tensor, so names and memory stay the same
+and one matmul replaces three (two). Model files are untouched; the paged runner calls this,
+the reference runner never does.
 """
 
 import types
@@ -48,23 +49,31 @@ LATENT_DOWN = ["q_a_proj", "kv_a_proj_with_mqa"]
 
 def _concat_projection(module, names: list[str], bias=None) -> Callable | None:
     """x -> the Linears `names`' outputs side by side, from one concatenated weight (plain
-    Linears) or one block of GGUF rows (quantized Linears of one type; the bias then added
-    after); the Linears keep views of it. None where neither applies (other quantized kinds,
-    mixed types): those keep their own forwards."""
+    Linears) or one quantized weight (`_quantized_together`; the bias then added after); the
+    Linears keep views of it. None where neither applies (other quantized kinds, mixed types):
+    those keep their own forwards."""
     linears = [getattr(module, n) for n in names]
     if all(type(linear) is torch.nn.Linear for linear in linears):
         weight = _concat_into(linears, "weight")
         return lambda x: F.linear(x, weight, bias)
-    first = linears[0]
-    if all(
-        isinstance(linear, QuantLinear)
-        and linear.fmt.kind == "gguf"
-        and (linear.qtype, linear.in_features) == (first.qtype, first.in_features)
-        for linear in linears
-    ):
-        joined = QuantLinear(_concat_into(linears, "qweight"), first.qtype, first.in_features)
+    if _quantized_together(linears):
+        first = linears[0]
+        tensors = {role: _concat_into(linears, role) for role in first.roles}
+        joined = QuantLinear(tensors.pop("qweight"), first.fmt, first.in_features, **tensors)
         return joined.forward if bias is None else lambda x: joined(x) + bias
     return None
+
+
+def _quantized_together(linears) -> bool:
+    """Whether the quantized Linears stack into one: GGUF blocks of one type, or FP8 with one
+    tile shape whose tiles never straddle two of them (so their scale grids stack too)."""
+    first = linears[0]
+    if not all(isinstance(linear, QuantLinear) for linear in linears):
+        return False
+    alike = all((q.fmt, q.in_features) == (first.fmt, first.in_features) for q in linears)
+    if first.fmt.kind == "fp8":
+        return alike and all(q.out_features % first.fmt.block[0] == 0 for q in linears)
+    return alike and first.fmt.kind == "gguf"
 
 
 def _concat_into(linears, name: str) -> torch.Tensor:
