@@ -180,7 +180,8 @@ class PagedRunner(ModelRunner):
         if kv_capacity:
             num_blocks = min(num_blocks, -(-kv_capacity // bs) + 1)
         self._use_pool(num_blocks)
-        self.graphs: dict[tuple[int, int], tuple] = {}  # (width, batch size) -> graph, logits
+        # (width, batch size) -> graph, logits, hidden states
+        self.graphs: dict[tuple[int, int], tuple] = {}
         self.static: dict[int, GraphInputs] = {}  # width -> its graphs' input tensors
         if device.type == "cuda" and cuda_graphs:
             self._capture_graphs()
@@ -396,7 +397,8 @@ class PagedRunner(ModelRunner):
         """Graphs of `width` tokens per sequence for `b` sequences: width 1 for decode steps, and
         with speculation 1 + k for verify steps (chunks of fewer tokens are padded to it; their
         extra rows write the scratch block and are never read), while b * width stays within
-        VERIFY_GRAPH_TOKENS. A verify chunk's query tiles are an eager step's (tile_tokens each)."""
+        VERIFY_GRAPH_TOKENS. A verify chunk's query tiles hold min(tile_tokens, the next power
+        of two >= width) tokens each."""
         sizes = [b for b in GRAPH_SIZES if b <= self.max_num_seqs] or [1]
         if self.max_num_seqs > sizes[-1]:
             sizes.append(self.max_num_seqs)

@@ -87,7 +87,8 @@ class MtpDraft(CausalLM):
         self.config = target.config
         if not hasattr(target, "mtp"):
             raise ValueError("--speculative mtp: the model was loaded without its MTP layer")
-        self.predictor = target.__dict__["_modules"].pop("mtp")  # the target no longer runs it
+        self.predictor = target.mtp
+        del target.mtp  # the target no longer holds (or runs) it
         self.embed_tokens = target.model.embed_tokens
         self.lm_head = target.lm_head
         self.rotary_emb = target.model.rotary_emb
