@@ -23,6 +23,9 @@ all-reduce per attention block and per MLP joins the partial sums.
   mean square all-reduced); Mamba (Jamba) by channels, x_proj row parallel so that every rank
   has dt, B and C whole. Each rank's recurrent state holds its heads or channels.
 
+Quantized layers (GGUF blocks, FP8, MLX, NVFP4) are cut the same way and stay quantized
+(distributed/quantized.py).
+
 `shard_model` rewires a loaded model in place, as layers/fused.py does, so model files keep one
 definition. A model with a Linear that no rule here covers is refused, naming it.
 """
@@ -34,6 +37,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from kestrel.distributed import quantized
 from kestrel.distributed.group import TPGroup
 from kestrel.distributed.pipeline import decoder_stack
 from kestrel.models.base import head_dim
@@ -43,6 +47,7 @@ from kestrel.models.layers.mamba import GatedRMSNorm, Mamba2Mixer, MambaMixer
 from kestrel.models.layers.mla import MultiHeadLatentAttention
 from kestrel.models.layers.mlp import GatedMLP
 from kestrel.models.layers.moe import Experts
+from kestrel.models.layers.quant import QuantEmbedding, QuantLinear
 from kestrel.models.nemotron_h import NemotronHMLP, NemotronHMoE
 from kestrel.models.nemotron_nas import LinearAttention, LinearMLP
 
@@ -60,9 +65,12 @@ def _rank_share(total: int, tp: TPGroup, refusal: str) -> slice:
     return slice(tp.rank * part, (tp.rank + 1) * part)
 
 
-def column_parallel(linear: nn.Linear, rows: slice) -> nn.Linear:
+def column_parallel(linear: nn.Linear | QuantLinear, rows: slice) -> nn.Linear | QuantLinear:
     """Output rows `rows` of a Linear: x (..., in) -> this rank's slice of the outputs. A plain
-    Linear, so layers/fused.py still concatenates q/k/v and gate/up into one matmul."""
+    Linear (or a quantized one of the same format), so layers/fused.py still concatenates q/k/v
+    and gate/up into one matmul."""
+    if isinstance(linear, QuantLinear):
+        return quantized.rows_of(linear, rows)
     weight = linear.weight.data[rows]
     part = nn.Linear(weight.shape[1], weight.shape[0], linear.bias is not None, device="meta")
     part.weight = _copy(weight)
@@ -75,14 +83,19 @@ class RowParallelLinear(nn.Module):
     """Input columns `cols` of a Linear: this rank's slice of the inputs -> the full outputs,
     summed over ranks; the bias is added once, after the sum."""
 
-    def __init__(self, linear: nn.Linear, cols: slice, tp: TPGroup):
+    def __init__(self, linear: nn.Linear | QuantLinear, cols: slice, tp: TPGroup):
         super().__init__()
-        self.weight = _copy(linear.weight.data[:, cols])
+        self.part = None  # a quantized Linear's columns, still quantized
+        if isinstance(linear, QuantLinear):
+            self.part = quantized.columns_of(linear, cols)
+        else:
+            self.weight = _copy(linear.weight.data[:, cols])
         self.bias = linear.bias
         self.tp = tp
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = self.tp.all_reduce(F.linear(x, self.weight))
+        part = F.linear(x, self.weight) if self.part is None else self.part(x)
+        out = self.tp.all_reduce(part)
         return out if self.bias is None else out + self.bias
 
 
@@ -90,28 +103,38 @@ class VocabParallelEmbedding(nn.Module):
     """Rows [start, start + n) of the vocabulary (zero-padded to n): each rank embeds the ids it
     holds and zeros elsewhere, and the all-reduce gives every rank the full rows."""
 
-    def __init__(self, weight: torch.Tensor, tp: TPGroup):
+    def __init__(self, table: nn.Embedding | QuantEmbedding, tp: TPGroup):
         super().__init__()
-        self.weight = nn.Parameter(vocab_shard(weight, tp), requires_grad=False)
-        self.start, self.tp = tp.rank * self.weight.shape[0], tp
+        self.rows = None  # a quantized table's rows, still quantized
+        if isinstance(table, QuantEmbedding):
+            self.rows = quantized_vocab_shard(table, tp)
+            self.held = self.rows.num_embeddings
+        else:
+            self.weight = nn.Parameter(vocab_shard(table.weight, tp), requires_grad=False)
+            self.held = self.weight.shape[0]
+        self.start, self.tp = tp.rank * self.held, tp
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         local = ids - self.start
-        held = (local >= 0) & (local < self.weight.shape[0])
-        rows = F.embedding(local.clamp(0, self.weight.shape[0] - 1), self.weight)
+        held = (local >= 0) & (local < self.held)
+        local = local.clamp(0, self.held - 1)
+        rows = F.embedding(local, self.weight) if self.rows is None else self.rows(local)
         return self.tp.all_reduce(rows * held[..., None].to(rows.dtype))
 
 
 class VocabParallelHead(nn.Module):
     """The output head's rows for this rank's vocabulary shard; logits gathered to (..., V)."""
 
-    def __init__(self, shard: nn.Parameter, vocab: int, tp: TPGroup):
+    def __init__(self, shard: nn.Parameter | QuantLinear, vocab: int, tp: TPGroup):
         super().__init__()
-        self.weight = shard  # vocab_shard's rows, or the tied embedding's own shard
+        self.quantized = shard if isinstance(shard, QuantLinear) else None
+        if self.quantized is None:
+            self.weight = shard  # vocab_shard's rows, or the tied embedding's own shard
         self.vocab, self.tp = vocab, tp
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.tp.all_gather_last(F.linear(x, self.weight))[..., : self.vocab]
+        logits = F.linear(x, self.weight) if self.quantized is None else self.quantized(x)
+        return self.tp.all_gather_last(logits)[..., : self.vocab]
 
 
 class ParallelExperts(nn.Module):
@@ -165,6 +188,13 @@ def vocab_shard(weight: torch.Tensor, tp: TPGroup) -> torch.Tensor:
     if shard.shape[0] == n:
         return shard.clone()
     return torch.cat([shard, shard.new_zeros(n - shard.shape[0], shard.shape[1])])  # a new tensor
+
+
+def quantized_vocab_shard(table: QuantEmbedding | QuantLinear, tp: TPGroup):
+    """`vocab_shard` of a quantized table or head: its rows, still quantized, zero-padded."""
+    n = -(-table.qweight.shape[0] // tp.size)
+    rows = slice(tp.rank * n, min((tp.rank + 1) * n, table.qweight.shape[0]))
+    return quantized.padded(quantized.rows_of(table, rows), n)
 
 
 def shard_model(model: nn.Module, tp: TPGroup, expert_parallel: bool = False) -> nn.Module:
@@ -352,7 +382,7 @@ def _uncovered_linears(model: nn.Module) -> list[str]:
     return [
         name
         for name, m in model.named_modules()
-        if isinstance(m, nn.Linear) and id(m) not in covered
+        if isinstance(m, (nn.Linear, QuantLinear)) and id(m) not in covered
     ]
 
 
@@ -484,10 +514,24 @@ def _shard_mlp(mlp: GatedMLP | NemotronHMLP, tp: TPGroup) -> None:
 def _shard_vocab(model: nn.Module, tp: TPGroup) -> None:
     backbone, head = model.model, getattr(model, "lm_head", None)
     name = "embeddings" if hasattr(backbone, "embeddings") else "embed_tokens"  # Nemotron-H's
-    table = getattr(backbone, name).weight
-    setattr(backbone, name, VocabParallelEmbedding(table, tp))
+    table = getattr(backbone, name)
+    embedding = VocabParallelEmbedding(table, tp)
+    setattr(backbone, name, embedding)
     if head is not None:
-        shard = getattr(backbone, name).weight  # a tied head reads the embedding's own shard
-        if head.weight is not table:
-            shard = nn.Parameter(vocab_shard(head.weight, tp), requires_grad=False)
-        model.lm_head = VocabParallelHead(shard, table.shape[0], tp)
+        model.lm_head = VocabParallelHead(
+            _head_shard(head, table, embedding, tp), table.num_embeddings, tp
+        )
+
+
+def _head_shard(head, table, embedding: VocabParallelEmbedding, tp: TPGroup):
+    """The head's rows for this rank: a tied head reads the embedding's own shard."""
+    if isinstance(head, QuantLinear):
+        if isinstance(table, QuantEmbedding) and head.qweight is table.qweight:
+            rows = embedding.rows
+            return QuantLinear(rows.qweight, rows.fmt, rows.cols, **{
+                role: t for role, t in rows.tensors().items() if role != "qweight"
+            })  # fmt: skip
+        return quantized_vocab_shard(head, tp)
+    if isinstance(table, nn.Embedding) and head.weight is table.weight:
+        return embedding.weight
+    return nn.Parameter(vocab_shard(head.weight, tp), requires_grad=False)

@@ -89,7 +89,6 @@ def start_ranks(config: Config, progress: bool, exit_with_workers: bool):
     """(rank 0's LockstepEngine, source): the workers started, every rank loaded and joined,
     and every rank's KV pool of the same size (the smallest any rank sized)."""
     size = config.parallel.ranks
-    config = _rank_config(config)
     address = f"tcp://127.0.0.1:{_free_port()}"
     workers = Workers(config, size, address)
     try:
@@ -136,16 +135,6 @@ def _resized(engine: Engine, blocks: int, build) -> Engine:
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
     return build(replace(config, cache=replace(config.cache, num_blocks=blocks + 1)))  # + scratch
-
-
-def _rank_config(config: Config) -> Config:
-    """With tensor parallel GGUF blocks are dequantized: a row-parallel slice of a packed row
-    cuts its blocks."""
-    if config.parallel.tensor_parallel_size == 1:
-        return config
-    if config.model.quantized_weights == "keep":
-        raise ValueError("--quantized-weights keep does not split over --tensor-parallel-size")
-    return replace(config, model=replace(config.model, quantized_weights="dequantize"))
 
 
 def load_shard(config: Config, rank: int, size: int, progress: bool, local_rank: int | None = None):
@@ -402,7 +391,6 @@ def _join(config: Config, progress: bool):
         raise ValueError(
             f"{size} processes joined, but -tp x -pp makes {config.parallel.ranks} ranks"
         )
-    config = _rank_config(config)
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     model, tokenizer, source, device = load_shard(config, rank, size, progress, local_rank)
     join(rank, size, device, "env://", COLLECTIVE_TIMEOUT_S)
