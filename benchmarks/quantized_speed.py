@@ -70,10 +70,12 @@ def main() -> None:
     parser.add_argument("--formats", nargs="+", default=["q4_k_m", "fp8"])
     parser.add_argument("--output-tokens", type=int, default=256, help="single stream")
     parser.add_argument("--no-throughput", action="store_true", help="single streams only")
+    parser.add_argument("--no-single-stream", action="store_true", help="FP8 throughput only")
     args = parser.parse_args()
     out = Path(args.out)
     bf16 = ["--shape", "llama3-8b"]
-    bench("latency", bf16, out, args.output_tokens)
+    if not args.no_single_stream:
+        bench("latency", bf16, out, args.output_tokens)
     throughput = "fp8" in args.formats and not args.no_throughput
     if throughput:
         bench("throughput", bf16, out, args.output_tokens)
@@ -92,7 +94,8 @@ def main() -> None:
         with tempfile.TemporaryDirectory() as folder:
             path = Path(folder) / "llama-3.1-8b-fp8"
             timed_write(lambda p: write_random_llama(p, "fp8"), path)
-            bench("latency", ["-m", str(path)], out, args.output_tokens)
+            if not args.no_single_stream:
+                bench("latency", ["-m", str(path)], out, args.output_tokens)
             if throughput:
                 bench("throughput", ["-m", str(path)], out, args.output_tokens)
 
