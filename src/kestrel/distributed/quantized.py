@@ -33,7 +33,7 @@ def rows_of(layer: QuantLinear | QuantEmbedding, rows) -> QuantLinear | QuantEmb
     ids = torch.arange(n)[rows]
     fmt, tensors = layer.fmt, {}
     for role, t in layer.tensors().items():
-        if t.dim() == 0 or role == "scale_2":  # NVFP4's one scale of the tensor
+        if _of_the_tensor(role, t):
             tensors[role] = t
         elif t.shape[0] == n:
             tensors[role] = _rows(t, ids)
@@ -53,7 +53,7 @@ def padded(layer: QuantLinear | QuantEmbedding, rows: int) -> QuantLinear | Quan
         return layer
     fmt, tensors = layer.fmt, {}
     for role, t in layer.tensors().items():
-        if t.dim() == 0 or role == "scale_2":
+        if _of_the_tensor(role, t):
             tensors[role] = t
             continue
         total = rows if t.shape[0] == n else -(-rows // fmt.block[0])  # FP8 tiles
@@ -96,10 +96,15 @@ def _bounds(cols: slice | torch.Tensor) -> tuple[int, int]:
     return start, stop
 
 
+def _of_the_tensor(role: str, t: torch.Tensor) -> bool:
+    """Whether t is one value for the whole weight (NVFP4's second scale): every cut keeps it."""
+    return t.dim() == 0 or role == "scale_2"
+
+
 def _stored_columns(fmt: Format, role: str, t: torch.Tensor, K: int) -> float | None:
     """How many of t's columns one column of the weight takes (a fraction for packed values and
     group scales); None for a tensor every column shares (a scale of the whole row)."""
-    if t.dim() < 2 or role == "scale_2":
+    if _of_the_tensor(role, t):
         return None
     if fmt.kind == "fp8" and role == "scale":
         return None if fmt.block[1] >= K else 1 / fmt.block[1]
@@ -124,7 +129,7 @@ def _rows(t: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
 
 
 def _columns(t: torch.Tensor, cols: slice) -> torch.Tensor:
-    return _as_stored(t, lambda v: v[:, cols].contiguous().clone())
+    return _as_stored(t, lambda v: v[:, cols].clone(memory_format=torch.contiguous_format))
 
 
 def _as_stored(t: torch.Tensor, cut) -> torch.Tensor:
@@ -132,6 +137,12 @@ def _as_stored(t: torch.Tensor, cut) -> torch.Tensor:
     if t.dtype == torch.uint32:
         return cut(t.view(torch.int32)).view(torch.uint32)
     return cut(t)
+
+
+def linear_of(table: QuantEmbedding) -> QuantLinear:
+    """A head over the embedding's own tensors (tied weights: one copy)."""
+    tensors = dict(table.tensors())
+    return QuantLinear(tensors.pop("qweight"), table.fmt, table.cols, **tensors)
 
 
 def _like(layer, tensors: dict, fmt: Format, cols: int, bias):

@@ -183,8 +183,8 @@ def _keep_experts(experts: Experts, in_proj: torch.Tensor, down_proj: torch.Tens
 
 def vocab_shard(weight: torch.Tensor, tp: TPGroup) -> torch.Tensor:
     """This rank's rows of a (V, H) table, V padded with zero rows to a multiple of the ranks."""
-    n = -(-weight.shape[0] // tp.size)
-    shard = weight.data[tp.rank * n : (tp.rank + 1) * n]
+    rows, n = _vocab_rows(weight.shape[0], tp)
+    shard = weight.data[rows]
     if shard.shape[0] == n:
         return shard.clone()
     return torch.cat([shard, shard.new_zeros(n - shard.shape[0], shard.shape[1])])  # a new tensor
@@ -192,9 +192,14 @@ def vocab_shard(weight: torch.Tensor, tp: TPGroup) -> torch.Tensor:
 
 def quantized_vocab_shard(table: QuantEmbedding | QuantLinear, tp: TPGroup):
     """`vocab_shard` of a quantized table or head: its rows, still quantized, zero-padded."""
-    n = -(-table.qweight.shape[0] // tp.size)
-    rows = slice(tp.rank * n, min((tp.rank + 1) * n, table.qweight.shape[0]))
+    rows, n = _vocab_rows(table.qweight.shape[0], tp)
     return quantized.padded(quantized.rows_of(table, rows), n)
+
+
+def _vocab_rows(vocab: int, tp: TPGroup) -> tuple[slice, int]:
+    """(this rank's rows of a `vocab`-row table, the rows every shard holds once padded)."""
+    n = -(-vocab // tp.size)
+    return slice(tp.rank * n, min((tp.rank + 1) * n, vocab)), n
 
 
 def shard_model(model: nn.Module, tp: TPGroup, expert_parallel: bool = False) -> nn.Module:
@@ -527,10 +532,7 @@ def _head_shard(head, table, embedding: VocabParallelEmbedding, tp: TPGroup):
     """The head's rows for this rank: a tied head reads the embedding's own shard."""
     if isinstance(head, QuantLinear):
         if isinstance(table, QuantEmbedding) and head.qweight is table.qweight:
-            rows = embedding.rows
-            return QuantLinear(rows.qweight, rows.fmt, rows.cols, **{
-                role: t for role, t in rows.tensors().items() if role != "qweight"
-            })  # fmt: skip
+            return quantized.linear_of(embedding.rows)
         return quantized_vocab_shard(head, tp)
     if isinstance(table, nn.Embedding) and head.weight is table.weight:
         return embedding.weight
