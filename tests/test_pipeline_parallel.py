@@ -83,6 +83,38 @@ def test_llm_over_two_stages_generates_what_one_process_generates(checkpoints, f
     assert_same_outputs(got, want)
 
 
+class CountedStages:
+    """A stage model's `pipeline` (distributed/pipeline.py StageOutputs), noting how many
+    micro-batches each forward sends through the stages."""
+
+    def __init__(self, stage):
+        self.stage, self.stages, self.counts = stage, stage.stages, []
+
+    def __call__(self, batches):
+        self.counts.append(len(batches))
+        return self.stage(batches)
+
+
+@pytest.mark.parametrize("family", ["llama", "exaone_moe", "glm4_moe_lite", "nemotron_h"])
+def test_micro_batches_through_two_stages_generate_what_one_process_generates(checkpoints, family):  # noqa: F811
+    """Every step of at least 2 tokens is cut into micro-batches (up to 2 per stage), down to one
+    chunk each (the three prompts at once: 3): prefill chunks, decodes, the trimmed request and
+    (nemotron_h) recurrent state slots per micro-batch."""
+    counted = []
+
+    def count(llm):
+        model = llm.engine.runner.model
+        model.pipeline = CountedStages(model.pipeline)
+        counted.append(model.pipeline)
+
+    want = generate_with(checkpoints[family])
+    got = generate_with(
+        checkpoints[family], count, pipeline_parallel_size=2, pp_microbatch_tokens=1
+    )
+    assert_same_outputs(got, want)
+    assert max(counted[0].counts) == 3 and min(counted[0].counts) == 1
+
+
 def one_process(checkpoint: str, prompts: list[str]) -> list[str]:
     llm = LLM(checkpoint, progress=False)
     return [r.outputs[0].text for r in llm.generate(prompts, SamplingParams(temperature=0))]
@@ -165,6 +197,8 @@ def test_bad_parallel_settings_name_their_flag():
         ({"pipeline_parallel_size": 0}, "pipeline_parallel_size"),
         ({"tensor_parallel_size": 0, "pipeline_parallel_size": 2}, "tensor_parallel_size"),
         ({"pp_layers": "0-1,2-3"}, "pp_layers"),
+        ({"pp_microbatch_tokens": 64}, "pp_microbatch_tokens"),
+        ({"pipeline_parallel_size": 2, "pp_microbatch_tokens": 0}, "pp_microbatch_tokens"),
         ({"enable_expert_parallel": True}, "enable_expert_parallel"),
     ]:
         with pytest.raises(InvalidRequestError) as error:

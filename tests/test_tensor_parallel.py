@@ -205,10 +205,12 @@ def checkpoints(tmp_path_factory, smollm2_tokenizer) -> dict[str, str]:
     return folders
 
 
-def generate_with(model: str, **settings) -> list[tuple[list[int], dict]]:
+def generate_with(model: str, built=None, **settings) -> list[tuple[list[int], dict]]:
     """Four prompts at once in 5-token chunks, one of them under a KV bound: each one's greedy
-    tokens and first-step log-probs."""
+    tokens and first-step log-probs (`built(llm)` is called before they start)."""
     llm = LLM(model, progress=False, prefill_chunk_size=5, max_num_seqs=4, **settings)
+    if built is not None:
+        built(llm)
     params = SamplingParams(temperature=0, max_tokens=10, logprobs=5, ignore_eos=True)
     prompts = ["Hello", "The quick brown fox", LONG_TEXT[:60], LONG_TEXT]
     results = llm.generate(prompts[:3], params)

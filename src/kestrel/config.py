@@ -98,6 +98,9 @@ class ParallelConfig:
     tensor_parallel_size: int = 1  # ranks (processes, one device each) sharing every layer
     pipeline_parallel_size: int = 1  # ranks each holding a range of the layers (stages)
     pp_layers: str | None = None  # the stages' layer ranges, "0-15,16-31"; None: even
+    # the fewest tokens of a pipeline micro-batch (a step of more is cut into up to 2 per stage,
+    # so the stages overlap); None: 128 on CUDA, 16 on the CPU
+    pp_microbatch_tokens: int | None = None
     enable_expert_parallel: bool = False  # with -tp: whole experts per rank, not slices of each
 
     def __post_init__(self):
@@ -105,8 +108,13 @@ class ParallelConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise InvalidRequestError(f"must be >= 1, not {value!r}", name)
-        if self.pp_layers and self.pipeline_parallel_size == 1:
-            raise InvalidRequestError("only used with --pipeline-parallel-size", "pp_layers")
+        for name in ("pp_layers", "pp_microbatch_tokens"):
+            if getattr(self, name) and self.pipeline_parallel_size == 1:
+                raise InvalidRequestError("only used with --pipeline-parallel-size", name)
+        if self.pp_microbatch_tokens is not None and self.pp_microbatch_tokens < 1:
+            raise InvalidRequestError(
+                f"must be >= 1, not {self.pp_microbatch_tokens!r}", "pp_microbatch_tokens"
+            )
         if self.enable_expert_parallel and self.tensor_parallel_size == 1:
             raise InvalidRequestError(
                 "experts spread over the --tensor-parallel-size ranks: set it above 1",

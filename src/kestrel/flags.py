@@ -82,6 +82,13 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         default=None,
         help="each stage's layers, e.g. 0-15,16-31 (default: an even split)",
     )
+    parallel.add_argument(
+        "--pp-microbatch-tokens",
+        type=_positive,
+        default=None,
+        help="with -pp: cut a step of at least twice this many tokens into micro-batches (up to "
+        "2 per stage) that the stages work on at once (default: 128 on CUDA, 16 on the CPU)",
+    )
     gpu = p.add_argument_group("CUDA")
     gpu.add_argument(
         "--gpu-memory-utilization",

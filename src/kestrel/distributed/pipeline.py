@@ -12,8 +12,12 @@ rank runs the same engine in lockstep (distributed/workers.py), so every forward
 their receives, and since all ranks apply the head to the same hidden states, they sample the
 same tokens.
 
-This is the split meant for models larger than one device; its stages run one after the other
-(no micro-batches in flight yet), so it adds capacity, not speed.
+This is the split meant for models larger than one device. A step of many tokens goes through
+the stages as micro-batches (engine/paged_runner.py cuts it; `StageOutputs` takes them all): a
+stage sends one micro-batch on and starts the next while the following stage works on the first,
+and only then are the last stage's hidden states shared. A step's sampling waits for all of its
+micro-batches, so every rank still plans and samples in lockstep (GPipe's schedule within a step,
+not vLLM's batches in flight across steps).
 """
 
 from dataclasses import dataclass
@@ -149,7 +153,7 @@ def split_stages(
     if stage.rank > 0:
         layers[first].forward = _receives(layers[first].forward, rank - tp)
     _keep_pool_entries(model, first, end)
-    _share_hidden(model, (size - 1) * tp)
+    _share_hidden(model, size, (size - 1) * tp)
     return model
 
 
@@ -192,14 +196,25 @@ def _keep_pool_entries(model: nn.Module, first: int, end: int) -> None:
     ]
 
 
-def _share_hidden(model: nn.Module, last: int) -> None:
-    """Every rank gets the last stage's final-norm hidden states (the head's input), from that
-    stage's first rank `last` (its tensor-parallel ranks all hold the same)."""
-    hidden = model.hidden
+class StageOutputs:
+    """A stage model's `pipeline`: micro-batches -> the last stage's final-norm hidden states of
+    each (the head's input), on every rank."""
 
-    def shared(batch):
-        h = hidden(batch).contiguous()
-        dist.broadcast(h, last)
-        return h
+    def __init__(self, hidden, stages: int, last: int):
+        self.hidden = hidden  # this stage's part of the forward, its sends and receives
+        self.stages = stages
+        self.last = last  # the last stage's first rank (its tensor-parallel ranks hold the same)
 
-    model.hidden = shared
+    def __call__(self, batches: list) -> list[torch.Tensor]:
+        # every micro-batch through this stage before any waits on the last stage's outputs
+        own = [self.hidden(batch) for batch in batches]
+        h = torch.cat(own) if len(own) > 1 else own[0].contiguous()
+        dist.broadcast(h, self.last)
+        return list(h.split([x.shape[0] for x in own]))
+
+
+def _share_hidden(model: nn.Module, stages: int, last: int) -> None:
+    """Every rank gets the last stage's final-norm hidden states, from its first rank `last`:
+    `model.pipeline` for micro-batches, `model.hidden` for a whole batch."""
+    model.pipeline = StageOutputs(model.hidden, stages, last)
+    model.hidden = lambda batch: model.pipeline([batch])[0]

@@ -39,6 +39,10 @@ log = logging.getLogger("kestrel.paged_runner")
 POOL_KINDS = {"full", "sliding", "latent", "recurrent", "none"}
 GRAPH_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256, 320, 384, 448, 512)
 VERIFY_GRAPH_TOKENS = 256  # the verify graphs' most rows (their logits stay in the graph pool)
+# pipeline parallel: a micro-batch's fewest tokens, by default (where a forward stops being bound
+# by reading the weights, which every micro-batch reads again), and the most per stage
+MICROBATCH_TOKENS = {"cuda": 128, "cpu": 16}
+MICROBATCHES_PER_STAGE = 2
 
 
 @dataclass
@@ -64,6 +68,26 @@ class Packed:
     # multimodal prompt chunks: (start, (3, len) M-RoPE ids) and (start, ImageRows)
     explicit_rope: list[tuple[int, torch.Tensor]] = field(default_factory=list)
     images: list[tuple[int, ImageRows]] = field(default_factory=list)
+
+    def part(self, first: int, end: int) -> "Packed":
+        """Sequences [first, end) as a batch of their own, their rows counted from 0."""
+        lo = self.tiles[first][1]
+        hi = self.tiles[end - 1][1] + self.tiles[end - 1][2]
+        rows = lambda r: [i - lo for i in r if lo <= i < hi]  # noqa: E731
+        starts = lambda pairs: [(i - lo, x) for i, x in pairs if lo <= i < hi]  # noqa: E731
+        return Packed(
+            *(column[lo:hi] for column in (self.ids, self.positions, self.chunk_ends)),
+            self.rope_ids[lo:hi],
+            self.slots[lo:hi],
+            [(s - first, start - lo, n) for s, start, n in self.tiles[first:end]],
+            self.seqs[first:end],
+            self.state_slots[first:end],
+            rows(self.rows),
+            rows(self.verify_rows),
+            rows(self.pool_rows),
+            starts(self.explicit_rope),
+            starts(self.images),
+        )
 
 
 @dataclass
@@ -123,6 +147,8 @@ def make_runner(model, device: torch.device, config: Config, max_model_len: int)
             config.scheduler.kv_capacity,
             config.speculation.num_speculative_tokens if config.speculation.speculative else 0,
             keep_hidden=config.speculation.speculative == "mtp",
+            microbatch_tokens=config.parallel.pp_microbatch_tokens
+            or MICROBATCH_TOKENS.get(device.type, MICROBATCH_TOKENS["cpu"]),
         )
     return ModelRunner(model, device)
 
@@ -145,12 +171,15 @@ class PagedRunner(ModelRunner):
         kv_capacity: int | None = None,
         speculative_tokens: int = 0,
         keep_hidden: bool = False,
+        microbatch_tokens: int = MICROBATCH_TOKENS["cpu"],
     ):
         """`kv_capacity` (tokens) bounds the pool below what memory allows; `speculative_tokens`
         (k, 0: none) adds CUDA graphs for steps of chunks of up to 1 + k tokens (verify steps).
         `keep_hidden`: each step hands every chunk's final hidden states to `hidden_out` (an MTP
-        draft catches up on them: engine/mtp.py)."""
+        draft catches up on them: engine/mtp.py). A pipeline stage's eager steps of at least
+        twice `microbatch_tokens` go through the stages as micro-batches."""
         super().__init__(model, device)
+        self.microbatch_tokens = microbatch_tokens
         self.keep_hidden = keep_hidden
         # hidden_out(chunks, per chunk its rows' (n, H) hidden states, results), after each step
         self.hidden_out = None
@@ -326,12 +355,15 @@ class PagedRunner(ModelRunner):
         decode = all(c.num_tokens == 1 and c.samples for c in chunks) and not packed.images
         decode = decode and not packed.explicit_rope
         graph = self._graph_for(chunks, packed)
+        micro_batches = [] if graph is not None else self._micro_batches(packed)
         sampling = [c.request for c in chunks if c.samples and not c.draft]
         speculative = [c for c in chunks if c.draft]
         masks = self._start_masks(sampling)  # on the host, while the device runs the forward
         if graph is not None:
             logits, rows = self._replay(packed, *graph, chunks)
             hidden = None  # nothing pooled
+        elif micro_batches:
+            logits, hidden = self._forward_stages(micro_batches, decode)
         else:
             batch = self._to_batch(packed, tile_tokens=1 if decode else None)
             batch.keep_hidden = self.keep_hidden
@@ -348,6 +380,34 @@ class PagedRunner(ModelRunner):
             all_rows, spans = rows
             self.hidden_out(chunks, [all_rows[s : s + n] for s, n in spans], results)
         return results
+
+    def _micro_batches(self, p: Packed) -> list[Packed]:
+        """A pipeline stage's step cut into micro-batches of whole chunks, of about equal tokens,
+        each at least `microbatch_tokens` (up to MICROBATCHES_PER_STAGE per stage); [] when the
+        step stays whole (too few tokens, no pipeline, or an MTP draft's hidden states)."""
+        stages = getattr(getattr(self.model, "pipeline", None), "stages", 1)
+        total = len(p.ids)
+        count = min(stages * MICROBATCHES_PER_STAGE, total // self.microbatch_tokens, len(p.tiles))
+        if stages == 1 or count < 2 or self.keep_hidden or self.takes_hidden:
+            return []
+        bounds = [0]
+        for s, (_, start, n) in enumerate(p.tiles[:-1]):
+            if start + n >= total * len(bounds) / count and len(bounds) < count:
+                bounds.append(s + 1)
+        bounds.append(len(p.tiles))
+        return [p.part(first, end) for first, end in itertools.pairwise(bounds)]
+
+    def _forward_stages(self, parts: list[Packed], decode: bool):
+        """`_forward` of micro-batches, their rows joined as one batch's: the sampling rows (plain
+        chunks', then speculative chunks'), then the pooled rows."""
+        batches = [self._to_batch(part, tile_tokens=1 if decode else None) for part in parts]
+        sampled, verified, pooled = [], [], []
+        for part, h in zip(parts, self.model.pipeline(batches), strict=True):
+            plain, verify = len(part.rows), len(part.verify_rows)
+            sampled.append(h[:plain])
+            verified.append(h[plain : plain + verify])
+            pooled.append(h[plain + verify :])
+        return self.model.logits(torch.cat(sampled + verified)), torch.cat(pooled)
 
     def _pack_batch(self, chunks) -> PagedBatch:
         return self._to_batch(self._pack_host(chunks), None)
