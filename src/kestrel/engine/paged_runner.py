@@ -69,24 +69,27 @@ class Packed:
     explicit_rope: list[tuple[int, torch.Tensor]] = field(default_factory=list)
     images: list[tuple[int, ImageRows]] = field(default_factory=list)
 
-    def part(self, first: int, end: int) -> "Packed":
-        """Sequences [first, end) as a batch of their own, their rows counted from 0."""
-        lo = self.tiles[first][1]
-        hi = self.tiles[end - 1][1] + self.tiles[end - 1][2]
+    def part(self, lo: int, hi: int) -> "Packed":
+        """Tokens [lo, hi) as a batch of their own, rows counted from lo. A chunk cut in two keeps
+        its sequence's block table in both parts: the first part's queries cannot see the keys
+        the second writes (they come later), and the second reads the first's from the pool."""
+        kept = [s for s, start, n in self.tiles if start < hi and start + n > lo]
+        tiles = []
+        for i, s in enumerate(kept):
+            _, start, n = self.tiles[s]
+            first = max(start, lo)
+            tiles.append((i, first - lo, min(start + n, hi) - first))
         rows = lambda r: [i - lo for i in r if lo <= i < hi]  # noqa: E731
-        starts = lambda pairs: [(i - lo, x) for i, x in pairs if lo <= i < hi]  # noqa: E731
         return Packed(
             *(column[lo:hi] for column in (self.ids, self.positions, self.chunk_ends)),
             self.rope_ids[lo:hi],
             self.slots[lo:hi],
-            [(s - first, start - lo, n) for s, start, n in self.tiles[first:end]],
-            self.seqs[first:end],
-            self.state_slots[first:end],
+            tiles,
+            [self.seqs[s] for s in kept],
+            [self.state_slots[s] for s in kept],
             rows(self.rows),
             rows(self.verify_rows),
             rows(self.pool_rows),
-            starts(self.explicit_rope),
-            starts(self.images),
         )
 
 
@@ -382,20 +385,19 @@ class PagedRunner(ModelRunner):
         return results
 
     def _micro_batches(self, p: Packed) -> list[Packed]:
-        """A pipeline stage's step cut into micro-batches of whole chunks, of about equal tokens,
-        each at least `microbatch_tokens` (up to MICROBATCHES_PER_STAGE per stage); [] when the
-        step stays whole (too few tokens, no pipeline, or an MTP draft's hidden states)."""
+        """A pipeline stage's step cut into micro-batches of about equal tokens, each at least
+        `microbatch_tokens` (up to MICROBATCHES_PER_STAGE per stage), a chunk cut where a
+        boundary falls in it (so one long prompt's chunk overlaps too); [] when the step stays
+        whole (too few tokens, no pipeline, images, or an MTP draft's hidden states)."""
         stages = getattr(getattr(self.model, "pipeline", None), "stages", 1)
         total = len(p.ids)
-        count = min(stages * MICROBATCHES_PER_STAGE, total // self.microbatch_tokens, len(p.tiles))
-        if stages == 1 or count < 2 or self.keep_hidden or self.takes_hidden:
+        count = min(stages * MICROBATCHES_PER_STAGE, total // self.microbatch_tokens)
+        if stages == 1 or count < 2 or p.images or p.explicit_rope:
             return []
-        bounds = [0]
-        for s, (_, start, n) in enumerate(p.tiles[:-1]):
-            if start + n >= total * len(bounds) / count and len(bounds) < count:
-                bounds.append(s + 1)
-        bounds.append(len(p.tiles))
-        return [p.part(first, end) for first, end in itertools.pairwise(bounds)]
+        if self.keep_hidden or self.takes_hidden:
+            return []
+        bounds = [total * k // count for k in range(count + 1)]
+        return [p.part(lo, hi) for lo, hi in itertools.pairwise(bounds)]
 
     def _forward_stages(self, parts: list[Packed], decode: bool):
         """`_forward` of micro-batches, their rows joined as one batch's: the sampling rows (plain
