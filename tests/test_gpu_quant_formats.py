@@ -18,7 +18,8 @@ from tests.test_quant_formats import FORMATS, PROMPT, write_pair
 from kestrel.config import CacheConfig
 from kestrel.engine.paged_runner import PagedRunner
 from kestrel.engine.request import Request
-from kestrel.kernels.quant import Format, fp8_block_gemm_works
+from kestrel.kernels import fp8_activations
+from kestrel.kernels.quant import Format, fp8_block_gemm_works, fp8_groups
 from kestrel.models.layers.quant import QuantLinear
 from kestrel.sampling import SamplingParams
 from kestrel.weights.loader import load_model, resolve
@@ -73,6 +74,23 @@ def test_fp8_block_scaled_linear_uses_the_tensor_cores_and_matches_dequantized(r
     x = torch.randn(rows, 512, device=CUDA, dtype=torch.bfloat16)
     expected = F.linear(x.float(), dequantized.to(CUDA))
     assert relative_error(layer(x), expected) < 0.04
+
+
+@pytest.mark.parametrize("rows", [1, 5, 300])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_fp8_activation_kernel_writes_the_bytes_of_the_pytorch_quantization(rows, dtype):
+    """One Triton kernel (kernels/fp8_activations.py) in place of PyTorch's six: the same FP8
+    bytes and scales, the padding rows zero, an all-zero group included; x a row slice of a
+    wider tensor (its own row stride)."""
+    torch.manual_seed(0)
+    wide = torch.randn(rows, 640, device=CUDA) * torch.rand(rows, 1, device=CUDA) * 100
+    x = wide.to(dtype)[:, :512]
+    x[0, 128:256] = 0
+    got_q, got_scales = fp8_activations.quantize(x)
+    want_q, want_scales = fp8_groups(x)
+    assert got_q.shape == want_q.shape == (rows + (-rows % 4), 512)
+    assert torch.equal(got_q.view(torch.uint8), want_q.view(torch.uint8))
+    assert got_scales.stride() == want_scales.stride() and torch.equal(got_scales, want_scales)
 
 
 def load(folder, dtype=torch.bfloat16):

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from kestrel.kernels import cpu_native
+from kestrel.kernels import cpu_native, fp8_activations
 
 QK_K = 256  # elements per k-quant super-block
 # type name -> (elements per block, bytes per block), as llama.cpp's ggml-common.h
@@ -273,19 +273,27 @@ def fp8_block_scales(w_scale: torch.Tensor) -> torch.Tensor:
     return F.pad(w_scale.float(), (0, -w_scale.shape[1] % 4)).contiguous()
 
 
+def fp8_groups(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp8_activations.quantize in PyTorch (its oracle, and the path without Triton)."""
+    m, k = x.shape
+    xp = F.pad(x, (0, 0, 0, -m % 4)).float().reshape(-1, k // FP8_TILE, FP8_TILE)
+    x_scale = (xp.abs().amax(dim=-1) / torch.finfo(torch.float8_e4m3fn).max).clamp(min=1e-12)
+    xq = (xp / x_scale.unsqueeze(-1)).to(torch.float8_e4m3fn).reshape(-1, k)
+    return xq, x_scale.t().contiguous().t()  # (M, K / 128), M-major
+
+
 def fp8_block_linear(x: torch.Tensor, w: torch.Tensor, w_scales: torch.Tensor) -> torch.Tensor:
     """x (M, K) bfloat16 @ w.T with w (N, K) float8_e4m3fn in 128 x 128 tiles (DeepSeek-V3 /
     Qwen3-FP8 style; `w_scales` from `fp8_block_scales`): x quantized per 1 x 128 group on the
     fly, one block-scaled FP8 GEMM. cuBLAS wants the activation scales token-major with M a
     multiple of 4, so x is zero-padded."""
-    m, k = x.shape
-    xp = F.pad(x, (0, 0, 0, -m % 4)).float().reshape(-1, k // FP8_TILE, FP8_TILE)
-    x_scale = (xp.abs().amax(dim=-1) / torch.finfo(torch.float8_e4m3fn).max).clamp(min=1e-12)
-    xq = (xp / x_scale.unsqueeze(-1)).to(torch.float8_e4m3fn).reshape(-1, k)
+    m = x.shape[0]
+    quantize = fp8_activations.quantize if fp8_activations.serves(x) else fp8_groups
+    xq, x_scale = quantize(x)
     out = F.scaled_mm(
         xq,
         w.t(),
-        x_scale.t().contiguous().t(),  # (M, K / 128), M-major
+        x_scale,
         F.ScalingType.BlockWise1x128,
         w_scales.t(),
         F.ScalingType.BlockWise128x128,
