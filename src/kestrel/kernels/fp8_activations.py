@@ -29,7 +29,8 @@ def serves(x: torch.Tensor) -> bool:
 def quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """x (M, K) -> (xq (M4, K) float8_e4m3fn, scales (M4, K / 128) float32, column-major), M4
     being M rounded up to a multiple of 4 (cuBLAS's alignment; the padding rows are 0). Each
-    group's scale is max |x| / 448 (at least 1e-12) and xq = x / scale, rounded to nearest."""
+    group's scale is max |x| times 1 / 448 (at least 1e-12) and xq = x / scale, rounded to
+    nearest."""
     M, K = x.shape
     padded = M + (-M % 4)
     xq = torch.empty(padded, K, dtype=torch.float8_e4m3fn, device=x.device)
@@ -40,7 +41,7 @@ def quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 if triton is not None:
-    FP8_MAX = tl.constexpr(448.0)  # float8_e4m3fn's largest finite value
+    INVERSE_FP8_MAX = tl.constexpr(1 / 448)  # float8_e4m3fn's largest finite value: 448
     SMALLEST_SCALE = tl.constexpr(1e-12)  # an all-zero group's scale (its values stay 0)
 
     @triton.jit
@@ -50,8 +51,9 @@ if triton is not None:
         cols = group * GROUP + tl.arange(0, GROUP)
         at = rows[:, None].to(tl.int64) * stride + cols[None, :]
         x = tl.load(X + at, mask=rows[:, None] < M, other=0.0).to(tl.float32)
-        # IEEE divisions (Triton's `/` on float32 is approximate), as PyTorch's
-        scale = tl.maximum(tl.math.div_rn(tl.max(tl.abs(x), 1), FP8_MAX), SMALLEST_SCALE)
+        # kernels/quant.py's `fp8_groups` arithmetic: times 1 / 448, then an IEEE division
+        # (Triton's float32 `/` is approximate)
+        scale = tl.maximum(tl.max(tl.abs(x), 1) * INVERSE_FP8_MAX, SMALLEST_SCALE)
         q = tl.math.div_rn(x, scale[:, None]).to(tl.float8e4nv)
         inside = rows < padded
         tl.store(XQ + rows[:, None].to(tl.int64) * K + cols[None, :], q, mask=inside[:, None])
