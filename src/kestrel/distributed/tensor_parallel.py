@@ -312,37 +312,21 @@ def shard_modules(modules: list[nn.Module], tp: TPGroup, expert_parallel: bool =
 
 
 def _finish(model: nn.Module, tp: TPGroup) -> nn.Module:
-    """The config and KV layout of this rank's heads, once every layer is cut."""
+    """The config of this rank's heads, once every layer is cut (the KV layout reads them from
+    the attention modules)."""
     model.config = _sharded_config(model.config, tp)
-    _pool_keeps_held_heads(model)
     return model
 
 
-def _pool_keeps_held_heads(model: nn.Module) -> None:
-    """The paged pool sizes each attention layer's KV by the heads this rank holds (a family
-    whose layout reads per-layer head counts of its own, nemotron_nas's blocks, would still
-    give the whole model's)."""
-    held = {
-        m.layer_idx: m.num_kv_heads
-        for m in model.modules()
-        if isinstance(m, (Attention, Gemma4Attention))
-    }
-    layout = model.kv_layout
-    model.kv_layout = lambda: [
-        shape._replace(heads=held[i]) if shape is not None and i in held else shape
-        for i, shape in enumerate(layout())
-    ]
-
-
 def _sharded_config(config, tp: TPGroup):
-    """A copy of the config with this rank's attention heads: the paged pool sizes each
-    layer's KV by it (models/base.py's kv_layout; MLA's latent layout reads no head count)."""
+    """A copy of the config with this rank's attention heads (the paged runner sizes its query
+    tiles by the GQA group they make)."""
     config = copy.deepcopy(config)
     text = config.get_text_config()
     try:
         text.head_dim = head_dim(text)  # before the head count it may be derived from changes
         kv_heads = getattr(text, "num_key_value_heads", None) or text.num_attention_heads * tp.size
-    except RuntimeError:  # head counts per layer (gemma4): its pool reads its attention modules
+    except RuntimeError:  # head sizes per layer (gemma4): its query tiles keep the whole count
         return config
     text.num_attention_heads //= tp.size
     text.num_key_value_heads = max(1, kv_heads // tp.size)

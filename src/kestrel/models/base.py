@@ -126,11 +126,15 @@ class CausalLM(nn.Module):
             self.lm_head.weight = self.model.embed_tokens.weight
 
     def kv_layout(self) -> list[KVShape | None]:
-        """Per layer, what it stores per token; None for a layer that stores none (recurrent
-        state, linear or no-op attention, a layer that reads another's cache). The paged pool
-        allocates each layer by it."""
-        shape = KVShape(self.config.num_key_value_heads, head_dim(self.config))
-        return [shape if spec.kind in KV_KINDS else None for spec in self.cache_specs()]
+        """Per layer, what it stores per token, as its attention module says (`kv_shape`: its own
+        head count and size, or the heads a tensor-parallel rank holds); None for a layer that
+        stores none (recurrent state, linear or no-op attention, a layer that reads another's
+        cache). The paged pool allocates each layer by it."""
+        layout: list[KVShape | None] = [None] * len(self.cache_specs())
+        for module in self.model.modules():
+            if hasattr(module, "kv_shape"):
+                layout[module.layer_idx] = module.kv_shape()
+        return layout
 
     def state_layout(self) -> list[StateShape | None]:
         """Per layer, the recurrent state it keeps per sequence (None: none); the paged runner's

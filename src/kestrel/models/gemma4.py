@@ -84,6 +84,12 @@ class Gemma4Attention(nn.Module):
                 None if k_eq_v else nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=bias)
             )
 
+    def kv_shape(self) -> KVShape | None:
+        # only layers that own a cache store keys; full layers have their own head dim and heads
+        return (
+            KVShape(self.num_kv_heads, self.head_dim) if self.kv_source == self.layer_idx else None
+        )
+
     def forward(self, x: torch.Tensor, batch: ForwardBatch, cos_sin) -> torch.Tensor:
         T = x.shape[0]
         cos, sin = cos_sin
@@ -238,14 +244,6 @@ class Gemma4ForCausalLM(CausalLM):
         if self.softcap:
             logits = self.softcap * torch.tanh(logits / self.softcap)
         return logits
-
-    def kv_layout(self) -> list[KVShape | None]:
-        # only layers that own a cache store keys; full layers have their own head dim and heads
-        attns = [layer.self_attn for layer in self.model.layers]
-        return [
-            KVShape(a.num_kv_heads, a.head_dim) if a.kv_source == i else None
-            for i, a in enumerate(attns)
-        ]
 
     def checkpoint_name(self, name: str) -> str:
         # multimodal Gemma 4 checkpoints nest the text model; the other towers match no parameter

@@ -16,7 +16,7 @@ from torch import nn
 from transformers import AutoConfig, LlamaConfig
 
 import kestrel.cache.recurrent  # noqa: F401  registers the "none" cache kind
-from kestrel.cache.sequence import CacheSpec, KVShape
+from kestrel.cache.sequence import CacheSpec
 from kestrel.errors import UnsupportedModelError
 from kestrel.models.base import CausalLM, head_dim, rope_parameters
 from kestrel.models.batch import ForwardBatch
@@ -168,13 +168,6 @@ class NemotronNasForCausalLM(CausalLM):
     def cache_specs(self) -> list[CacheSpec]:
         # only GQA layers keep keys; linear and no-op attention keep nothing per sequence
         return [CacheSpec("full" if b.attention == "gqa" else "none") for b in self.model.blocks]
-
-    def kv_layout(self) -> list[KVShape | None]:
-        # each GQA block has its own KV head count (n_heads_in_group)
-        dim = head_dim(self.config)
-        return [
-            KVShape(b.kv_heads, dim) if b.attention == "gqa" else None for b in self.model.blocks
-        ]
 
     @classmethod
     def config_from_gguf(cls, meta) -> NemotronNasConfig:

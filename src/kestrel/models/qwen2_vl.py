@@ -13,7 +13,7 @@ plain RoPE path; text rows of a sequence with images (decode) are shifted by its
 import torch
 from torch import nn
 
-from kestrel.cache.sequence import CacheSpec, KVShape
+from kestrel.cache.sequence import CacheSpec
 from kestrel.models.base import CausalLM, rope_parameters
 from kestrel.models.base import head_dim as base_head_dim
 from kestrel.models.batch import ForwardBatch, ImageRows
@@ -142,8 +142,3 @@ class Qwen2VLForConditionalGeneration(CausalLM):
     def tie_weights(self) -> None:
         if getattr(self.config, "tie_word_embeddings", False):
             self.lm_head.weight = self.model.language_model.embed_tokens.weight
-
-    def kv_layout(self) -> list[KVShape]:
-        text = self.config.text_config  # the config is the whole checkpoint's
-        head_dim = self.model.language_model.layers[0].self_attn.head_dim
-        return [KVShape(text.num_key_value_heads, head_dim)] * text.num_hidden_layers

@@ -5,6 +5,7 @@ import torch
 from torch import nn
 
 from kestrel.cache.mask import visible_mask
+from kestrel.cache.sequence import KVShape
 from kestrel.kernels.attention import attend
 from kestrel.models.batch import ForwardBatch
 from kestrel.models.layers.rope import RotaryEmbedding, apply_rope
@@ -77,6 +78,9 @@ class Attention(nn.Module):
         self.rope = rope
         self.scale = scale if scale is not None else head_dim**-0.5
         self.window = window
+
+    def kv_shape(self) -> KVShape:
+        return KVShape(self.num_kv_heads, self.head_dim)
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch, rope_cos_sin=None) -> torch.Tensor:
         T = x.shape[0]

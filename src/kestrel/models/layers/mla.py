@@ -92,6 +92,10 @@ class MultiHeadLatentAttention(nn.Module):
         )
         self.o_proj = nn.Linear(self.num_heads * self.v_dim, c.hidden_size, bias=bias)
 
+    def kv_shape(self) -> KVShape:
+        # one shared key [latent, rope key] per token whose first kv_lora_rank dims are the value
+        return KVShape(1, self.rank + self.rope_dim, value_dim=self.rank)
+
     def forward(
         self,
         x: torch.Tensor,
@@ -264,9 +268,3 @@ class LatentCausalLM(CausalLM):
 
     def cache_specs(self) -> list[CacheSpec]:
         return latent_cache_specs(self.config.num_hidden_layers)
-
-    def kv_layout(self) -> list[KVShape]:
-        # one shared key [latent, rope key] per token whose first kv_lora_rank dims are the value
-        c = self.config
-        shape = KVShape(1, c.kv_lora_rank + c.qk_rope_head_dim, value_dim=c.kv_lora_rank)
-        return [shape] * c.num_hidden_layers
