@@ -22,7 +22,7 @@ from transformers import (
 from kestrel.cache.blocks import BlockManager
 from kestrel.cache.paged import PagedSequenceCache
 from kestrel.config import CacheConfig, SchedulerConfig
-from kestrel.engine.paged_runner import PagedRunner
+from kestrel.engine.paged_runner import PagedRunner, argmax_rows
 from kestrel.engine.request import Request
 from kestrel.engine.runner import ModelRunner, run_step
 from kestrel.engine.scheduler import ScheduledChunk, Scheduler
@@ -340,6 +340,20 @@ def test_restore_returns_allocated_and_trimmed_blocks():
     cache.restore(saved)
     assert blocks.num_free == free_before and not blocks.pending
     assert [lg for lg, _ in cache.blocks.held] == [0, 1, 2]
+
+
+@pytest.mark.parametrize("vocab", [128256, 49152, 1000])  # 1000: not split, PyTorch's argmax
+def test_argmax_rows_picks_the_first_largest_like_argmax(vocab):
+    """The two-pass argmax of greedy sampling: the same index as argmax, the first of tied
+    largest values (across chunks and within one), for a decode step of 2 and of 5 rows."""
+    torch.manual_seed(0)
+    for rows in (2, 5):
+        logits = torch.randn(rows, vocab).to(torch.bfloat16)
+        top = logits.max() + 1
+        logits[0, [7, vocab - 3]] = top  # tied in different chunks: the first wins
+        logits[-1, [vocab - 2, vocab - 1]] = top  # tied inside the last chunk
+        assert torch.equal(argmax_rows(logits), logits.argmax(-1))
+        assert argmax_rows(logits)[0] == 7 and argmax_rows(logits)[-1] == vocab - 2
 
 
 def test_runner_generates_same_greedy_tokens_as_reference():
