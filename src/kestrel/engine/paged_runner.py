@@ -784,8 +784,8 @@ ARGMAX_CHUNKS = 64
 def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
     """(B, V) -> (B,) each row's first largest index, in two passes where V splits into
     ARGMAX_CHUNKS chunks: PyTorch reduces a row with one block of threads, so a single
-    sequence's argmax over a large vocabulary runs on one SM (36 us of a 3 ms decode step at
-    128k on the H200)."""
+    sequence's argmax runs on one SM (a 128k vocabulary on the H200: 26 us of GPU time, 16 in
+    two passes)."""
     b, v = logits.shape
     if v % ARGMAX_CHUNKS:
         return logits.argmax(-1)

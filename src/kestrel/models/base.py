@@ -9,8 +9,6 @@ from kestrel.cache.sequence import CacheSpec, KVShape, StateShape, kv_bytes
 from kestrel.models.batch import ForwardBatch
 from kestrel.models.layers.rope import LongRotaryEmbedding
 
-KV_KINDS = ("full", "sliding")  # cache kinds that store per-token keys and values
-
 
 def rope_parameters(config, layer_type: str | None = None) -> dict:
     """The RoPE dict of transformers >= 5 (`rope_parameters`, per layer type when nested)."""
