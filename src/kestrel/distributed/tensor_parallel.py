@@ -71,11 +71,16 @@ def column_parallel(linear: nn.Linear | QuantLinear, rows: slice) -> nn.Linear |
     and gate/up into one matmul."""
     if isinstance(linear, QuantLinear):
         return quantized.rows_of(linear, rows)
-    weight = linear.weight.data[rows]
-    part = nn.Linear(weight.shape[1], weight.shape[0], linear.bias is not None, device="meta")
-    part.weight = _copy(weight)
+    part = _linear(_copy(linear.weight.data[rows]))
     if linear.bias is not None:
         part.bias = _copy(linear.bias.data[rows])
+    return part
+
+
+def _linear(weight: nn.Parameter) -> nn.Linear:
+    """A bias-free Linear over `weight` (out, in)."""
+    part = nn.Linear(weight.shape[1], weight.shape[0], bias=False, device="meta")
+    part.weight = weight
     return part
 
 
@@ -85,17 +90,15 @@ class RowParallelLinear(nn.Module):
 
     def __init__(self, linear: nn.Linear | QuantLinear, cols: slice, tp: TPGroup):
         super().__init__()
-        self.part = None  # a quantized Linear's columns, still quantized
-        if isinstance(linear, QuantLinear):
+        if isinstance(linear, QuantLinear):  # its columns, still quantized
             self.part = quantized.columns_of(linear, cols)
         else:
-            self.weight = _copy(linear.weight.data[:, cols])
+            self.part = _linear(_copy(linear.weight.data[:, cols]))
         self.bias = linear.bias
         self.tp = tp
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        part = F.linear(x, self.weight) if self.part is None else self.part(x)
-        out = self.tp.all_reduce(part)
+        out = self.tp.all_reduce(self.part(x))
         return out if self.bias is None else out + self.bias
 
 
@@ -105,36 +108,30 @@ class VocabParallelEmbedding(nn.Module):
 
     def __init__(self, table: nn.Embedding | QuantEmbedding, tp: TPGroup):
         super().__init__()
-        self.rows = None  # a quantized table's rows, still quantized
-        if isinstance(table, QuantEmbedding):
+        if isinstance(table, QuantEmbedding):  # its rows, still quantized
             self.rows = quantized_vocab_shard(table, tp)
-            self.held = self.rows.num_embeddings
         else:
-            self.weight = nn.Parameter(vocab_shard(table.weight, tp), requires_grad=False)
-            self.held = self.weight.shape[0]
+            self.rows = nn.Embedding.from_pretrained(vocab_shard(table.weight, tp))
+        self.held = self.rows.num_embeddings
         self.start, self.tp = tp.rank * self.held, tp
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         local = ids - self.start
         held = (local >= 0) & (local < self.held)
-        local = local.clamp(0, self.held - 1)
-        rows = F.embedding(local, self.weight) if self.rows is None else self.rows(local)
+        rows = self.rows(local.clamp(0, self.held - 1))
         return self.tp.all_reduce(rows * held[..., None].to(rows.dtype))
 
 
 class VocabParallelHead(nn.Module):
     """The output head's rows for this rank's vocabulary shard; logits gathered to (..., V)."""
 
-    def __init__(self, shard: nn.Parameter | QuantLinear, vocab: int, tp: TPGroup):
+    def __init__(self, shard: nn.Linear | QuantLinear, vocab: int, tp: TPGroup):
         super().__init__()
-        self.quantized = shard if isinstance(shard, QuantLinear) else None
-        if self.quantized is None:
-            self.weight = shard  # vocab_shard's rows, or the tied embedding's own shard
+        self.part = shard  # vocab_shard's rows, or the tied embedding's own shard
         self.vocab, self.tp = vocab, tp
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        logits = F.linear(x, self.weight) if self.quantized is None else self.quantized(x)
-        return self.tp.all_gather_last(logits)[..., : self.vocab]
+        return self.tp.all_gather_last(self.part(x))[..., : self.vocab]
 
 
 class ParallelExperts(nn.Module):
@@ -519,5 +516,5 @@ def _head_shard(head, table, embedding: VocabParallelEmbedding, tp: TPGroup):
             return quantized.linear_of(embedding.rows)
         return quantized_vocab_shard(head, tp)
     if isinstance(table, nn.Embedding) and head.weight is table.weight:
-        return embedding.weight
-    return nn.Parameter(vocab_shard(head.weight, tp), requires_grad=False)
+        return _linear(embedding.rows.weight)
+    return _linear(nn.Parameter(vocab_shard(head.weight, tp), requires_grad=False))
