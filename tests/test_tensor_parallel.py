@@ -285,6 +285,28 @@ def test_serve_over_two_ranks_answers_the_openai_client_as_one_process(checkpoin
         server.stop()
 
 
+def test_serve_over_two_ranks_answers_image_chats_as_one_process(tmp_path):
+    """A vision-language model (Qwen3-VL-MoE, experts split by expert parallel): every rank keeps
+    the vision tower whole and encodes the images itself; the decoder is split. Image chats of
+    two sizes and a text one, sent together, give one process's greedy text."""
+    from tests.test_server_vision_families import ALIAS, CONVERSATIONS, FAMILIES, chat
+    from tests.vl_reference import save_tiny_vl, tiny_tokenizer
+    from tests.vl_suite import MERGE, PATCH
+
+    model_cls, config = FAMILIES["qwen3_vl_moe"]
+    save_tiny_vl(model_cls, config(), tmp_path, tiny_tokenizer(), PATCH, MERGE)
+    args = ["-m", str(tmp_path), "-a", ALIAS, "-np", "4", "--prefill-chunk-size", "8"]
+    answers = []
+    for parallel in ([], ["-tp", "2", "--enable-expert-parallel"]):
+        server = start_server(args + parallel)
+        try:
+            with ThreadPoolExecutor(len(CONVERSATIONS)) as pool:
+                answers.append(list(pool.map(lambda m, s=server: chat(s, m), CONVERSATIONS)))
+        finally:
+            server.stop()
+    assert answers[1] == answers[0]
+
+
 def test_a_killed_worker_makes_the_server_answer_503_and_exit_nonzero(checkpoints):
     server = start_server(
         ["-m", checkpoints["llama"], "-a", "tiny", "-tp", "2", "--no-restart-engine"]

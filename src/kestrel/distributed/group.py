@@ -3,11 +3,19 @@ collectives the parallel layers need. A process joins with the standard torch.di
 rendezvous (`torchrun`'s RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT, or an explicit
 init_method), over NCCL on CUDA and gloo on the CPU."""
 
+import logging
+import threading
 from dataclasses import dataclass
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+
+log = logging.getLogger(__name__)
+
+# how long leaving waits for the other ranks (NCCL's teardown is collective: one that is gone
+# never arrives)
+LEAVE_TIMEOUT_S = 30.0
 
 
 @dataclass(frozen=True)
@@ -47,5 +55,13 @@ def join(
 
 
 def leave() -> None:
-    if dist.is_initialized():
-        dist.destroy_process_group()
+    """Destroy the process group. Every rank must call it, at about the same time: over NCCL
+    the teardown is collective, and a rank that leaves alone waits for the others (up to
+    LEAVE_TIMEOUT_S; then this process goes on without it)."""
+    if not dist.is_initialized():
+        return
+    teardown = threading.Thread(target=dist.destroy_process_group, daemon=True)
+    teardown.start()
+    teardown.join(LEAVE_TIMEOUT_S)
+    if teardown.is_alive():
+        log.warning("the other ranks did not leave the process group within %.0f s", LEAVE_TIMEOUT_S)

@@ -286,7 +286,8 @@ def check_covered(model: nn.Module) -> None:
         raise ValueError(
             f"tensor parallel does not cover {type(model).__name__}'s layers "
             f"{', '.join(uncovered[:4])}{' ...' if len(uncovered) > 4 else ''}; it covers "
-            "GQA and latent attention, gated MLPs, routed experts, the embedding and the head"
+            "GQA and latent attention, gated MLPs, routed experts, the embedding and the head "
+            "(and keeps vision towers whole)"
         )
 
 
@@ -365,6 +366,7 @@ def _uncovered_linears(model: nn.Module) -> list[str]:
     # a gate on the shared experts' output (hidden -> 1) is small: every rank keeps it whole
     gates = [m.shared_expert_gate for m in model.modules() if hasattr(m, "shared_expert_gate")]
     covered |= {id(g) for g in gates}
+    covered |= {id(m) for name in model.replicated for m in model.get_submodule(name).modules()}
     return [
         name
         for name, m in model.named_modules()
@@ -498,8 +500,8 @@ def _shard_mlp(mlp: GatedMLP | NemotronHMLP, tp: TPGroup) -> None:
 
 
 def _shard_vocab(model: nn.Module, tp: TPGroup) -> None:
-    backbone, head = model.model, getattr(model, "lm_head", None)
-    name = "embeddings" if hasattr(backbone, "embeddings") else "embed_tokens"  # Nemotron-H's
+    backbone, name = _token_embedding(model)
+    head = getattr(model, "lm_head", None)
     table = getattr(backbone, name)
     embedding = VocabParallelEmbedding(table, tp)
     setattr(backbone, name, embedding)
@@ -507,6 +509,16 @@ def _shard_vocab(model: nn.Module, tp: TPGroup) -> None:
         model.lm_head = VocabParallelHead(
             _head_shard(head, table, embedding, tp), table.num_embeddings, tp
         )
+
+
+def _token_embedding(model: nn.Module) -> tuple[nn.Module, str]:
+    """(the module holding the decoder's token embedding, its attribute name): `embed_tokens`
+    (`embeddings` in Nemotron-H) of the text decoder, wherever the family nests it."""
+    for module in model.modules():
+        for name in ("embed_tokens", "embeddings"):
+            if isinstance(getattr(module, name, None), (nn.Embedding, QuantEmbedding)):
+                return module, name
+    raise ValueError(f"no token embedding in {type(model).__name__}")
 
 
 def _head_shard(head, table, embedding: VocabParallelEmbedding, tp: TPGroup):

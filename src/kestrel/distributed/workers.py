@@ -80,9 +80,9 @@ class LockstepEngine(Engine):
         return super().step()
 
     def shutdown(self) -> None:
-        """Stop the workers and leave the process group (at exit, if not before)."""
-        self.workers.stop()
-        leave()
+        """Stop the workers, leaving the process group together with them (at exit, if not
+        before)."""
+        self.workers.stop(leave)
 
 
 def start_ranks(config: Config, progress: bool, exit_with_workers: bool):
@@ -253,10 +253,13 @@ class Workers:
             sys.stderr.flush()
             os._exit(1)
 
-    def stop(self, timeout: float = 10.0) -> None:
+    def stop(self, leaving=lambda: None, timeout: float = 10.0) -> None:
+        """Send "stop", run `leaving()` while the workers leave too, then wait for them (and
+        kill the ones that do not exit within `timeout`)."""
         self._watching = False
         with contextlib.suppress(RuntimeError):
             self.send("stop")
+        leaving()
         for process in self.processes:
             try:
                 process.wait(timeout)
@@ -296,13 +299,13 @@ def worker_main(fd: int) -> None:
         with contextlib.suppress(OSError):
             _send(pipe, ("failed", f"{type(error).__name__}: {error}"))
         _exit(1)
-    code = 0
     try:
         _follow(lambda: _receive(pipe), engine)
     except BaseException:
         log.exception("rank %d failed", rank)
-        code = 1
-    _exit(code)
+        _exit(1)
+    leave()  # with rank 0, which leaves as it stops the workers
+    _exit(0)
 
 
 def _follow(receive, engine: Engine) -> None:
@@ -356,9 +359,10 @@ class GroupWorkers:
     def watch(self) -> None:
         """Nothing to poll: a lost rank fails the next step's collectives."""
 
-    def stop(self) -> None:
+    def stop(self, leaving=lambda: None) -> None:
         with contextlib.suppress(Exception):
             self.send("stop")
+        leaving()
 
 
 def start_joined(config: Config, progress: bool):

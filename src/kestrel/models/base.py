@@ -51,6 +51,9 @@ class CausalLM(nn.Module):
     # the decoder stack (HF's `model.` prefix). When set, the head is built here (a vocabulary
     # projection, tied to the embeddings when the config says so) and forward = head(stack(batch))
     backbone: type[nn.Module] | None = None
+    # submodules every tensor-parallel rank keeps whole (a vision tower: small next to the
+    # decoder, and run once per image, not per token)
+    replicated: tuple[str, ...] = ()
 
     def __init__(self, config):
         super().__init__()

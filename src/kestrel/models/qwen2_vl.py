@@ -79,6 +79,7 @@ class Qwen2VLModel(nn.Module):
 
 class Qwen2VLForConditionalGeneration(CausalLM):
     multimodal = True
+    replicated = ("model.visual",)
 
     def __init__(self, config):
         super().__init__(config)
