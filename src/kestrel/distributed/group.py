@@ -64,4 +64,6 @@ def leave() -> None:
     teardown.start()
     teardown.join(LEAVE_TIMEOUT_S)
     if teardown.is_alive():
-        log.warning("the other ranks did not leave the process group within %.0f s", LEAVE_TIMEOUT_S)
+        log.warning(
+            "the other ranks did not leave the process group within %.0f s", LEAVE_TIMEOUT_S
+        )
