@@ -4,8 +4,9 @@ y = x @ W.T for a few rows of x, W (N, K) float8_e4m3fn times a float32 scale pe
 tile (`Format("fp8", block=...)`: 128 x 128 tiles, one per row, or one for the tensor). A
 decode step reads one byte a weight instead of bfloat16's two, and x stays in bfloat16: unlike
 the FP8 tensor-core GEMM (kernels/quant.py's `fp8_block_linear`), nothing quantizes the
-activations, and one kernel replaces that path's six (pad, amax, scale, cast, GEMM, slice),
-whose launches cost more than a decode step's GEMV. Each program owns BLOCK_N rows and walks K
+activations, and one kernel replaces that path's three (quantize x, GEMM, slice), whose
+launches cost more than a decode step's GEMV (a GEMV on the FP8 tensor cores was tried too:
+benchmarks/fp8_gemv_tensor_cores.py; for one row of x it is slower and less exact). Each program owns BLOCK_N rows and walks K
 in steps of CHUNKS x 16 columns; each thread sums a (row, 16 columns) chunk on its own and
 scales it once (the scale is constant over 16 columns: a tile is 128 wide or the whole row).
 
