@@ -8,6 +8,7 @@ OpenAI-compatible server under concurrent streaming clients (bench_serve.py).
 """
 
 import contextlib
+import gc
 import json
 import os
 import random
@@ -368,6 +369,8 @@ def peer_throughput(model, work: Workload, vocab: int, device) -> dict:
     _sync(device)
     elapsed = time.perf_counter() - start
     produced = sum(len(out.generated_tokens) for out in outputs.values())
+    if produced < o * len(prompts):  # generate_batch logs failed requests and returns them empty
+        raise RuntimeError(f"generate_batch produced {produced} of {o * len(prompts)} tokens")
     return {
         "output_tok_s": produced / elapsed,
         "elapsed_s": elapsed,
@@ -508,6 +511,7 @@ def _run_peer(peer, args, dtype, device, modes, latency, batch, env, out) -> Non
         numbers.update(ceilings(args, family, kv_per_token, dtype, work, work.num_requests))
         emit({**base, "mode": mode, **_workload(work, work.num_requests), **numbers}, out)
     del model
+    gc.collect()  # a failed generate_batch leaves cycles that hold the model's memory
     if device.type == "cuda":
         torch.cuda.empty_cache()
 
