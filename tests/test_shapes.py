@@ -298,3 +298,15 @@ def test_peer_without_a_transformers_class_is_reported_per_mode(tmp_path):
     kv = meta_model(shape_config("nemotron-nas-49b"), BF16).kv_bytes_per_token(BF16)
     assert records[0]["ceiling_decode_tok_s"] == pytest.approx(4.25e12 / (active + kv * 128))
     assert records[1]["ceiling_output_tok_s"] > 0
+
+
+def test_peer_whose_continuous_batching_fails_generates_in_fixed_batches():
+    """transformers' `generate_batch` has no cache for Nemotron-H's Mamba layers: the peer's batch
+    then runs through `generate()`, a batch at a time, and the record says so and why."""
+    from kestrel.bench.offline import peer_model, peer_throughput
+
+    config = shape_config("nemotron-h-8b", **SMALL["nemotron-h-8b"])
+    model = peer_model(config, torch.float32, torch.device("cpu"), seed=0)
+    batch = peer_throughput(model, Workload(3, 6, 4), 512, torch.device("cpu"))
+    assert batch["generated_tokens"] == 12 and batch["output_tok_s"] > 0
+    assert batch["peer_mode"].startswith("generate()") and batch["peer_failed"]
