@@ -352,10 +352,13 @@ def peer_latency(model, work: Workload, vocab: int, device) -> dict:
 def peer_throughput(model, work: Workload, vocab: int, device) -> dict:
     """transformers' continuous batching (`generate_batch`); where it fails (its cache has no
     room for MLA's, gemma4's or the Mamba layers' shapes), `generate()` over fixed batches."""
+    attention = model.config._attn_implementation
     try:
         return _continuous_batching(model, work, vocab, device)
     except Exception as error:  # noqa: BLE001 (reported beside the fallback's numbers)
         failed = _error(error)["error"]
+    if model.config._attn_implementation != attention:  # it switched to its paged kernels
+        model.set_attn_implementation(attention)
     numbers = _batched_generate(model, work, vocab, device)
     return {**numbers, "peer_mode": f"generate(), {PEER_BATCH} at a time", "peer_failed": failed}
 
