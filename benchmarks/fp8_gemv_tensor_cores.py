@@ -14,14 +14,20 @@ exact (FP8 x); at 4 rows it is 2-3.5x faster, since the CUDA-core GEMV reads W o
 
 import json
 import sys
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from kestrel.kernels import fp8_activations, fp8_gemv
-from kestrel.kernels.quant import fp8_groups
+ROOT = Path(__file__).resolve().parent.parent
+sys.path[:0] = [str(ROOT), str(ROOT / "src")]
+
+from benchmarks.quantized_gemv import timed  # noqa: E402
+
+from kestrel.kernels import fp8_activations, fp8_gemv  # noqa: E402
+from kestrel.kernels.quant import fp8_groups  # noqa: E402
 
 INV = tl.constexpr(1 / 448)
 SMALLEST = tl.constexpr(1e-12)
@@ -48,21 +54,32 @@ def _finish(acc, Y, PART, COUNT, block, split, M, N, BLOCK_N: tl.constexpr, SPLI
 
 
 @triton.jit
+def _program(
+    W, S, N, K, w_stride, tile_rows, scale_stride, groups_per_split, BLOCK_N: tl.constexpr
+):
+    """This program's (row block, K split, first and end group of 128 columns, its weights'
+    first tile, its rows' scale pointers)."""
+    block = tl.program_id(0)
+    split = tl.program_id(1)
+    rows = tl.minimum(block * BLOCK_N + tl.arange(0, BLOCK_N), N - 1).to(tl.int64)
+    first = split * groups_per_split
+    last = tl.minimum(first + groups_per_split, K // 128)
+    w_at = W + rows[:, None] * w_stride + (first * 128 + tl.arange(0, 128))[None, :]
+    return block, split, first, last, w_at, S + (rows // tile_rows) * scale_stride
+
+
+@triton.jit
 def _inline(
     X, W, S, Y, PART, COUNT, M, N, K, x_stride, w_stride, tile_rows, tile_shift, scale_stride,
     groups_per_split, BLOCK_N: tl.constexpr, ONE: tl.constexpr, SPLIT: tl.constexpr,
 ):  # fmt: skip
-    block = tl.program_id(0)
-    split = tl.program_id(1)
-    rows = tl.minimum(block * BLOCK_N + tl.arange(0, BLOCK_N), N - 1).to(tl.int64)
+    block, split, first, last, w_at, s_at = _program(
+        W, S, N, K, w_stride, tile_rows, scale_stride, groups_per_split, BLOCK_N
+    )
     xm = tl.arange(0, 16)
     cols = tl.arange(0, 128)
-    first = split * groups_per_split
-    last = tl.minimum(first + groups_per_split, K // 128)
-    w_at = W + rows[:, None] * w_stride + (first * 128 + cols)[None, :]
     x_at = X + xm[:, None] * x_stride + (first * 128 + cols)[None, :]
     x_in = xm[:, None] < M
-    s_at = S + (rows // tile_rows) * scale_stride
     acc = tl.zeros((BLOCK_N, 16), dtype=tl.float32)
     for g in range(first, last):
         w = tl.load(w_at)
@@ -89,17 +106,13 @@ def _pre(
     XQ, XS, W, S, Y, PART, COUNT, M, M4, N, K, w_stride, tile_rows, tile_shift, scale_stride,
     groups_per_split, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr,
 ):  # fmt: skip
-    block = tl.program_id(0)
-    split = tl.program_id(1)
-    rows = tl.minimum(block * BLOCK_N + tl.arange(0, BLOCK_N), N - 1).to(tl.int64)
+    block, split, first, last, w_at, s_at = _program(
+        W, S, N, K, w_stride, tile_rows, scale_stride, groups_per_split, BLOCK_N
+    )
     xm = tl.arange(0, 16)
     cols = tl.arange(0, 128)
-    first = split * groups_per_split
-    last = tl.minimum(first + groups_per_split, K // 128)
-    w_at = W + rows[:, None] * w_stride + (first * 128 + cols)[None, :]
     x_at = XQ + tl.minimum(xm, M4 - 1)[:, None] * K + (first * 128 + cols)[None, :]
     xs_at = XS + first * M4 + tl.minimum(xm, M4 - 1)
-    s_at = S + (rows // tile_rows) * scale_stride
     acc = tl.zeros((BLOCK_N, 16), dtype=tl.float32)
     for g in range(first, last):
         w = tl.load(w_at)
@@ -169,22 +182,6 @@ def launch(kind, x, w, scale, block_n, split, stages, warps):
             **common,
         )
     return y
-
-
-def timed(fn, iters=100):
-    fn()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(iters):
-            fn()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    graph.replay()
-    torch.cuda.synchronize()
-    start.record()
-    graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) * 1000 / iters
 
 
 SHAPES = [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336), (1024, 4096)]
