@@ -28,10 +28,20 @@ def step_kind(plan) -> str:
     return "prefill" if decode == 0 else "mixed"
 
 
+def kernel_table(prof, rows: int) -> str:
+    """The `rows` kernels that took longest, under a line counting every kernel launched."""
+    events = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    busy = sum(e.device_time_total for e in events)
+    span = max(e.time_range.end for e in events) - min(e.time_range.start for e in events)
+    table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=rows)
+    return f"{len(events)} kernels, busy {busy:.0f} us of a {span:.0f} us span\n{table}"
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     add_engine_args(p)
     add_bench_args(p)
+    p.add_argument("--table-rows", type=int, default=20, help="kernels listed per step kind")
     args = p.parse_args()
     if args.max_batched_tokens is None:
         args.max_batched_tokens = 8192
@@ -60,7 +70,7 @@ def main() -> None:
             results = runner.execute(plan.chunks)
             torch.cuda.synchronize()
         if profile:
-            profiled[kind] = prof.key_averages().table(sort_by="cuda_time_total", row_limit=20)
+            profiled[kind] = kernel_table(prof, args.table_rows)
         times[kind].append((time.perf_counter() - start, sum(c.num_tokens for c in plan.chunks)))
         scheduler.computed(plan.chunks, set())
         for result in results:
