@@ -12,16 +12,16 @@ from kestrel.engine.paged_runner import Packed, build_batch
 from kestrel.kernels import fused
 
 
-def random_sequences(pool: BlockPool, chunk: int):
-    """Three sequences: plain, trimmed with 3 sinks, and all-sliding (window 20), each about to
-    take `chunk` new tokens; returns the packed host lists of that chunk."""
+def random_sequences(pool: BlockPool, chunk: int, lengths=(37, 90, 70)):
+    """Three sequences of `lengths` tokens: plain, trimmed with 3 sinks, and all-sliding (window
+    20), each about to take `chunk` new tokens; returns the packed host lists of that chunk."""
     half = pool.num_blocks // 2  # blocks [1, half) for the full layers, the rest for the window
     full = BlockManager(half - 1, pool.block_size, first_id=1)
     window = BlockManager(pool.num_blocks - half, pool.block_size, 20, first_id=half)
     plain = PagedSequenceCache([CacheSpec("full")], full.table("plain"))
     trimmed = PagedSequenceCache([CacheSpec("full")], full.table("trimmed"))
     sliding = PagedSequenceCache([CacheSpec("sliding", 20)], window.table("sliding"))
-    for cache, length in ((plain, 37), (trimmed, 90), (sliding, 70)):
+    for cache, length in zip((plain, trimmed, sliding), lengths, strict=True):
         cache.reserve(length)
         cache.advance(length)
     trimmed.trim_front(51, keep=3)
@@ -43,16 +43,28 @@ def random_sequences(pool: BlockPool, chunk: int):
 
 
 def check_paged_attention(
-    kernel, device, dtype, chunk, window, hq=8, hkv=2, d=64, bs=16, value_dim=None, tile_tokens=4
+    kernel,
+    device,
+    dtype,
+    chunk,
+    window,
+    hq=8,
+    hkv=2,
+    d=64,
+    bs=16,
+    value_dim=None,
+    tile_tokens=4,
+    lengths=(37, 90, 70),
 ):
     """`kernel` equals paged_attention_torch over `random_sequences`. `value_dim`: the MLA latent
     (values are the keys' first `value_dim` dims, no V pool)."""
     torch.manual_seed(chunk)
-    pool = BlockPool([KVShape(hkv, d, value_dim)], 40, bs, dtype, device)
+    blocks = max(40, 2 * (sum(lengths) + 3 * chunk) // bs + 8)
+    pool = BlockPool([KVShape(hkv, d, value_dim)], blocks, bs, dtype, device)
     for t in pool.k + pool.v:
         if t is not None:
             t.normal_()
-    p = random_sequences(pool, chunk)
+    p = random_sequences(pool, chunk, lengths)
     batch = build_batch(p, pool, 1 if chunk == 1 else tile_tokens, device, use_triton=True)
     q = torch.randn(len(p.ids), hq, d, device=device, dtype=dtype)
     args = (q, pool.k[0], pool.v[0], batch.attention, d**-0.5, window, value_dim)

@@ -6,9 +6,10 @@ with and without a window; the fused norm / activation / RoPE kernels on random 
 
 import pytest
 import torch
+import torch.nn.functional as F
 from tests.kernel_checks import check_fused, check_paged_attention
 
-from kestrel.kernels import attention, fused
+from kestrel.kernels import attention, fused, gemv
 from kestrel.kernels.moe import fused_experts, route
 from kestrel.models.layers.moe import Experts, grouped_matmul, route_topk
 
@@ -31,6 +32,29 @@ def test_paged_attention_kernel_head_shapes(hq, hkv, d):
     check_paged_attention(
         attention.paged_attention_triton, "cuda", torch.bfloat16, 5, None, hq, hkv, d
     )
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(
+    "hq,hkv,d,bs,value_dim", [(32, 8, 128, 64, None), (20, 1, 576, 64, 512), (8, 2, 64, 16, None)]
+)
+def test_paged_attention_kernel_splits_long_contexts_in_decode(dtype, hq, hkv, d, bs, value_dim):
+    # one decode token over thousands of keys: each sequence's keys are cut in parts over
+    # several programs and merged (llama3-8b's heads, GLM-4.7-Flash's latent, small blocks)
+    for window in (None, 300):
+        check_paged_attention(
+            attention.paged_attention_triton,
+            "cuda",
+            dtype,
+            1,
+            window,
+            hq,
+            hkv,
+            d,
+            bs,
+            value_dim,
+            lengths=(1500, 3100, 2200),
+        )
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -78,6 +102,24 @@ def test_paged_attention_kernel_latent_values_inside_keys(dtype, hq, rank, rope)
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_fused_kernels_match_fallbacks(dtype):
     check_fused("cuda", dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("n,k", [(1056, 2560), (64, 2048), (37, 200), (5, 8), (2560, 6400)])
+def test_gemv_equals_linear(dtype, n, k):
+    """The one-row GEMV equals F.linear (with and without a bias, K not a multiple of a loop
+    step, N not of a program's rows), and gives fp32 logits as the MoE router asks."""
+    torch.manual_seed(n)
+    w = torch.randn(n, k, device="cuda", dtype=dtype) / k**0.5
+    x = torch.randn(1, k, device="cuda", dtype=dtype)
+    bias = torch.randn(n, device="cuda", dtype=dtype)
+    assert gemv.serves(x, w) and not gemv.serves(torch.cat([x, x]), w)
+    for b in (None, bias):
+        torch.testing.assert_close(gemv.gemv(x, w, b), F.linear(x, w, b), rtol=1e-2, atol=1e-2)
+    exact = F.linear(x.float(), w.float())
+    torch.testing.assert_close(
+        gemv.gemv(x, w, out_dtype=torch.float32), exact, rtol=1e-5, atol=1e-5
+    )
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -10,7 +10,14 @@ memory). It walks the sequence's held blocks (sinks, then the main run), derives
 position from its logical block, and masks with DESIGN.md's rule: pos_k <= pos_q, inside the
 window, and pos_k < keep or pos_k >= live_start. The same kernel serves MLA in latent space: one
 KV head whose keys are [latent, rope key] and whose values are the latent, read once.
+
+Decode tiles (one query token) would give a sequence only a program per KV head, a few of the
+GPU's SMs walking its whole context; there the keys are split too (flash decoding): each program
+walks one part of the sequence's blocks and writes its unnormalised partial softmax, and a second
+kernel merges the parts.
 """
+
+import functools
 
 import torch
 import torch.nn.functional as F
@@ -82,12 +89,18 @@ def paged_attention_triton(q, k_cache, v_cache, meta, scale, window=None, value_
     rows = max(16, meta.tile_tokens * heads)
     keys = min(bs, max(16, _TILE_BYTES // (dv_pad * esize)))  # keys per inner step
     out = q.new_empty(T, hq, dv)
-    grid = (meta.tile_seq.shape[0], hkv * splits)
+    kv_splits = _kv_splits(meta, hkv * splits, q.device)
+    parts = out  # (T, hq, kv_splits, dv) fp32 partial sums, and their running max and sum
+    if kv_splits > 1:
+        parts = torch.empty(T, hq, kv_splits, dv, dtype=torch.float32, device=q.device)
+        max_sum = torch.empty(T, hq, kv_splits, 2, dtype=torch.float32, device=q.device)
+    grid = (meta.tile_seq.shape[0], hkv * splits, kv_splits)
     _paged_attention_kernel[grid](
         q,
         k_cache,
         values,
-        out,
+        parts,
+        max_sum if kv_splits > 1 else parts,
         meta.positions,
         meta.tile_seq,
         meta.tile_start,
@@ -108,8 +121,8 @@ def paged_attention_triton(q, k_cache, v_cache, meta, scale, window=None, value_
         values.stride(0),
         values.stride(1),
         values.stride(2),
-        out.stride(0),
-        out.stride(1),
+        parts.stride(0),
+        parts.stride(1),
         meta.block_tables.stride(0),
         GROUP=group,
         HEADS=heads,
@@ -124,10 +137,45 @@ def paged_attention_triton(q, k_cache, v_cache, meta, scale, window=None, value_
         VALUES_IN_KEYS=v_cache is None,
         HAS_WINDOW=window is not None,
         PREC="ieee" if q.dtype == torch.float32 else "tf32",
+        KV_SPLITS=kv_splits,
         num_warps=4 if rows * dv_pad <= 64 * 128 else 8,
         num_stages=2,
     )
+    if kv_splits > 1:
+        pow2 = triton.next_power_of_2
+        _merge_splits_kernel[(T * hq,)](
+            parts,
+            max_sum,
+            out,
+            hq,
+            out.stride(0),
+            out.stride(1),
+            kv_splits,
+            pow2(kv_splits),
+            dv,
+            dv_pad,
+        )
     return out
+
+
+# decode programs per SM the key splits aim for, and the most parts one sequence's keys are cut in
+_PROGRAMS_PER_SM = 2
+_MAX_KV_SPLITS = 32
+
+
+def _kv_splits(meta, programs_per_tile: int, device) -> int:
+    """Parts each decode tile's keys are split in: enough that the batch fills the GPU twice
+    over, 1 (no merge) for prefill and mixed tiles and for batches that fill it already. Fixed
+    by the batch's shape, not its contexts, so a CUDA graph captures it."""
+    if meta.tile_tokens != 1:
+        return 1
+    programs = meta.tile_seq.shape[0] * programs_per_tile
+    return max(1, min(_MAX_KV_SPLITS, _PROGRAMS_PER_SM * _sm_count(device) // programs))
+
+
+@functools.cache
+def _sm_count(device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 if triton is not None:
@@ -138,6 +186,7 @@ if triton is not None:
         K,
         V,
         OUT,
+        MAX_SUM,
         POS,
         TILE_SEQ,
         TILE_START,
@@ -174,6 +223,7 @@ if triton is not None:
         VALUES_IN_KEYS: tl.constexpr,
         HAS_WINDOW: tl.constexpr,
         PREC: tl.constexpr,
+        KV_SPLITS: tl.constexpr,
     ):
         # key dims: [0, DV) (also the values' dims) and a tail [DV, DV + TAIL) read by scores only
         tile = tl.program_id(0)
@@ -213,14 +263,21 @@ if triton is not None:
             lo = tl.maximum(q_first - window + 1, 0) // BLOCK
             j_begin = tl.where(lo < n_sink, lo, n_sink + tl.maximum(lo - main_start, 0))
         j_end = tl.where(n > 0, j_end, 0)
+        steps_per_block = BLOCK // KEYS
+        s_begin = j_begin * steps_per_block
+        s_end = tl.maximum(j_end * steps_per_block, s_begin)
+        if KV_SPLITS > 1:  # this program's part of the steps
+            per_part = tl.cdiv(s_end - s_begin, KV_SPLITS)
+            s_begin += tl.program_id(2) * per_part
+            s_end = tl.minimum(s_end, s_begin + per_part)
 
         m_i = tl.full([ROWS], float("-inf"), tl.float32)
         l_i = tl.zeros([ROWS], tl.float32)
         acc = tl.zeros([ROWS, DV_PAD], tl.float32)
         kt = tl.arange(0, KEYS)
-        for step in range(j_begin * (BLOCK // KEYS), j_end * (BLOCK // KEYS)):
-            j = step // (BLOCK // KEYS)
-            slot = (step % (BLOCK // KEYS)) * KEYS + kt  # slots of block j this step reads
+        for step in range(s_begin, s_end):
+            j = step // steps_per_block
+            slot = (step % steps_per_block) * KEYS + kt  # slots of block j this step reads
             logical = tl.where(j < n_sink, j, main_start + j - n_sink)
             phys = tl.load(TABLES + seq * stride_tab + j).to(tl.int64)
             k_row = K + phys * stride_kb + slot[:, None] * stride_kt + kvh * stride_kh
@@ -248,6 +305,53 @@ if triton is not None:
                 v = tl.load(v_row + d[None, :], mask=d_ok[None, :], other=0.0)
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PREC)
             m_i = m_new
-        out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
-        o_ptr = OUT + (start + tok)[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :]
-        tl.store(o_ptr, out.to(OUT.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
+        o_ptr = OUT + (start + tok)[:, None] * stride_ot + head[:, None] * stride_oh
+        if KV_SPLITS > 1:  # OUT is (T, Hq, KV_SPLITS, DV): the part's sums, merged later
+            # a padding tile (n = 0) writes its empty part too, so the merge reads no garbage
+            row_ok = (tok < tl.maximum(n, 1)) & (in_group < GROUP)
+            o_ptr += tl.program_id(2) * DV
+            row = (start + tok) * (stride_ot // stride_oh) + head  # token * Hq + head
+            ms_ptr = MAX_SUM + (row * KV_SPLITS + tl.program_id(2)) * 2
+            tl.store(ms_ptr, m_i, mask=row_ok)
+            tl.store(ms_ptr + 1, l_i, mask=row_ok)
+            tl.store(o_ptr + d[None, :], acc, mask=row_ok[:, None] & d_ok[None, :])
+        else:
+            out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+            tl.store(
+                o_ptr + d[None, :],
+                out.to(OUT.dtype.element_ty),
+                mask=row_ok[:, None] & d_ok[None, :],
+            )
+
+    @triton.jit
+    def _merge_splits_kernel(
+        PARTS,
+        MAX_SUM,
+        OUT,
+        hq,
+        stride_ot,
+        stride_oh,
+        KV_SPLITS: tl.constexpr,
+        SPLITS_PAD: tl.constexpr,
+        DV: tl.constexpr,
+        DV_PAD: tl.constexpr,
+    ):
+        # one (token, head): rescale each part's sums to the largest running max, add, normalise
+        row = tl.program_id(0)
+        p = tl.arange(0, SPLITS_PAD)
+        p_ok = p < KV_SPLITS
+        m = tl.load(MAX_SUM + (row * KV_SPLITS + p) * 2, mask=p_ok, other=float("-inf"))
+        sums = tl.load(MAX_SUM + (row * KV_SPLITS + p) * 2 + 1, mask=p_ok, other=0.0)
+        m_max = tl.max(m, 0)
+        w = tl.exp2(m - tl.where(m_max == float("-inf"), 0.0, m_max))  # empty parts weigh 0
+        total = tl.sum(w * sums, 0)
+        d = tl.arange(0, DV_PAD)
+        d_ok = d < DV
+        part = tl.load(
+            PARTS + (row * KV_SPLITS + p)[:, None] * DV + d[None, :],
+            mask=p_ok[:, None] & d_ok[None, :],
+            other=0.0,
+        )
+        out = tl.sum(part * w[:, None], 0) / tl.where(total == 0.0, 1.0, total)
+        o_ptr = OUT + (row // hq) * stride_ot + (row % hq) * stride_oh + d
+        tl.store(o_ptr, out.to(OUT.dtype.element_ty), mask=d_ok)

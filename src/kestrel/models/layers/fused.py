@@ -1,5 +1,6 @@
-"""`fuse_model`: rewire a loaded model's Attention / GatedMLP / RMSNorm instances to the fused
-kernels of kernels/fused.py (Triton on CUDA, the native kernels on the CPU): q/k/v (and gate/up)
+"""`fuse_model`: rewire a loaded model's Attention / GatedMLP / RMSNorm / Linear instances to the
+fused kernels of kernels/fused.py (Triton on CUDA, the native kernels on the CPU) and the small
+GEMVs of kernels/gemv.py (one row of x on CUDA, where cuBLAS is slow): q/k/v (and gate/up)
 weights, their GGUF blocks when all are of one type, or their FP8 weights and scales when the
 scale tiles line up, become views of one concatenated tensor, so names and memory stay the same
 and one matmul replaces three (two). Model files are untouched; the paged runner calls this,
@@ -10,9 +11,9 @@ import types
 from collections.abc import Callable
 
 import torch
-import torch.nn.functional as F
 
 from kestrel.cache.paged import paged_attention
+from kestrel.kernels import gemv
 from kestrel.kernels.fused import ACTIVATIONS, act_mul, rms_norm, rope_qk, rope_store
 from kestrel.models.layers.attention import Attention, cached_attention
 from kestrel.models.layers.mla import MultiHeadLatentAttention
@@ -41,6 +42,8 @@ def fuse_model(model: torch.nn.Module) -> None:
             if qkv := _concat_projection(module, ["q_proj", "k_proj", "v_proj"], bias):
                 module.qkv = qkv
                 module.forward = types.MethodType(_attention_forward, module)
+        elif type(module) is torch.nn.Linear:
+            module.forward = types.MethodType(_linear_forward, module)
 
 
 # MLA's two down-projections of the hidden state (low-rank queries, latent + rope key)
@@ -55,7 +58,7 @@ def _concat_projection(module, names: list[str], bias=None) -> Callable | None:
     linears = [getattr(module, n) for n in names]
     if all(type(linear) is torch.nn.Linear for linear in linears):
         weight = _concat_into(linears, "weight")
-        return lambda x: F.linear(x, weight, bias)
+        return lambda x: gemv.linear(x, weight, bias)
     if _quantized_together(linears):
         first = linears[0]
         tensors = {role: _concat_into(linears, role) for role in first.roles}
@@ -111,6 +114,10 @@ def _latent_project(self, x):
 def _latent_fusable(attn: MultiHeadLatentAttention) -> bool:
     # low-rank queries (not minicpm3-style q_proj), Linears without biases
     return hasattr(attn, "q_a_proj") and all(getattr(attn, n).bias is None for n in LATENT_DOWN)
+
+
+def _linear_forward(self, x):
+    return gemv.linear(x, self.weight, self.bias)
 
 
 def _norm_forward(self, x):

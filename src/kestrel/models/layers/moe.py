@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kestrel.kernels import gemv
 from kestrel.kernels import moe as moe_kernels
 from kestrel.kernels.fused import ACTIVATIONS
 from kestrel.models.base import Slot
@@ -200,6 +201,8 @@ class Router(nn.Module):
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if gemv.serves(x, self.weight):  # decode on CUDA: one kernel, summed in fp32
+            return gemv.gemv(x, self.weight, self.bias, out_dtype=torch.float32)
         bias = None if self.bias is None else self.bias.float()
         return F.linear(x.float(), self.weight.float(), bias)  # (T, E)
 

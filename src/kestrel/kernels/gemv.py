@@ -1,0 +1,93 @@
+"""A Triton matrix-vector product for bfloat16/float16 weights: one row of x (single-stream decode).
+
+cuBLAS serves a decode step's large projections at 3.9-4.3 TB/s, but on the small ones of the
+MLA and MoE families (MLA's 2560 -> 1056 down-projection, 5 MB) it picks a split-K kernel plus a
+reduction and reads its weights at 0.5-2 TB/s (benchmarks/bf16_gemv.py). Here each program owns
+BLOCK_N rows and walks K in steps of CHUNKS x 8 columns; each thread sums a (row, 8 columns)
+chunk, one 16-byte load, on its own, and the program adds its chunks at the end: one kernel,
+no reduction pass. `serves` picks the shapes where that is faster (by weight bytes).
+
+`F.linear` is this kernel's oracle in the GPU tests and every other shape's path. Imports
+nothing from kestrel.
+"""
+
+import torch
+import torch.nn.functional as F
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # CPU-only installs
+    triton = None
+
+SPAN = 8  # columns a thread loads at once: one 16-byte load of 2-byte weights
+MAX_BYTES = 40 << 20  # larger matrices stay on cuBLAS, which reads them at full speed
+BLOCK_N, CHUNKS, WARPS = 2, 32, 4  # rows per program, SPAN-column chunks per loop step, warps
+MIN_PROGRAMS = 1024  # fewer rows a program until there are this many (8 per SM)
+
+
+def serves(x: torch.Tensor, w: torch.Tensor) -> bool:
+    """Whether `gemv` computes x @ w.T: CUDA, Triton, one row of x in w's 2-byte float dtype,
+    K a multiple of 8, w at most MAX_BYTES with contiguous rows."""
+    return (
+        triton is not None
+        and x.is_cuda
+        and x.numel() == x.shape[-1]
+        and x.dtype == w.dtype
+        and w.dtype in (torch.bfloat16, torch.float16)
+        and w.shape[1] % SPAN == 0
+        and w.stride(1) == 1
+        and w.numel() * 2 <= MAX_BYTES
+    )
+
+
+def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """`F.linear(x, w, bias)`, through `gemv` where it serves."""
+    return gemv(x, w, bias) if serves(x, w) else F.linear(x, w, bias)
+
+
+def gemv(x, w, bias=None, out_dtype=None, config=None) -> torch.Tensor:
+    """x (..., K), one row, times w (N, K).T (+ bias) -> (..., N) in `out_dtype` (x's dtype by
+    default; products are summed in float32 either way). `config` (BLOCK_N, CHUNKS, WARPS)
+    overrides the defaults (benchmarks/bf16_gemv.py sweeps them)."""
+    N, K = w.shape
+    block_n, chunks, warps = config or (BLOCK_N, CHUNKS, WARPS)
+    if config is None:
+        while block_n > 1 and triton.cdiv(N, block_n) < MIN_PROGRAMS:
+            block_n //= 2  # a short matrix: more programs, fewer rows each
+    y = torch.empty(*x.shape[:-1], N, device=x.device, dtype=out_dtype or x.dtype)
+    _gemv[(triton.cdiv(N, block_n),)](
+        x.contiguous(), w, y, bias if bias is not None else y, N, K, w.stride(0),
+        triton.cdiv(K, chunks * SPAN), HAS_BIAS=bias is not None, BLOCK_N=block_n,
+        CHUNKS=chunks, num_warps=warps,
+    )  # fmt: skip
+    return y
+
+
+if triton is not None:
+
+    @triton.jit
+    def _gemv(
+        X, W, Y, B, N, K, w_stride, steps,
+        HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, CHUNKS: tl.constexpr,
+    ):  # fmt: skip
+        """Chunks past K (the last step's tail) read the last chunk again and count zero, so no
+        load needs a mask; rows past N recompute row N - 1 and are not stored."""
+        first = tl.program_id(0) * BLOCK_N
+        rows = tl.minimum(first + tl.arange(0, BLOCK_N), N - 1).to(tl.int64)[:, None]
+        chunk = tl.arange(0, CHUNKS)[None, :]
+        span = tl.arange(0, 8)[None, None, :]
+        acc = tl.zeros((BLOCK_N, CHUNKS), dtype=tl.float32)
+        for step in range(0, steps):
+            start = (step * CHUNKS + chunk) * 8  # (1, C) each chunk's first column
+            ok = start < K
+            start = tl.minimum(start, K - 8)
+            cols = start[:, :, None] + span  # (1, C, 8)
+            w = tl.load(W + rows[:, :, None] * w_stride + cols)  # (BLOCK_N, C, 8)
+            x = tl.load(X + cols + 0 * rows[:, :, None]).to(tl.float32)
+            acc += tl.where(ok, tl.sum(w.to(tl.float32) * x, 2), 0.0)
+        out = tl.sum(acc, 1)
+        lanes = first + tl.arange(0, BLOCK_N)
+        if HAS_BIAS:
+            out += tl.load(B + lanes, mask=lanes < N, other=0.0).to(tl.float32)
+        tl.store(Y + lanes, out.to(Y.dtype.element_ty), mask=lanes < N)
