@@ -385,12 +385,16 @@ def _batched_generate(model, work: Workload, vocab: int, device) -> dict:
     start = time.perf_counter()
     produced = sum(generate(ids[i : i + PEER_BATCH], o) for i in range(0, len(ids), PEER_BATCH))
     _sync(device)
-    elapsed = time.perf_counter() - start
+    return _peer_rates(produced, ids.numel(), time.perf_counter() - start)
+
+
+def _peer_rates(produced: int, prompt_tokens: int, elapsed: float) -> dict:
+    """A throughput peer's figures from its token counts and time."""
     return {
         "output_tok_s": produced / elapsed,
         "elapsed_s": elapsed,
         "generated_tokens": produced,
-        "total_tok_s": (produced + ids.numel()) / elapsed,
+        "total_tok_s": (produced + prompt_tokens) / elapsed,
     }
 
 
@@ -416,12 +420,7 @@ def _continuous_batching(model, work: Workload, vocab: int, device) -> dict:
     produced = sum(len(out.generated_tokens) for out in outputs.values())
     if produced < o * len(prompts):  # generate_batch logs failed requests and returns them empty
         raise RuntimeError(f"generate_batch produced {produced} of {o * len(prompts)} tokens")
-    return {
-        "output_tok_s": produced / elapsed,
-        "elapsed_s": elapsed,
-        "generated_tokens": produced,
-        "total_tok_s": (produced + sum(map(len, prompts))) / elapsed,
-    }
+    return _peer_rates(produced, sum(map(len, prompts)), elapsed)
 
 
 def _peer_cache(work: Workload, device) -> dict:
