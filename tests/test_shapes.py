@@ -310,3 +310,19 @@ def test_peer_whose_continuous_batching_fails_generates_in_fixed_batches():
     batch = peer_throughput(model, Workload(3, 6, 4), 512, torch.device("cpu"))
     assert batch["generated_tokens"] == 12 and batch["output_tok_s"] > 0
     assert batch["peer_mode"].startswith("generate()") and batch["peer_failed"]
+    assert batch["peer_requests"] == 3
+
+
+def test_generate_peer_stops_starting_batches_past_its_time_limit():
+    """The generate() peer runs whole batches (the last one short) and, past its time limit,
+    starts no new one: its rate is over the requests it ran, and the record counts them."""
+    from kestrel.bench.offline import _batched_generate, peer_model
+
+    config = shape_config("nemotron-h-8b", **SMALL["nemotron-h-8b"])
+    model = peer_model(config, torch.float32, torch.device("cpu"), seed=0)
+    cpu, work = torch.device("cpu"), Workload(3, 6, 4)
+    every = _batched_generate(model, work, 512, cpu, batch=2)
+    assert (every["peer_requests"], every["generated_tokens"]) == (3, 12)
+    first = _batched_generate(model, work, 512, cpu, batch=2, time_limit=0)
+    assert (first["peer_requests"], first["generated_tokens"]) == (2, 8)
+    assert first["total_tok_s"] == pytest.approx((8 + 2 * 6) / first["elapsed_s"])

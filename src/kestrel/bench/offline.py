@@ -334,12 +334,16 @@ def peer_class(model_type: str):
 @torch.no_grad()
 def peer_latency(model, work: Workload, vocab: int, device) -> dict:
     ids = torch.tensor([work.prompts(vocab)[0]], device=device)
+    mask = torch.ones_like(ids)  # else generate() takes prompt tokens equal to pad for padding
     o = work.outputs()[0]
 
     def generate(n: int) -> float:
         _sync(device)
         start = time.perf_counter()
-        model.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0)
+        model.generate(
+            ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n, do_sample=False,
+            pad_token_id=0,
+        )  # fmt: skip
         _sync(device)
         return time.perf_counter() - start
 
@@ -350,9 +354,10 @@ def peer_latency(model, work: Workload, vocab: int, device) -> dict:
 
 
 @torch.no_grad()
-def peer_throughput(model, work: Workload, vocab: int, device) -> dict:
+def peer_throughput(model, work: Workload, vocab: int, device, time_limit: float | None = None):
     """transformers' continuous batching (`generate_batch`); where it fails (its cache has no
-    room for MLA's, gemma4's or the Mamba layers' shapes), `generate()` over fixed batches."""
+    room for MLA's, gemma4's or the Mamba layers' shapes), `generate()` over fixed batches, for
+    at most `time_limit` seconds (see `_batched_generate`)."""
     attention = model.config._attn_implementation
     try:
         return _continuous_batching(model, work, vocab, device)
@@ -360,14 +365,20 @@ def peer_throughput(model, work: Workload, vocab: int, device) -> dict:
         failed = _error(error)["error"]
     if model.config._attn_implementation != attention:  # it switched to its paged kernels
         model.set_attn_implementation(attention)
-    numbers = _batched_generate(model, work, vocab, device)
+    numbers = _batched_generate(model, work, vocab, device, time_limit=time_limit)
     return {**numbers, "peer_mode": f"generate(), {PEER_BATCH} at a time", "peer_failed": failed}
 
 
 PEER_BATCH = 64  # sequences per generate() call: its KV cache for 64 x 768 tokens fits an H200
 
 
-def _batched_generate(model, work: Workload, vocab: int, device) -> dict:
+def _batched_generate(
+    model, work: Workload, vocab: int, device, batch: int = PEER_BATCH, time_limit=None
+) -> dict:
+    """`generate()` over the requests, `batch` at a time. Past `time_limit` seconds no new batch
+    starts (the first always runs): every batch is the same work, so the rate over the batches
+    that ran is the peer's rate, and the record says how many requests that was
+    (`peer_requests`). On glm-4.7-flash's shape all 256 requests take over 245 s."""
     prompts, o = work.prompts(vocab), work.output_tokens
     if len({len(p) for p in prompts}) != 1:
         raise ValueError("the generate() peer takes prompts of one length (no --random-lengths)")
@@ -383,9 +394,16 @@ def _batched_generate(model, work: Workload, vocab: int, device) -> dict:
     generate(ids[:2, :8], 2)  # warm-up
     _sync(device)
     start = time.perf_counter()
-    produced = sum(generate(ids[i : i + PEER_BATCH], o) for i in range(0, len(ids), PEER_BATCH))
-    _sync(device)
-    return _peer_rates(produced, ids.numel(), time.perf_counter() - start)
+    produced = done = 0
+    while done < len(ids) and (done == 0 or time_limit is None or _since(start) < time_limit):
+        produced += generate(ids[done : done + batch], o)
+        done = min(done + batch, len(ids))
+        _sync(device)
+    return {**_peer_rates(produced, ids[:done].numel(), _since(start)), "peer_requests": done}
+
+
+def _since(start: float) -> float:
+    return time.perf_counter() - start
 
 
 def _peer_rates(produced: int, prompt_tokens: int, elapsed: float) -> dict:
@@ -548,7 +566,7 @@ def _run_peer(peer, args, dtype, device, modes, latency, batch, env, out) -> Non
                 numbers = (
                     peer_latency(model, work, vocab, device)
                     if mode == "latency"
-                    else peer_throughput(model, work, vocab, device)
+                    else peer_throughput(model, work, vocab, device, args.peer_time_limit)
                 )
             except Exception as error:  # report the peer's failure and go on with kestrel
                 numbers = _error(error)
@@ -610,6 +628,11 @@ def add_bench_args(p) -> None:
         "(a file or the JSON text), in the same run; json_schema_* fields and the cost",
     )
     p.add_argument("--peer", action="append", default=[], help="also measure: transformers")
+    p.add_argument(
+        "--peer-time-limit", type=float, default=300.0, metavar="S",
+        help="where the peer falls back to generate() batches, start none after S seconds; its "
+        "rate is over the batches that ran (peer_requests in the record)",
+    )  # fmt: skip
     p.add_argument(
         "--bandwidth", type=float, default=None, help="bytes/s for the ceiling (CUDA: 4.25e12)"
     )
