@@ -11,6 +11,7 @@ import atexit
 import ctypes
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -25,6 +26,11 @@ from dataclasses import dataclass
 API_KEY = "test-key"
 FAULT_MARKER = "__KESTREL_FAULT_FORWARD__"
 ALLOWED_ORIGIN = "http://allowed.example"
+
+# the servers' logs (read by tests after a server stops) and the tiny checkpoints: registered
+# first, so removed last at exit, after the servers stop
+SESSION_DIR = tempfile.mkdtemp(prefix="kestrel-tests-")
+atexit.register(shutil.rmtree, SESSION_DIR, ignore_errors=True)
 
 # the shared smollm2 server most tests use: key, CORS origin, fault hook, a 1024-token context
 SMOLLM2_ARGS = (
@@ -146,7 +152,7 @@ def _die_with_parent() -> None:
 def start_server(args, env=(), wait: bool = True, timeout: float = HANG_S) -> ServerProcess:
     """`python -m kestrel serve ARGS --port <free>`; waits until /health is 200."""
     port = free_port()
-    log = tempfile.NamedTemporaryFile("w", prefix="kestrel-serve-", suffix=".log", delete=False)
+    log = tempfile.NamedTemporaryFile("w", dir=SESSION_DIR, suffix=".log", delete=False)
     command = [sys.executable, "-m", "kestrel", "serve", *args, "--port", str(port)]
     process = subprocess.Popen(
         command,
@@ -232,7 +238,7 @@ def tiny_model() -> str:
             tie_word_embeddings=True,
         )
         torch.manual_seed(0)
-        folder = tempfile.mkdtemp(prefix="kestrel-tiny-")
+        folder = tempfile.mkdtemp(prefix="tiny-", dir=SESSION_DIR)
         transformers.LlamaForCausalLM(config).save_pretrained(folder)
         tokenizer.save_pretrained(folder)
         _TINY.append(folder)

@@ -183,10 +183,11 @@ def tiny_vl_checkpoint() -> Path:
         import tempfile
 
         import transformers
+        from tests.server_fixtures import SESSION_DIR
         from tests.test_models_qwen2_vl import tiny_config
         from tests.vl_suite import MERGE, PATCH
 
-        folder = Path(tempfile.mkdtemp(prefix="kestrel-tiny-vl-"))
+        folder = Path(tempfile.mkdtemp(prefix="tiny-vl-", dir=SESSION_DIR))
         model_cls = transformers.Qwen2VLForConditionalGeneration
         save_tiny_vl(model_cls, tiny_config(), folder, tiny_tokenizer(), PATCH, MERGE)
         _TINY_VL.append(folder)
