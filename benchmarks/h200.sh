@@ -1,10 +1,12 @@
 #!/usr/bin/env bash
 # The H200 session: the GPU gate (every GPU test, recorded), then `kestrel bench` on the headline
 # shapes with the transformers peer in the same run.
-# Usage: benchmarks/h200.sh OUTDIR [tests|quick|bench|seeds|structured|full]   (full = tests, bench)
+# Usage: benchmarks/h200.sh OUTDIR [tests|quick|bench|seeds|structured|multiturn|decode|quantized|full]   (full = tests, bench)
 # seeds: the seed families' released shapes (benchmarks/README.md), each with the peer
 # structured: batch 64 on llama3-8b through the Engine, free and JSON-schema-constrained
 # multiturn: `kestrel serve` on llama3-8b, 64 conversations x 8 turns with and without prefix caching
+# decode: single-stream decode of the MoE/MLA shapes and llama3-8b at 128 and 4,096 prompt tokens
+# quantized: the Llama-3.1-8B shape in bf16, Q4_K_M and FP8 (benchmarks/quantized_speed.py)
 set -uo pipefail
 out=${1:-benchmarks/results}; what=${2:-full}
 export PYTHONUNBUFFERED=1 PYTHONPATH=src${PYTHONPATH:+:$PYTHONPATH}
@@ -45,5 +47,16 @@ if [[ $what == multiturn ]]; then
     --conversations 64 --turns 8 --system-tokens 1000 --turn-tokens 200 --output-tokens 64 \
     --concurrency 64 --compare-no-cache --no-progress -o "$out/h200-multiturn.jsonl" || status=1
   kill $server
+fi
+if [[ $what == decode ]]; then
+  for shape in glm-4.7-flash minicpm3-4b qwen3-vl-30b-a3b gemma4-26b-a4b llama3-8b; do
+    for prompt in 128 4096; do
+      python3 benchmarks/decode_ab.py --shape "$shape" --prompt-tokens "$prompt" \
+        -o "$out/h200-decode.jsonl" || status=1
+    done
+  done
+fi
+if [[ $what == quantized ]]; then
+  python3 benchmarks/quantized_speed.py --out "$out/h200-quantized.jsonl" || status=1
 fi
 exit $status
