@@ -24,6 +24,21 @@ def transformers_model(alias: str):
     ).eval()
 
 
+@pytest.fixture(scope="module")
+def oracle():
+    """alias -> transformers' model of the embedded file, loaded once for this module (gemma3's
+    GGUF takes transformers 30 s to load, SmolLM2's 12)."""
+    loaded = {}
+
+    def model(alias: str):
+        if alias not in loaded:
+            loaded[alias] = transformers_model(alias)
+        return loaded[alias]
+
+    yield model
+    loaded.clear()
+
+
 def transformers_greedy(model, ids: list[int], steps: int) -> list[int]:
     """Greedy continuation by full forwards: the oracle for kestrel's cached decode."""
     ids = list(ids)
@@ -51,25 +66,25 @@ def test_smollm2_answers_capital_of_france(smollm2):
 
 
 @pytest.mark.parametrize("prompt", ["The three primary colors are", "def fibonacci(n):"])
-def test_smollm2_greedy_tokens_match_transformers(smollm2, prompt):
+def test_smollm2_greedy_tokens_match_transformers(smollm2, oracle, prompt):
     ids = smollm2.tokenizer(prompt)["input_ids"]
     ours = smollm2.generate(ids, SamplingParams(max_tokens=32, **GREEDY))[0].outputs[0].token_ids
-    assert ours == transformers_greedy(transformers_model("smollm2"), ids, 32)
+    assert ours == transformers_greedy(oracle("smollm2"), ids, 32)
 
 
-def test_gemma3_continues_roman_empire_like_transformers(gemma3):
+def test_gemma3_continues_roman_empire_like_transformers(gemma3, oracle):
     ids = gemma3.tokenizer("The history of the Roman Empire")["input_ids"]
     out = gemma3.generate(ids, SamplingParams(max_tokens=16, **GREEDY))[0].outputs[0]
     assert out.text.startswith(" is a fascinating one. It was a time of great expansion and change")
-    assert out.token_ids == transformers_greedy(transformers_model("gemma3-270m"), ids, 16)
+    assert out.token_ids == transformers_greedy(oracle("gemma3-270m"), ids, 16)
 
 
-def test_gemma3_long_prompt_chunked_prefill_matches_transformers(gemma3):
+def test_gemma3_long_prompt_chunked_prefill_matches_transformers(gemma3, oracle):
     text = " ".join(f"Item {i} is a {['red', 'green', 'blue'][i % 3]} box." for i in range(90))
     ids = gemma3.tokenizer(text)["input_ids"]
     assert len(ids) > 512  # longer than the 512-token sliding window
     with torch.no_grad():
-        expected = transformers_model("gemma3-270m")(torch.tensor([ids])).logits[0, -1]
+        expected = oracle("gemma3-270m")(torch.tensor([ids])).logits[0, -1]
     for chunk in (128, 512):
         cache = SequenceCache(gemma3.model.cache_specs())
         with torch.no_grad():
