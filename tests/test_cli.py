@@ -30,7 +30,7 @@ def test_inspect_counts_tensor_types_and_resident_bytes():
     # SmolLM2's Q4_1 file: 210 Q4_1 matrices, a Q8_0 embedding (the tied head reads it), F32 norms;
     # the CPU keeps the file's blocks where its native kernels build (weights/loader.py
     # keep_packed): about the file's bytes; it fits a GPU dequantized, so CUDA holds bfloat16
-    info = json.loads(kestrel("inspect", "-m", "smollm2").stdout)
+    info = json.loads(kestrel("inspect", "smollm2").stdout)  # the model as run takes it
     assert info["tensor_types"] == {"Q8_0": 1, "F32": 61, "Q4_1": 210}
     resident = info["resident_bytes"]
     file_bytes = resolve("smollm2").path.stat().st_size

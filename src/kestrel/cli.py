@@ -53,6 +53,9 @@ def build_parser() -> argparse.ArgumentParser:
     _serve_parser(sub)
     _bench_parser(sub)
     inspect = sub.add_parser("inspect", help="describe a model: architecture, size, KV per token")
+    inspect.add_argument(
+        "model_arg", nargs="?", metavar="MODEL", help="alias, .gguf file or HF folder (or -m)"
+    )
     inspect.add_argument("-m", "--model", default=DEFAULT_MODEL)
     inspect.set_defaults(func=cmd_inspect)
     arch = sub.add_parser("arch", help="list the supported architectures (model_type)")
@@ -232,7 +235,7 @@ def cmd_inspect(args) -> int:
         text_config,
     )
 
-    source = resolve(args.model)
+    source = resolve(args.model_arg or args.model)
     config = text_config(load_config(source))
     model = build_model(config, torch.float32, torch.device("meta"))
     cpu = checkpoint_summary(model, source, torch.device("cpu"), torch.float32)
