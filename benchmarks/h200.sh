@@ -5,7 +5,8 @@
 # seeds: the seed families' released shapes (benchmarks/README.md), each with the peer
 # structured: batch 64 on llama3-8b through the Engine, free and JSON-schema-constrained
 # multiturn: `kestrel serve` on llama3-8b, 64 conversations x 8 turns with and without prefix caching
-# decode: single-stream decode of the MoE/MLA shapes and llama3-8b at 128 and 4,096 prompt tokens
+# decode: single-stream decode (benchmarks/decode_ab.py) of $SHAPES (default: the MoE/MLA shapes
+#   and llama3-8b) at each of $PROMPTS prompt tokens (default: 128 4096); a call runs ~1 min each
 # quantized: the Llama-3.1-8B shape in bf16, Q4_K_M and FP8 (benchmarks/quantized_speed.py)
 set -uo pipefail
 out=${1:-benchmarks/results}; what=${2:-full}
@@ -49,8 +50,8 @@ if [[ $what == multiturn ]]; then
   kill $server
 fi
 if [[ $what == decode ]]; then
-  for shape in glm-4.7-flash minicpm3-4b qwen3-vl-30b-a3b gemma4-26b-a4b llama3-8b; do
-    for prompt in 128 4096; do
+  for shape in ${SHAPES:-glm-4.7-flash minicpm3-4b qwen3-vl-30b-a3b gemma4-26b-a4b llama3-8b}; do
+    for prompt in ${PROMPTS:-128 4096}; do
       python3 benchmarks/decode_ab.py --shape "$shape" --prompt-tokens "$prompt" \
         -o "$out/h200-decode.jsonl" || status=1
     done
