@@ -1,5 +1,7 @@
 """The embedded real checkpoints (DESIGN.md section 4) against transformers on the same GGUF file."""
 
+import functools
+
 import pytest
 import torch
 
@@ -28,15 +30,9 @@ def transformers_model(alias: str):
 def oracle():
     """alias -> transformers' model of the embedded file, loaded once for this module (gemma3's
     GGUF takes transformers 30 s to load, SmolLM2's 12)."""
-    loaded = {}
-
-    def model(alias: str):
-        if alias not in loaded:
-            loaded[alias] = transformers_model(alias)
-        return loaded[alias]
-
-    yield model
-    loaded.clear()
+    load = functools.cache(transformers_model)
+    yield load
+    load.cache_clear()
 
 
 def transformers_greedy(model, ids: list[int], steps: int) -> list[int]:

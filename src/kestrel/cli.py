@@ -53,9 +53,7 @@ def build_parser() -> argparse.ArgumentParser:
     _serve_parser(sub)
     _bench_parser(sub)
     inspect = sub.add_parser("inspect", help="describe a model: architecture, size, KV per token")
-    inspect.add_argument(
-        "model_arg", nargs="?", metavar="MODEL", help="alias, .gguf file or HF folder (or -m)"
-    )
+    _add_model_positional(inspect)
     inspect.add_argument("-m", "--model", default=DEFAULT_MODEL)
     inspect.set_defaults(func=cmd_inspect)
     arch = sub.add_parser("arch", help="list the supported architectures (model_type)")
@@ -76,6 +74,11 @@ def add_sampling_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
 
 
+def _add_model_positional(p) -> None:
+    """The model as a positional argument (`kestrel run MODEL`), beside -m where both exist."""
+    p.add_argument("model_arg", nargs="?", metavar="MODEL", help="alias, .gguf file or HF folder")
+
+
 def _generate_parser(sub) -> None:
     p = sub.add_parser("generate", help="complete a prompt, streaming the text")
     add_engine_args(p)
@@ -86,7 +89,7 @@ def _generate_parser(sub) -> None:
 
 def _run_parser(sub) -> None:
     p = sub.add_parser("run", help="chat with a model (interactive, or one shot with -p)")
-    p.add_argument("model_arg", nargs="?", metavar="MODEL", help="alias, .gguf file or HF folder")
+    _add_model_positional(p)
     add_engine_args(p)
     add_sampling_args(p)
     p.add_argument("-p", "--prompt", help="one message; print the answer and exit")
