@@ -295,3 +295,50 @@ def test_conv_update_equals_the_causal_conv(dtype, bias):
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(y, y_ref[:, 0], rtol=tol, atol=tol)
     _assert_in_place(store, before, slots, new)  # the window moves exactly, in any dtype
+
+
+class _Gathered:
+    """The paged runner's states read, stepped in PyTorch and written back (its CPU path)."""
+
+    def __init__(self, states):
+        self.states, self.slots = states, states.slots
+
+    def in_place(self, layer_idx, attr):
+        return None
+
+    def read(self, layer_idx, attr, zeros):
+        return self.states.read(layer_idx, attr, zeros)
+
+    def write(self, layer_idx, attr, new):
+        self.states.write(layer_idx, attr, new)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_mamba2_decode_in_place_equals_the_mixers_pytorch_step(dtype, device="cuda"):
+    """Nemotron-H's decode on the paged runner: conv + SiLU, the SSD step and the gated norm in
+    kernels give the mixer's PyTorch step, outputs and both states, for rows in no order."""
+    from kestrel.cache.paged import PoolStates, StatePool
+    from kestrel.models.layers.mamba import Mamba2Mixer
+
+    torch.manual_seed(0)
+    mixer = Mamba2Mixer(0, 48, 6, 20, 24, 2, 4, 8, 1e-5, dt_limit=(0.01, 5.0)).to(device, dtype)
+    with torch.no_grad():
+        for name in ("dt_bias", "A_log", "D", "norm.weight", "conv1d.bias"):
+            mixer.get_parameter(name).uniform_(-1, 1)
+    pool = StatePool([mixer.state_shape()], 8, dtype, device)
+    for store in pool.tensors():
+        store.copy_(torch.randn_like(store))
+    slots = torch.tensor([5, 1, 3], device=device)
+    rows = torch.tensor([2, 0, 1], device=device)[:, None]
+    x = torch.randn(3, 48, device=device, dtype=dtype)
+    before = [t.clone() for t in pool.tensors()]
+    with torch.no_grad():
+        y = mixer(x, [(rows, PoolStates(pool, slots))])
+        after = [t.clone() for t in pool.tensors()]
+        for store, saved in zip(pool.tensors(), before, strict=True):
+            store.copy_(saved)
+        y_ref = mixer(x, [(rows, _Gathered(PoolStates(pool, slots)))])
+    tol = 1e-4 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(y, y_ref, rtol=tol, atol=tol)
+    for got, want in zip(after, pool.tensors(), strict=True):
+        torch.testing.assert_close(got, want, rtol=tol, atol=tol)

@@ -209,6 +209,8 @@ class Mamba2Mixer(nn.Module):
         self.out_proj = nn.Linear(self.inner, hidden, bias=bias)
 
     def forward(self, x: torch.Tensor, groups: list[Group]) -> torch.Tensor:
+        if self._decodes_in_place(x, groups):
+            return self._fused_decode(x, *groups[0])
         T, H, P, N, G = x.shape[0], self.num_heads, self.head_dim, self.state_size, self.n_groups
         gate, xbc, dt = self.in_proj(x).split([self.inner, self.inner + 2 * G * N, H], dim=-1)
         xbc = self.act(conv_pass(xbc, self.conv1d, self.layer_idx, groups))
@@ -223,6 +225,29 @@ class Mamba2Mixer(nn.Module):
         y = scan_sequences(groups, self.layer_idx, "ssm", zeros, scan, xs, dt, B, C, step=step)
         y = y + xs * self.D.float()[:, None]
         return self.out_proj(self.norm(y.reshape(T, -1), gate).to(x.dtype))
+
+    def _decodes_in_place(self, x: torch.Tensor, groups: list[Group]) -> bool:
+        """Whether the step is one token of every sequence and kernels update their states in
+        place (the paged runner on CUDA): `_fused_decode` then runs it. Tensor parallel's norm
+        across ranks (its own module) keeps the PyTorch path."""
+        if len(groups) != 1 or groups[0][0].shape != (x.shape[0], 1):
+            return False
+        fusable = self.act is ACTIVATIONS["silu"] and type(self.norm) is GatedRMSNorm
+        return fusable and groups[0][1].in_place(self.layer_idx, "ssm") is not None
+
+    def _fused_decode(self, x: torch.Tensor, rows: torch.Tensor, states) -> torch.Tensor:
+        """The decode step in three kernels between the projections, where PyTorch runs about
+        thirty: conv + SiLU, the SSD step (dt, A and the D skip inside), the gated norm."""
+        rows, slots, layer = rows[:, 0], states.slots, self.layer_idx
+        conv = self.conv1d
+        gate, xbc, dt = self.in_proj(x).split([self.inner, conv.in_channels, self.num_heads], -1)
+        window, ssm = states.in_place(layer, "conv"), states.in_place(layer, "ssm")
+        xbc = kernels.conv_update(window, slots, xbc, conv.weight, conv.bias, rows, silu=True)
+        args = (self.dt_bias, self.A_log, self.D, self.n_groups, self.dt_limit)
+        y = kernels.ssd_decode(ssm, slots, rows, xbc, dt, *args)
+        norm = self.norm
+        y = kernels.gated_rms_norm(y, gate, norm.weight, norm.group_size, norm.eps, x.dtype)
+        return self.out_proj(y)
 
     def state_shape(self) -> StateShape:
         conv = (self.conv1d.kernel_size[0] - 1, self.conv1d.in_channels)
