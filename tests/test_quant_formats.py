@@ -4,14 +4,18 @@ llama written in that format gives the logits of its dequantized values, loaded 
 checkpoint by kestrel and by transformers, while holding the checkpoint's bytes; bad files fail at
 load naming the tensor."""
 
+import itertools
 import json
 import logging
 
+import numpy as np
 import pytest
 import torch
 import transformers
+from gguf import GGMLQuantizationType
 from safetensors.torch import load_file, save_file
 from tests.family_suite import one_thread  # noqa: F401  (tiny tensors: one thread is faster)
+from tests.gguf_writer import random_blocks
 from tests.quant_writer import (
     fp8_quantize,
     mlx_quantize,
@@ -382,25 +386,56 @@ def fp8_projections(rows: list[int], block) -> torch.nn.Module:
     return module
 
 
+PROJECTIONS = ["q_proj", "k_proj", "v_proj"]
+
+
+def _assert_joined_in_runs(module, x, runs: list[int]) -> None:
+    """The joined projection equals the projections side by side, and the neighbours that
+    stack share one tensor (`runs`: how many in each run), which the layers keep views of."""
+    linears = [getattr(module, name) for name in PROJECTIONS]
+    expected = torch.cat([linear(x) for linear in linears], dim=1)
+    joined = _concat_projection(module, PROJECTIONS)
+    torch.testing.assert_close(joined(x), expected, rtol=1e-5, atol=1e-5)
+    storages = [linear.qweight.untyped_storage().data_ptr() for linear in linears]
+    assert [len(list(run)) for _, run in itertools.groupby(storages)] == runs
+    start = linears[0].out_features
+    torch.testing.assert_close(
+        module.k_proj(x), expected[:, start : start + linears[1].out_features]
+    )
+
+
 @pytest.mark.parametrize(
-    "rows, block, fused",
+    "rows, block, runs",
     [
-        ([256, 128, 128], (128, 128), True),  # tiles stack
-        ([256, 128, 128], (1, 256), True),  # a scale per row
-        ([128, 128, 128], None, True),  # one tile per tensor, all of one shape
-        ([256, 128, 128], None, False),  # tensors of different shapes: their scales differ
-        ([256, 64, 64], (128, 128), False),  # a tile would straddle k and v
+        ([256, 128, 128], (128, 128), [3]),  # tiles stack
+        ([256, 128, 128], (1, 256), [3]),  # a scale per row
+        ([128, 128, 128], None, [3]),  # one tile per tensor, all of one shape
+        ([256, 128, 128], None, [1, 2]),  # one tile per tensor: q's differs, k's and v's alike
+        ([256, 64, 64], (128, 128), [1, 1, 1]),  # a tile would straddle k and v
     ],
 )
-def test_fp8_projections_fuse_when_their_scale_tiles_line_up(rows, block, fused):
-    """The paged runner's fusion joins FP8 q/k/v into one weight and one scale grid (the
-    layers keep views of them); the joined product equals the three side by side."""
+def test_fp8_projections_join_where_their_scale_tiles_line_up(rows, block, runs):
+    """The paged runner's fusion joins FP8 projections into one weight and one scale grid where
+    their tiles stack, and runs the others apart."""
     torch.manual_seed(0)
-    module = fp8_projections(rows, block)
-    x = torch.randn(3, 256)
-    expected = torch.cat([module.q_proj(x), module.k_proj(x), module.v_proj(x)], dim=1)
-    joined = _concat_projection(module, ["q_proj", "k_proj", "v_proj"])
-    assert (joined is not None) == fused
-    if fused:
-        torch.testing.assert_close(joined(x), expected, rtol=1e-5, atol=1e-5)
-        torch.testing.assert_close(module.k_proj(x), expected[:, rows[0] : rows[0] + rows[1]])
+    _assert_joined_in_runs(fp8_projections(rows, block), torch.randn(3, 256), runs)
+
+
+@pytest.mark.parametrize(
+    "types, runs",
+    [
+        (["Q4_K", "Q4_K", "Q6_K"], [2, 1]),  # llama.cpp's Q4_K_M: v in Q6_K in half the layers
+        (["Q5_0", "Q5_0", "Q8_0"], [2, 1]),  # gemma3-270m's Q4_K_M file
+        (["Q4_K", "Q6_K", "Q4_K"], [1, 1, 1]),
+        (["Q8_0", "Q8_0", "Q8_0"], [3]),
+    ],
+)
+def test_gguf_projections_of_two_types_join_by_type(types, runs):
+    """q and k of one GGUF type join into one block tensor even where v is of another; the
+    joined projection equals the three side by side."""
+    rng = np.random.default_rng(0)
+    module = torch.nn.Module()
+    for name, qtype, rows in zip(PROJECTIONS, types, [64, 32, 32], strict=True):
+        blocks = random_blocks((rows, 256), GGMLQuantizationType[qtype], rng)
+        setattr(module, name, QuantLinear(torch.from_numpy(blocks), qtype, 256))
+    _assert_joined_in_runs(module, torch.randn(3, 256), runs)

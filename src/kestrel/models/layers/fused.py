@@ -1,7 +1,7 @@
 """`fuse_model`: rewire a loaded model's Attention / GatedMLP / RMSNorm / Linear instances to the
 fused kernels of kernels/fused.py (Triton on CUDA, the native kernels on the CPU) and the small
 GEMVs of kernels/gemv.py (one row of x on CUDA, where cuBLAS is slow): q/k/v (and gate/up)
-weights, their GGUF blocks when all are of one type, or their FP8 weights and scales when the
+weights, their GGUF blocks where they are of one type, or their FP8 weights and scales where the
 scale tiles line up, become views of one concatenated tensor, so names and memory stay the same
 and one matmul replaces three (two). Model files are untouched; the paged runner calls this,
 the reference runner never does.
@@ -28,20 +28,15 @@ def fuse_model(model: torch.nn.Module) -> None:
     for module in model.modules():
         if isinstance(module, RMSNorm):
             module.forward = types.MethodType(_norm_forward, module)
-        elif isinstance(module, GatedMLP) and module.gate_proj.bias is None:
-            if gate_up := _concat_projection(module, ["gate_proj", "up_proj"]):
-                module.gate_up = gate_up
-                module.forward = types.MethodType(_mlp_forward, module)
+        elif isinstance(module, GatedMLP):
+            module.gate_up = _concat_projection(module, ["gate_proj", "up_proj"])
+            module.forward = types.MethodType(_mlp_forward, module)
         elif isinstance(module, MultiHeadLatentAttention) and _latent_fusable(module):
-            if down := _concat_projection(module, LATENT_DOWN):
-                module.latent_down = down
-                module.project = types.MethodType(_latent_project, module)
+            module.latent_down = _concat_projection(module, LATENT_DOWN)
+            module.project = types.MethodType(_latent_project, module)
         elif isinstance(module, Attention) and _fusable(module):
-            biases = [getattr(module, n).bias for n in ("q_proj", "k_proj", "v_proj")]
-            bias = None if biases[0] is None else torch.cat(biases)
-            if qkv := _concat_projection(module, ["q_proj", "k_proj", "v_proj"], bias):
-                module.qkv = qkv
-                module.forward = types.MethodType(_attention_forward, module)
+            module.qkv = _concat_projection(module, ["q_proj", "k_proj", "v_proj"])
+            module.forward = types.MethodType(_attention_forward, module)
         elif type(module) is torch.nn.Linear:
             module.forward = types.MethodType(_linear_forward, module)
 
@@ -50,27 +45,51 @@ def fuse_model(model: torch.nn.Module) -> None:
 LATENT_DOWN = ["q_a_proj", "kv_a_proj_with_mqa"]
 
 
-def _concat_projection(module, names: list[str], bias=None) -> Callable | None:
-    """x -> the Linears `names`' outputs side by side, from one concatenated weight (plain
-    Linears) or one quantized weight (`_quantized_together`; the bias then added after); the
-    Linears keep views of it. None where neither applies (other quantized kinds, mixed types):
-    those keep their own forwards."""
-    linears = [getattr(module, n) for n in names]
-    if all(type(linear) is torch.nn.Linear for linear in linears):
+def _concat_projection(module, names: list[str]) -> Callable:
+    """x -> the Linears `names`' outputs side by side. Each run of neighbours that stack (plain
+    Linears, or quantized ones of one kind: `_stackable`) becomes one weight the Linears keep
+    views of; where the runs differ (llama.cpp's Q4_K_M keeps v in Q6_K in half the layers,
+    q and k in Q4_K) each runs apart and their outputs are concatenated."""
+    parts = [_stack(run) for run in _runs([getattr(module, n) for n in names])]
+    if len(parts) == 1:
+        return parts[0]
+    return lambda x: torch.cat([part(x) for part in parts], dim=-1)
+
+
+def _runs(linears: list) -> list[list]:
+    """The Linears cut into runs of neighbours that stack."""
+    runs = [[linears[0]]]
+    for linear in linears[1:]:
+        if _stackable([*runs[-1], linear]):
+            runs[-1].append(linear)
+        else:
+            runs.append([linear])
+    return runs
+
+
+def _stack(linears: list) -> Callable:
+    """x -> the outputs of a run of Linears that stack, from one weight and bias."""
+    if len(linears) == 1:
+        return linears[0]
+    first = linears[0]
+    bias = None if first.bias is None else torch.cat([linear.bias for linear in linears])
+    if type(first) is torch.nn.Linear:
         weight = _concat_into(linears, "weight")
         return lambda x: gemv.linear(x, weight, bias)
-    if _quantized_together(linears):
-        first = linears[0]
-        tensors = {role: _concat_into(linears, role) for role in first.roles}
-        joined = QuantLinear(tensors.pop("qweight"), first.fmt, first.in_features, **tensors)
-        return joined.forward if bias is None else lambda x: joined(x) + bias
-    return None
+    tensors = {role: _concat_into(linears, role) for role in first.roles}
+    qweight = tensors.pop("qweight")
+    return QuantLinear(qweight, first.fmt, first.in_features, bias, **tensors).forward
 
 
-def _quantized_together(linears) -> bool:
-    """Whether the quantized Linears stack into one: GGUF blocks of one type, or FP8 with one
-    tile shape whose tiles never straddle two of them (so their scale grids stack too)."""
+def _stackable(linears: list) -> bool:
+    """Whether Linears stack into one weight: plain ones, GGUF blocks of one type, or FP8 with
+    one tile shape whose tiles never straddle two of them (so their scale grids stack too); all
+    with biases or none."""
     first = linears[0]
+    if len({linear.bias is None for linear in linears}) > 1:
+        return False
+    if all(type(linear) is torch.nn.Linear for linear in linears):
+        return True
     if not all(isinstance(linear, QuantLinear) for linear in linears):
         return False
     alike = all((q.fmt, q.in_features) == (first.fmt, first.in_features) for q in linears)
