@@ -26,9 +26,14 @@ import torch
 SLIDING, FULL = "sliding_attention", "full_attention"
 
 
-def write_gguf(path: Path, arch: str, state: dict, config, quant: str = "F32") -> Path:
+def write_gguf(
+    path: Path, arch: str, state: dict, config, quant: str = "F32", types: dict | None = None
+) -> Path:
     """`state`: HF tensor name -> tensor; `config`: the HF config (object). quant: F32 or a
-    quantized type name (Q8_0, Q4_K, ...) for every matrix whose rows are whole blocks."""
+    quantized type name (Q8_0, Q4_K, ...) for every matrix whose rows are whole blocks; `types`
+    gives the GGUF tensors whose names contain a key that key's type instead (llama.cpp's mixes
+    keep some tensors in another type: {"ffn_up_exps": "Q6_K"})."""
+    types = types or {}
     writer = gguf.GGUFWriter(str(path), arch)
     n = config.num_hidden_layers
     table = gguf.get_tensor_name_map(
@@ -37,7 +42,8 @@ def write_gguf(path: Path, arch: str, state: dict, config, quant: str = "F32") -
     tensors = CONVERTERS[arch](writer, state, config, table)
     write_vocab(writer, config.vocab_size, "gpt2" if arch == "exaone-moe" else "llama")
     for name, tensor in tensors.items():
-        add_tensor(writer, name, tensor, quant)
+        own = next((qtype for part, qtype in types.items() if part in name), quant)
+        add_tensor(writer, name, tensor, own)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

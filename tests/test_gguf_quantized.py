@@ -17,6 +17,7 @@ from tests.test_models_exaone_moe import CONFIG as EXAONE_CONFIG
 
 from kestrel.errors import ModelLoadError, UnsupportedModelError
 from kestrel.kernels.quant import BLOCKS
+from kestrel.models.layers.moe import PackedStack
 from kestrel.models.layers.quant import QuantEmbedding, QuantLinear
 from kestrel.weights.loader import load_model, resolve
 
@@ -88,21 +89,57 @@ def test_loaded_parameters_are_never_left_on_meta(tmp_path):
     assert not any(t.is_meta for t in [*model.parameters(), *model.buffers()])
 
 
-def test_moe_experts_are_dequantized_at_load_beside_packed_layers(tmp_path, caplog):
-    # expert stacks are read whole by the MoE layer: dense, with a log line; the rest packed
-    config = transformers.ExaoneMoeConfig(
-        **{**EXAONE_CONFIG, "mlp_layer_types": ["dense", "sparse", "sparse", "sparse", "sparse"]}
-    )
+# rows of 256 in every expert projection (k-quant blocks), layer 0 dense as llama.cpp writes it
+MOE_CONFIG = {
+    **EXAONE_CONFIG,
+    "hidden_size": 256,
+    "intermediate_size": 256,
+    "moe_intermediate_size": 256,
+    "head_dim": 64,
+    "mlp_layer_types": ["dense", "sparse", "sparse", "sparse", "sparse"],
+}
+
+
+def tiny_moe_gguf(path, quant: str, types: dict | None = None):
+    config = transformers.ExaoneMoeConfig(**MOE_CONFIG)
     torch.manual_seed(0)
     state = state_dict(transformers.ExaoneMoeForCausalLM(config))
-    path = write_gguf(tmp_path / "exaone.gguf", "exaone-moe", state, config, "Q8_0")
+    return write_gguf(path, "exaone-moe", state, config, quant, types)
+
+
+@pytest.mark.parametrize("quant", ["Q8_0", "Q4_K"])
+def test_moe_experts_stay_packed_and_give_the_logits_of_the_dequantized_file(quant, tmp_path):
+    """Expert stacks keep the file's blocks (gate and up, stored apart, fill one stack), so a
+    quantized MoE file takes about its own size; prefill and one-token steps give the logits
+    of the file dequantized at load."""
+    path = tiny_moe_gguf(tmp_path / f"{quant}.gguf", quant)
+    packed, dense = load(path, packed=True), load(path, packed=False)
+    experts = packed.model.layers[1].mlp.experts
+    for stack in (experts.gate_up_proj, experts.down_proj):
+        assert isinstance(stack, PackedStack) and stack.qtype == quant
+    assert tuple(experts.gate_up_proj.shape) == tuple(
+        dense.model.layers[1].mlp.experts.gate_up_proj.shape
+    )
+    expected = chunked_logits(dense, PROMPT, len(PROMPT))
+    assert expected.abs().max() > 0.1
+    assert_close(chunked_logits(packed, PROMPT, len(PROMPT)), expected)
+    assert_close(chunked_logits(packed, PROMPT, 1), expected)  # decode: two experts a token
+    assert resident_bytes(packed) < resident_bytes(dense) / 3
+
+
+def test_an_expert_stack_of_two_types_is_dequantized_at_load(tmp_path, caplog):
+    """gate in Q4_K and up in Q6_K cannot share one block tensor: that stack is dense, with a
+    log line; down stays packed and the logits are those of the dequantized file."""
+    path = tiny_moe_gguf(tmp_path / "mix.gguf", "Q4_K", {"ffn_up_exps": "Q6_K"})
     with caplog.at_level(logging.INFO, logger="kestrel.weights"):
         packed = load(path, packed=True)
-    assert "Q8_0 tensors dequantized at load: the model reads it whole" in caplog.text
-    assert "experts" in caplog.text
+    assert "expert stack's parts are of different types" in caplog.text
+    experts = packed.model.layers[1].mlp.experts
+    assert isinstance(experts.gate_up_proj, torch.nn.Parameter)
+    assert isinstance(experts.down_proj, PackedStack)
     assert isinstance(packed.model.layers[1].self_attn.q_proj, QuantLinear)
-    assert not packed.model.layers[1].mlp.experts.gate_up_proj.is_meta
-    assert_close(chunked_logits(packed, PROMPT, 5), chunked_logits(load(path, False), PROMPT, 5))
+    expected = chunked_logits(load(path, packed=False), PROMPT, 5)
+    assert_close(chunked_logits(packed, PROMPT, 5), expected)
 
 
 # --- bad files ----------------------------------------------------------------------------------

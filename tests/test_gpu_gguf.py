@@ -5,7 +5,7 @@ keeps blocks packed only for a model that would not fit dense in half the GPU.""
 
 import pytest
 import torch
-from tests.test_gguf_quantized import tiny_llama_gguf
+from tests.test_gguf_quantized import tiny_llama_gguf, tiny_moe_gguf
 from tests.test_paged_cache import prompts, run_to_end
 
 from kestrel.config import CacheConfig
@@ -14,6 +14,7 @@ from kestrel.engine.request import Request
 from kestrel.kernels import gguf_dp4a
 from kestrel.kernels.gguf_gemv import K_QUANTS, TYPES, gemv
 from kestrel.kernels.quant import BLOCKS, dequantize
+from kestrel.models.layers.moe import Experts, PackedStack
 from kestrel.models.layers.quant import QuantLinear
 from kestrel.sampling import SamplingParams
 from kestrel.weights.loader import keep_packed, load_model, resolve
@@ -98,6 +99,51 @@ def test_packed_gguf_decodes_the_tokens_of_the_dequantized_file(quant, tmp_path)
     def tokens(packed: bool):
         model = load_model(resolve(str(path)), torch.float32, CUDA, False, packed)
         assert any(isinstance(m, QuantLinear) for m in model.modules()) == packed
+        runner = PagedRunner(model, CUDA, 4, 64, 256, CacheConfig(block_size=16, num_blocks=64))
+        params = SamplingParams(temperature=0)
+        requests = [Request(f"q{i}", p, params, 12) for i, p in enumerate(prompts(9, 5, 14))]
+        run_to_end(runner, requests, max_num_seqs=4, prefill_chunk_size=8)
+        return [r.output_ids for r in requests]
+
+    assert tokens(packed=True) == tokens(packed=False)
+
+
+@pytest.mark.parametrize("tokens", [1, 3, 40])
+def test_packed_experts_equal_their_dequantized_stacks_in_the_fused_kernels(tokens):
+    """bfloat16 Q4_K/Q6_K expert stacks: a decode step (fewer pairs than experts: the chosen
+    experts dequantized, inside a CUDA graph too) and prefill (all of them) give the output of
+    the dense stacks."""
+    torch.manual_seed(0)
+    E, H, inter = 8, 256, 512
+    in_blocks = random_blocks("Q4_K", E * 2 * inter, H).view(E, 2 * inter, -1)
+    down_blocks = random_blocks("Q6_K", E * H, inter).view(E, H, -1)
+    packed, dense = Experts(E, H, inter), Experts(E, H, inter)
+    for experts in (packed, dense):
+        del experts.gate_up_proj, experts.down_proj
+    packed.gate_up_proj = PackedStack(in_blocks, "Q4_K", H, torch.bfloat16)
+    packed.down_proj = PackedStack(down_blocks, "Q6_K", inter, torch.bfloat16)
+    dense.gate_up_proj = torch.nn.Parameter(packed.gate_up_proj[:], requires_grad=False)
+    dense.down_proj = torch.nn.Parameter(packed.down_proj[:], requires_grad=False)
+    x = torch.randn(tokens, H, device=CUDA, dtype=torch.bfloat16)
+    weights = torch.rand(tokens, 2, device=CUDA)
+    ids = torch.stack([torch.randperm(E, device=CUDA)[:2] for _ in range(tokens)])
+    expected = dense(x, weights, ids)
+    torch.testing.assert_close(packed(x, weights, ids), expected, rtol=2e-2, atol=2e-2)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = packed(x, weights, ids)
+    graph.replay()
+    torch.testing.assert_close(captured, expected, rtol=2e-2, atol=2e-2)
+
+
+def test_packed_moe_gguf_decodes_the_tokens_of_the_dequantized_file(tmp_path):
+    """fp32 on CUDA, paged runner with graphs: a Q4_K MoE file with its expert stacks packed
+    decodes the greedy tokens of the file dequantized at load."""
+    path = tiny_moe_gguf(tmp_path / "moe.gguf", "Q4_K")
+
+    def tokens(packed: bool):
+        model = load_model(resolve(str(path)), torch.float32, CUDA, False, packed)
+        assert isinstance(model.model.layers[1].mlp.experts.down_proj, PackedStack) == packed
         runner = PagedRunner(model, CUDA, 4, 64, 256, CacheConfig(block_size=16, num_blocks=64))
         params = SamplingParams(temperature=0)
         requests = [Request(f"q{i}", p, params, 12) for i, p in enumerate(prompts(9, 5, 14))]

@@ -129,3 +129,26 @@ def test_each_rank_loads_half_of_the_packed_blocks(tmp_path):
         assert isinstance(model.model.embed_tokens.rows, QuantEmbedding)
         assert isinstance(model.lm_head.part, QuantLinear)
         assert resident_bytes(model) < 0.6 * whole
+
+
+@pytest.mark.parametrize("expert_parallel", [False, True])
+def test_packed_expert_stacks_shard_as_their_dequantized_values(tmp_path, expert_parallel):
+    """A rank's part of a GGUF file's packed expert stacks (a slice of each expert's width, or
+    whole experts) holds the values of the same part of the stacks dequantized at load."""
+    from tests.test_gguf_quantized import load, tiny_moe_gguf
+
+    from kestrel.distributed.group import TPGroup
+    from kestrel.distributed.tensor_parallel import shard_model
+    from kestrel.models.layers.moe import Experts
+
+    path = tiny_moe_gguf(tmp_path / "moe.gguf", "Q8_0")  # other layers' cuts split no block
+    for rank in (0, 1):
+        parts = []
+        for packed in (True, False):
+            model = shard_model(load(path, packed), TPGroup(rank, 2), expert_parallel)
+            parts.append([m for m in model.modules() if isinstance(m, Experts)])
+        assert parts[0]
+        for got, want in zip(*parts, strict=True):
+            assert not got.packed
+            for name in ("gate_up_proj", "down_proj"):
+                torch.testing.assert_close(getattr(got, name), getattr(want, name))

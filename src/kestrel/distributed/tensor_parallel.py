@@ -46,7 +46,7 @@ from kestrel.models.layers.attention import Attention
 from kestrel.models.layers.mamba import GatedRMSNorm, Mamba2Mixer, MambaMixer
 from kestrel.models.layers.mla import MultiHeadLatentAttention
 from kestrel.models.layers.mlp import GatedMLP
-from kestrel.models.layers.moe import Experts
+from kestrel.models.layers.moe import Experts, PackedStack
 from kestrel.models.layers.quant import QuantEmbedding, QuantLinear
 from kestrel.models.nemotron_h import NemotronHMLP, NemotronHMoE
 from kestrel.models.nemotron_nas import LinearAttention, LinearMLP
@@ -142,9 +142,9 @@ class ParallelExperts(nn.Module):
         super().__init__()
         width = experts.intermediate
         cols = _rank_share(width, tp, f"expert width {width} does not split")
-        w = experts.in_proj.data  # (E, 2I, H) gate rows then up rows, or (E, I, H) ungated
+        w = _stack(experts.in_proj)  # (E, 2I, H) gate rows then up rows, or (E, I, H) ungated
         rows = torch.cat([w[:, cols], w[:, width:][:, cols]], 1) if experts.gated else w[:, cols]
-        _keep_experts(experts, rows, experts.down_proj.data[:, :, cols])
+        _keep_experts(experts, rows, _stack(experts.down_proj)[:, :, cols])
         experts.intermediate = cols.stop - cols.start
         self.experts, self.tp = experts, tp
 
@@ -161,7 +161,7 @@ class ExpertParallel(nn.Module):
         total = experts.num_experts
         own = _rank_share(total, tp, f"{total} experts do not split")
         self.first, self.end = own.start, own.stop
-        _keep_experts(experts, experts.in_proj.data[own], experts.down_proj.data[own])
+        _keep_experts(experts, _stack(experts.in_proj)[own], _stack(experts.down_proj)[own])
         experts.num_experts = own.stop - own.start
         self.experts, self.tp = experts, tp
 
@@ -169,6 +169,12 @@ class ExpertParallel(nn.Module):
         mine = (ids >= self.first) & (ids < self.end)
         local = torch.where(mine, ids - self.first, 0)
         return self.tp.all_reduce(self.experts(x, torch.where(mine, weights, 0), local))
+
+
+def _stack(weight: nn.Parameter | PackedStack) -> torch.Tensor:
+    """An expert stack's values; a GGUF file's packed stack is dequantized (its rank's part of
+    the width would cut its blocks)."""
+    return weight[:] if isinstance(weight, PackedStack) else weight.data
 
 
 def _keep_experts(experts: Experts, in_proj: torch.Tensor, down_proj: torch.Tensor) -> None:

@@ -17,6 +17,7 @@ from kestrel.errors import ModelLoadError
 from kestrel.kernels import cpu_native
 from kestrel.kernels import quant as quant_kernels
 from kestrel.models.base import CausalLM, Slot
+from kestrel.models.layers.moe import Experts, PackedStack
 from kestrel.models.layers.quant import DENSE_LINEARS, quantized
 from kestrel.models.registry import ARCHITECTURES, model_class
 from kestrel.weights import gguf as gguf_weights
@@ -338,7 +339,38 @@ class _Target:
             return f"packed weights are off ({self.device.type}, or it fits dequantized; see keep_packed)"
         if qtype not in quant_kernels.BLOCKS:
             return f"no packed kernel for {qtype}"
-        return self.why_dense_layer(slot)
+        return None if self.expert_stack(slot) else self.why_dense_layer(slot)
+
+    def expert_stack(self, slot: Slot) -> bool:
+        """Whether the slot is (part of) an MoE layer's stacked projection, which GGUF blocks fill
+        as a `PackedStack`."""
+        module, attr = self._owner(slot.name)
+        stacks = ("gate_up_proj", "up_proj", "down_proj")
+        return isinstance(module, Experts) and attr in stacks and not slot.transpose
+
+    def pack_experts(self, slot: Slot, blocks: torch.Tensor, qtype: str) -> bool:
+        """Put GGUF blocks (rows, row bytes) in their part of an expert stack, packed from its
+        first part on. False where the stack's parts differ in type (llama.cpp's mixes may keep
+        gate and up apart): the stack is then dense, the parts packed so far dequantized into it,
+        and this one is for the caller to load dense."""
+        module, attr = self._owner(slot.name)
+        stack, param = getattr(module, attr), self.params[slot.name]
+        if isinstance(stack, PackedStack) and stack.qtype != qtype:
+            self.params[slot.name] = nn.Parameter(stack[:], requires_grad=False)
+            setattr(module, attr, self.params[slot.name])
+            return False
+        if not isinstance(stack, PackedStack):
+            if not stack.is_meta:
+                return False  # dense since an earlier part
+            E, N, K = param.shape
+            empty = torch.empty(E, N, quant_kernels.row_bytes(qtype, K), dtype=torch.uint8)
+            stack = PackedStack(empty.to(self.device), qtype, K, param.dtype)
+            delattr(module, attr)  # the meta parameter: a module takes its name
+            setattr(module, attr, stack)
+        dest = stack.blocks[slot.index]
+        dest.copy_(blocks.view(dest.shape))
+        self.filled[slot.name] = self.filled.get(slot.name, 0) + param[slot.index].numel()
+        return True
 
     def why_dense_layer(self, slot: Slot) -> str | None:
         """None when the parameter is a whole Linear's or Embedding's weight (in every tied
@@ -390,13 +422,18 @@ def _load_gguf(target: _Target, f, name: str, t, source: ModelSource) -> None:
     reason = target.why_dense(slot, qtype)
     rows = None if reason else _packed_rows(target.model, slot.name, blocks)
     if rows is not None:
-        shape, expected = gguf_weights.torch_shape(t), tuple(target.params[slot.name].shape)
+        shape = gguf_weights.torch_shape(t)
+        expected = tuple(target.params[slot.name][slot.index].shape)
         if shape != expected:
             raise ModelLoadError(
                 f"{source.path}: tensor {name} has shape {shape}, expected {expected} for {slot.name}"
             )
-        target.pack(slot.name, rows, qtype)
-        return
+        if not target.expert_stack(slot):
+            target.pack(slot.name, rows, qtype)
+            return
+        if target.pack_experts(slot, rows, qtype):
+            return
+        reason = "its expert stack's parts are of different types"
     if qtype not in ("F32", "F16", "BF16"):
         target.note_dense(qtype, reason or "its family's gguf_tensor changes its values", name)
     tensor = target.model.gguf_tensor(slot.name, gguf_weights.dequantize_blocks(blocks, t))

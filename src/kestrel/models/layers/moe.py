@@ -7,7 +7,8 @@ weights and a routed scaling factor; then shared experts that every token passes
 
 Expert weights are stacked as transformers >= 5 keeps them, `experts.gate_up_proj` (E, 2I, H) and
 `experts.down_proj` (E, H, I); checkpoints that store one tensor per expert load through
-`expert_slot`. The expert computation is batched: a decode-sized batch gathers the chosen experts'
+`expert_slot`; a GGUF file's stacks may stay in their blocks (`PackedStack`). The expert
+computation is batched: a decode-sized batch gathers the chosen experts'
 weights and runs one bmm; a larger one sorts (token, expert) pairs by expert and runs one grouped
 GEMM per projection over every expert's contiguous slice (`grouped_matmul`). Neither loops over
 tokens in Python, and neither reads a count back to the host. On CUDA with Triton the routing and
@@ -20,8 +21,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kestrel.kernels import gemv
+from kestrel.kernels import cpu_native, gemv
 from kestrel.kernels import moe as moe_kernels
+from kestrel.kernels import quant as quant_kernels
 from kestrel.kernels.fused import ACTIVATIONS
 from kestrel.models.base import Slot
 from kestrel.models.layers.mlp import GatedMLP
@@ -77,6 +79,37 @@ def _limit_groups(choice: torch.Tensor, n_group: int, topk_group: int, group_sco
     return grouped.masked_fill(~group_mask[..., None], float("-inf")).view(T, E)
 
 
+class PackedStack(nn.Module):
+    """A stacked expert projection kept as a GGUF file's blocks, `blocks` (E, rows, row bytes):
+    only the experts a batch chooses are dequantized, while they compute, so a quantized MoE
+    file takes its own size in memory. Indexing gives experts dense, as a stacked weight does."""
+
+    def __init__(self, blocks: torch.Tensor, qtype: str, cols: int, dtype: torch.dtype):
+        super().__init__()
+        self.register_buffer("blocks", blocks)
+        self.qtype, self.cols, self.dtype = qtype, cols, dtype
+
+    @property
+    def shape(self) -> tuple[int, int, int]:
+        return (*self.blocks.shape[:2], self.cols)
+
+    def __getitem__(self, experts) -> torch.Tensor:
+        """The experts `experts` (ids, an id or a slice) dequantized: (..., rows, cols)."""
+        blocks = self.blocks[experts]
+        rows = blocks.reshape(-1, blocks.shape[-1])
+        dense = quant_kernels.dequantize(rows, self.qtype, self.cols).to(self.dtype)
+        return dense.view(*blocks.shape[:-1], self.cols)
+
+    def matmul(self, x: torch.Tensor, expert: int) -> torch.Tensor:
+        """x (M, cols) times expert `expert`'s weight transposed: from its blocks on the CPU."""
+        if not x.is_cuda and cpu_native.serves(self.qtype):
+            return cpu_native.gguf_mm(x, self.blocks[expert], self.qtype, self.cols)
+        return x @ self[expert].t()
+
+    def extra_repr(self) -> str:
+        return f"{tuple(self.shape)}, qtype={self.qtype}"
+
+
 class Experts(nn.Module):
     """E gated experts, stacked: gate_up_proj (E, 2I, H) with gate rows first, down_proj (E, H, I).
     With `gated=False` (Nemotron-H) each expert is down(act(up(x))): up_proj (E, I, H) instead."""
@@ -103,25 +136,37 @@ class Experts(nn.Module):
     def in_proj(self) -> nn.Parameter:
         return self.gate_up_proj if self.gated else self.up_proj
 
+    @property
+    def packed(self) -> bool:
+        return any(isinstance(w, PackedStack) for w in (self.in_proj, self.down_proj))
+
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """x (T, H), weights/ids (T, k) -> (T, H): sum over k of weight * expert_id(x)."""
         if moe_kernels.available(x, self.act_name):
+            in_proj, down_proj, ids = self._dense(ids)
             return moe_kernels.fused_experts(
-                x.contiguous(),
-                self.in_proj,
-                self.down_proj,
-                weights,
-                ids,
-                self.act_name,
-                self.gated,
+                x.contiguous(), in_proj, down_proj, weights, ids, self.act_name, self.gated
             )
         return self.reference(x, weights, ids)
 
+    def _dense(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The stacks the fused kernels read and `ids` into them: packed stacks give the chosen
+        experts, one per (token, expert) pair, where there are fewer pairs than experts (decode),
+        and every expert otherwise, dequantized for this call."""
+        if not self.packed:
+            return self.in_proj, self.down_proj, ids
+        flat = ids.reshape(-1)
+        if flat.numel() > self.num_experts:
+            return self.in_proj[:], self.down_proj[:], ids
+        pairs = torch.arange(flat.numel(), device=ids.device).view(ids.shape)
+        return self.in_proj[flat], self.down_proj[flat], pairs
+
     def reference(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        """The PyTorch experts: the CPU path, and the fused kernels' oracle on the GPU."""
+        """The PyTorch experts: the CPU path, and the fused kernels' oracle on the GPU. Packed
+        stacks multiply from their blocks, one expert at a time (`grouped_matmul`)."""
         T, k = ids.shape
         flat = ids.reshape(-1)  # (P,) one (token, expert) pair per row, P = T * k
-        if flat.numel() <= self.num_experts:
+        if flat.numel() <= self.num_experts and not self.packed:
             out = self._gathered(x.repeat_interleave(k, 0), flat)
         else:
             out = self._grouped(x, flat, k)
@@ -166,18 +211,20 @@ def grouped_matmul(xs: torch.Tensor, weights: torch.Tensor, ends: torch.Tensor) 
     if xs.is_cuda and torch.cuda.is_current_stream_capturing():
         rows = torch.arange(xs.shape[0], device=xs.device)
         expert = torch.searchsorted(ends, rows, right=True)
-        return torch.einsum("pk,enk->pen", xs, weights)[rows, expert]
+        return torch.einsum("pk,enk->pen", xs, weights[:])[rows, expert]
+    packed = isinstance(weights, PackedStack)
     out = xs.new_empty(xs.shape[0], weights.shape[1])
     start = 0
     for expert, end in enumerate(ends.tolist()):
         if end > start:
-            out[start:end] = xs[start:end] @ weights[expert].t()
+            part = xs[start:end]
+            out[start:end] = weights.matmul(part, expert) if packed else part @ weights[expert].t()
         start = end
     return out
 
 
-def _grouped_mm_applies(xs: torch.Tensor, weights: torch.Tensor) -> bool:
-    if not hasattr(torch, "_grouped_mm"):
+def _grouped_mm_applies(xs: torch.Tensor, weights: torch.Tensor | PackedStack) -> bool:
+    if not hasattr(torch, "_grouped_mm") or isinstance(weights, PackedStack):
         return False
     if not xs.is_cuda:
         return True
