@@ -110,3 +110,18 @@ def check_fused(device, dtype):
     torch.testing.assert_close(caches[0].view(16, hkv, d)[slots], k, rtol=0, atol=0)
     v = qkv[:, (hq + hkv) * d :].view(t, hkv, d)
     torch.testing.assert_close(caches[1].view(16, hkv, d)[slots], v, rtol=0, atol=0)
+    # q/k RMS-normed per head before RoPE (Qwen3, Gemma 3's (1 + w), EXAONE)
+    for unit in (False, True):
+        qw, kw = (torch.randn(d, device=device, dtype=dtype) for _ in range(2))
+        norms = (qw, kw, 1e-6, unit)
+        q, k = fused.rope_qk(qkv, cos, sin, hq, hkv, d, norms)
+        q_ref = fused.rms_norm_torch(qkv[:, : hq * d].view(t, hq, d), qw, 1e-6, unit)
+        k_ref = fused.rms_norm_torch(
+            qkv[:, hq * d : (hq + hkv) * d].view(t, hkv, d), kw, 1e-6, unit
+        )
+        torch.testing.assert_close(q, fused.rope_torch(q_ref, cos, sin), **tol)
+        torch.testing.assert_close(k, fused.rope_torch(k_ref, cos, sin), **tol)
+        q2 = fused.rope_store(qkv, cos, sin, hq, hkv, d, *caches, slots, norms)
+        torch.testing.assert_close(q2, q, rtol=0, atol=0)
+        torch.testing.assert_close(caches[0].view(16, hkv, d)[slots], k, rtol=0, atol=0)
+        torch.testing.assert_close(caches[1].view(16, hkv, d)[slots], v, rtol=0, atol=0)

@@ -105,50 +105,67 @@ def act_mul_torch(gate_up: torch.Tensor, act: str) -> torch.Tensor:
 # -- RoPE on q and k ----------------------------------------------------------------------------
 
 
-def rope_qk(qkv, cos, sin, hq: int, hkv: int, d: int) -> tuple[torch.Tensor, torch.Tensor]:
+# `norms` below: (q_norm's weight, k_norm's weight, eps, unit_offset), each head's RMSNorm (as
+# layers.RMSNorm rounds it) before RoPE, as Qwen3, Gemma 3 and EXAONE normalize q and k; or None
+
+
+def rope_qk(
+    qkv, cos, sin, hq: int, hkv: int, d: int, norms=None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """qkv: (T, (hq + 2 hkv) d) -> rotated q (T, hq, d), k (T, hkv, d) (HF rotate-half)."""
     t = qkv.shape[0]
     if not _triton_ok(qkv):
+        qkv = qkv if norms is None else _normed_qk(qkv, hq, hkv, d, norms)
         q = qkv[:, : hq * d].view(t, hq, d)
         k = qkv[:, hq * d : (hq + hkv) * d].view(t, hkv, d)
         return rope_torch(q, cos, sin), rope_torch(k, cos, sin)
     q = qkv.new_empty(t, hq, d)
     k = qkv.new_empty(t, hkv, d)
     _rope_kernel[(t, hq + hkv)](
-        qkv, cos, sin, q, k, qkv.stride(0), cos.stride(0), hq, HALF=d // 2, num_warps=1
-    )
+        qkv, cos, sin, q, k, qkv.stride(0), cos.stride(0), hq, *_norm_args(qkv, norms),
+        HALF=d // 2, num_warps=1,
+    )  # fmt: skip
     return q, k
 
 
-def rope_store(qkv, cos, sin, hq, hkv, d, k_cache, v_cache, slot_mapping) -> torch.Tensor:
+def rope_store(
+    qkv, cos, sin, hq, hkv, d, k_cache, v_cache, slot_mapping, norms=None
+) -> torch.Tensor:
     """rope_qk, but k (rotated) and v go straight into their cache slots; returns q (T, hq, d).
     The same arithmetic as rope_qk followed by attention.write_kv."""
     t = qkv.shape[0]
     if _native_ok(qkv) and qkv.stride(-1) == 1 and cos.dtype == torch.float32:
+        qkv = qkv if norms is None else _normed_qk(qkv, hq, hkv, d, norms)
         return cpu_native.rope_store(qkv, cos, sin, hq, hkv, d, k_cache, v_cache, slot_mapping)
     if not _triton_ok(qkv):
         from kestrel.kernels.attention import write_kv
 
-        q, k = rope_qk(qkv, cos, sin, hq, hkv, d)
+        q, k = rope_qk(qkv, cos, sin, hq, hkv, d, norms)
         write_kv(k_cache, v_cache, k, qkv[:, (hq + hkv) * d :].view(t, hkv, d), slot_mapping)
         return q
     q = qkv.new_empty(t, hq, d)
     _rope_store_kernel[(t, hq + hkv)](
-        qkv,
-        cos,
-        sin,
-        q,
-        k_cache,
-        v_cache,
-        slot_mapping,
-        qkv.stride(0),
-        cos.stride(0),
-        hq,
-        hkv,
-        HALF=d // 2,
-        num_warps=1,
-    )
+        qkv, cos, sin, q, k_cache, v_cache, slot_mapping, qkv.stride(0), cos.stride(0), hq, hkv,
+        *_norm_args(qkv, norms), HALF=d // 2, num_warps=1,
+    )  # fmt: skip
     return q
+
+
+def _normed_qk(qkv, hq: int, hkv: int, d: int, norms) -> torch.Tensor:
+    """qkv with q's and k's heads RMS-normed (the paths without the Triton kernels)."""
+    q_weight, k_weight, eps, unit = norms
+    t, qk = qkv.shape[0], (hq + hkv) * d
+    q = rms_norm(qkv[:, : hq * d].reshape(t, hq, d), q_weight, eps, unit)
+    k = rms_norm(qkv[:, hq * d : qk].reshape(t, hkv, d), k_weight, eps, unit)
+    return torch.cat([q.reshape(t, -1), k.reshape(t, -1), qkv[:, qk:]], dim=1)
+
+
+def _norm_args(qkv, norms) -> tuple:
+    """The RoPE kernels' q/k norm arguments: QW, KW, eps, NORM, UNIT."""
+    if norms is None:
+        return qkv, qkv, 0.0, False, False
+    q_weight, k_weight, eps, unit = norms
+    return q_weight, k_weight, float(eps), True, bool(unit)
 
 
 def mla_rope_norm_serves(kv_a: torch.Tensor) -> bool:
@@ -213,13 +230,45 @@ if triton is not None:
         tl.store(OUT + row * inter + cols, y.to(OUT.dtype.element_ty), mask=ok)
 
     @triton.jit
-    def _rope_kernel(QKV, COS, SIN, Q, K, stride_t, stride_c, hq, HALF: tl.constexpr):
-        t = tl.program_id(0).to(tl.int64)
-        h = tl.program_id(1)
+    def _head_norm(x1, x2, W, eps, i, HALF: tl.constexpr, UNIT: tl.constexpr, dt: tl.constexpr):
+        """One head's RMSNorm (x1, x2: its halves in fp32), rounded as layers.RMSNorm rounds."""
+        rstd = tl.rsqrt((tl.sum(x1 * x1, 0) + tl.sum(x2 * x2, 0)) / (2 * HALF) + eps)
+        w1 = tl.load(W + i).to(tl.float32)
+        w2 = tl.load(W + HALF + i).to(tl.float32)
+        if UNIT:
+            y1, y2 = x1 * rstd * (1.0 + w1), x2 * rstd * (1.0 + w2)
+        else:  # rounded to the input dtype before the weight
+            y1 = (x1 * rstd).to(dt).to(tl.float32) * w1
+            y2 = (x2 * rstd).to(dt).to(tl.float32) * w2
+        return y1.to(dt).to(tl.float32), y2.to(dt).to(tl.float32)
+
+    @triton.jit
+    def _load_head(
+        QKV, t, h, hq, stride_t, QW, KW, eps,
+        NORM: tl.constexpr, UNIT: tl.constexpr, HALF: tl.constexpr,
+    ):  # fmt: skip
+        """Head h of token t's q and k as fp32 halves, RMS-normed first with NORM."""
         i = tl.arange(0, HALF)
         src = QKV + t * stride_t + h * 2 * HALF
         x1 = tl.load(src + i).to(tl.float32)
         x2 = tl.load(src + HALF + i).to(tl.float32)
+        if NORM:
+            dt = QKV.dtype.element_ty
+            if h < hq:
+                x1, x2 = _head_norm(x1, x2, QW, eps, i, HALF, UNIT, dt)
+            else:
+                x1, x2 = _head_norm(x1, x2, KW, eps, i, HALF, UNIT, dt)
+        return x1, x2
+
+    @triton.jit
+    def _rope_kernel(
+        QKV, COS, SIN, Q, K, stride_t, stride_c, hq, QW, KW, eps,
+        NORM: tl.constexpr, UNIT: tl.constexpr, HALF: tl.constexpr,
+    ):  # fmt: skip
+        t = tl.program_id(0).to(tl.int64)
+        h = tl.program_id(1)
+        i = tl.arange(0, HALF)
+        x1, x2 = _load_head(QKV, t, h, hq, stride_t, QW, KW, eps, NORM, UNIT, HALF)
         dt = QKV.dtype.element_ty
         # cos/sin rounded to the dtype and each product rounded, as rope_torch computes them
         c1 = tl.load(COS + t * stride_c + i).to(dt).to(tl.float32)
@@ -241,14 +290,14 @@ if triton is not None:
 
     @triton.jit
     def _rope_store_kernel(
-        QKV, COS, SIN, Q, KC, VC, SLOTS, stride_t, stride_c, hq, hkv, HALF: tl.constexpr
-    ):
+        QKV, COS, SIN, Q, KC, VC, SLOTS, stride_t, stride_c, hq, hkv, QW, KW, eps,
+        NORM: tl.constexpr, UNIT: tl.constexpr, HALF: tl.constexpr,
+    ):  # fmt: skip
         t = tl.program_id(0).to(tl.int64)
         h = tl.program_id(1)
         i = tl.arange(0, HALF)
         src = QKV + t * stride_t + h * 2 * HALF
-        x1 = tl.load(src + i).to(tl.float32)
-        x2 = tl.load(src + HALF + i).to(tl.float32)
+        x1, x2 = _load_head(QKV, t, h, hq, stride_t, QW, KW, eps, NORM, UNIT, HALF)
         dt = QKV.dtype.element_ty
         f32 = tl.float32
         c1 = tl.load(COS + t * stride_c + i).to(dt).to(f32)

@@ -18,6 +18,7 @@ from kestrel.kernels.fused import ACTIVATIONS, act_mul, rms_norm, rope_qk, rope_
 from kestrel.models.layers.attention import Attention, cached_attention
 from kestrel.models.layers.mla import MultiHeadLatentAttention
 from kestrel.models.layers.mlp import GatedMLP
+from kestrel.models.layers.mrope import MRotaryEmbedding
 from kestrel.models.layers.norm import RMSNorm
 from kestrel.models.layers.quant import QuantLinear
 from kestrel.models.layers.rope import RotaryEmbedding
@@ -114,11 +115,23 @@ def _concat_into(linears, name: str) -> torch.Tensor:
 
 
 def _fusable(attn: Attention) -> bool:
-    return (
-        attn.q_norm is None
-        and type(attn.rope) is RotaryEmbedding
-        and attn.rope.attention_scaling == 1.0
+    """RoPE the kernels compute (the caller's M-RoPE cos/sin too), and q/k norms they apply."""
+    rope = type(attn.rope) is MRotaryEmbedding or (
+        type(attn.rope) is RotaryEmbedding and attn.rope.attention_scaling == 1.0
     )
+    norms = attn.q_norm is None or (
+        type(attn.q_norm) is type(attn.k_norm) is RMSNorm
+        and (attn.q_norm.eps, attn.q_norm.unit_offset) == (attn.k_norm.eps, attn.k_norm.unit_offset)
+    )
+    return rope and norms
+
+
+def _qk_norms(attn: Attention) -> tuple | None:
+    """The RoPE kernels' `norms` for this attention's q/k norms, or None."""
+    if attn.q_norm is None:
+        return None
+    q, k = attn.q_norm, attn.k_norm
+    return q.weight, k.weight, q.eps, q.unit_offset
 
 
 def _latent_project(self, x):
@@ -156,13 +169,13 @@ def _attention_forward(self, x, batch, rope_cos_sin=None):
     qkv = self.qkv(x)  # (T, (Hq + 2 Hkv) D)
     hq, hkv, d = self.num_heads, self.num_kv_heads, self.head_dim
     cos, sin = rope_cos_sin if rope_cos_sin is not None else self.rope(batch.positions)
-    meta = getattr(batch, "attention", None)
+    meta, norms = getattr(batch, "attention", None), _qk_norms(self)
     if meta is not None:  # paged pool: k/v stored by the RoPE kernel, one launch for all three
         kc, vc = meta.pool.k[self.layer_idx], meta.pool.v[self.layer_idx]
-        q = rope_store(qkv, cos, sin, hq, hkv, d, kc, vc, meta.slot_mapping)
+        q = rope_store(qkv, cos, sin, hq, hkv, d, kc, vc, meta.slot_mapping, norms)
         out = paged_attention(q, kc, vc, meta, self.scale, self.window, meta.use_triton)
         return self.o_proj(out.reshape(t, -1))
-    q, k = rope_qk(qkv, cos, sin, hq, hkv, d)
+    q, k = rope_qk(qkv, cos, sin, hq, hkv, d, norms)
     v = qkv[:, (hq + hkv) * d :].view(t, hkv, d)
     out = cached_attention(q, k, v, self.layer_idx, batch, self.scale, self.window)
     return self.o_proj(out.reshape(t, -1))
