@@ -4,7 +4,10 @@ Writes a Llama-3.1-8B-shaped Q4_K_M GGUF of random valid blocks (tests/gguf_writ
 `random_blocks`; llama.cpp's Q4_K_M mix: Q6_K for the head and for attn_v / ffn_down of the
 layers llama.cpp gives more bits) into a temporary folder, loads it with kestrel in a fresh process
 (weights packed, before any KV) and reports its peak RSS, then deletes the folder. Target: peak
-RSS at most the file size + 1.5 GB.
+RSS at most the file size + 1.5 GB. `--shape moe-30b-a3b` writes an MoE of Qwen3-30B-A3B's
+dimensions (48 layers of 128 experts, 8 active, 768 wide; as an exaone-moe file with one shared
+expert, the MoE architecture kestrel reads from GGUF metadata alone): its expert stacks stay
+packed too.
 
     python benchmarks/quantized_memory.py --out benchmarks/results/cpu-quantized-memory.json
     python benchmarks/quantized_memory.py --shape llama-3.2-1b   # a smaller try first
@@ -30,6 +33,34 @@ SHAPES = {
     "llama-3.1-8b": (4096, 14336, 32, 32, 8, 128256, 500000.0),
     "llama-3.2-1b": (2048, 8192, 16, 32, 8, 128256, 500000.0),
 }
+MOE_SHAPES = {"moe-30b-a3b"}  # Qwen3-30B-A3B's dimensions (its config.json)
+
+
+def moe_config():
+    from transformers import ExaoneMoeConfig
+
+    return ExaoneMoeConfig(
+        vocab_size=151936,
+        hidden_size=2048,
+        intermediate_size=6144,
+        moe_intermediate_size=768,
+        num_hidden_layers=48,
+        num_attention_heads=32,
+        num_key_value_heads=4,
+        head_dim=128,
+        num_experts=128,
+        num_experts_per_tok=8,
+        num_shared_experts=1,
+        n_group=1,
+        topk_group=1,
+        mlp_layer_types=["sparse"] * 48,
+        layer_types=["full_attention"] * 48,
+        sliding_window=4096,
+        max_position_embeddings=40960,
+        rms_norm_eps=1e-6,
+        rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
+        tie_word_embeddings=False,
+    )
 
 
 def llama_config(shape: str):
@@ -76,31 +107,68 @@ def q4_k_m_tensors(c) -> list[tuple[str, tuple[int, int] | tuple[int], str]]:
     return out + [("output_norm.weight", (h,), "F32"), ("output.weight", (c.vocab_size, h), "Q6_K")]
 
 
+def moe_q4_k_m_tensors(writer, c) -> list[tuple[str, tuple[int, ...], str]]:
+    """The exaone-moe metadata written, and (GGUF name, PyTorch shape, type) of every tensor: the
+    converter's names for the model's parameters (built on the meta device), typed as llama.cpp's
+    Q4_K_M types an MoE (routers and norms in F32; attn_v and the down projections of the
+    more-bits layers, and the head, in Q6_K)."""
+    import gguf
+    import torch
+    from tests.gguf_writer import exaone_moe, state_dict
+    from transformers import ExaoneMoeForCausalLM
+
+    with torch.device("meta"):
+        state = state_dict(ExaoneMoeForCausalLM(c))
+    arch = next(a for a, name in gguf.MODEL_ARCH_NAMES.items() if name == "exaone-moe")
+    table = gguf.get_tensor_name_map(arch, c.num_hidden_layers)
+    out = []
+    for name, t in exaone_moe(writer, state, c, table).items():
+        block = int(name.split(".")[1]) if name.startswith("blk.") else 0
+        more = more_bits(block, c.num_hidden_layers)
+        if t.dim() == 1 or "ffn_gate_inp" in name:
+            kind = "F32"
+        elif name == "output.weight" or (more and ("attn_v" in name or "ffn_down" in name)):
+            kind = "Q6_K"
+        else:
+            kind = "Q4_K"
+        out.append((name, tuple(t.shape), kind))
+    return out
+
+
 def write_file(path: Path, shape: str) -> None:
     """The GGUF, one tensor at a time: only one tensor's random blocks exist at once."""
     import gguf
     import numpy as np
     from tests.gguf_writer import llama_metadata, random_blocks, write_vocab
 
-    config = llama_config(shape)
-    writer = gguf.GGUFWriter(str(path), "llama")
-    llama_metadata(writer, config)
-    write_vocab(writer, config.vocab_size, "llama")
-    tensors = q4_k_m_tensors(config)
+    if shape in MOE_SHAPES:
+        config = moe_config()
+        writer = gguf.GGUFWriter(str(path), "exaone-moe")
+        tensors = moe_q4_k_m_tensors(writer, config)
+        write_vocab(writer, config.vocab_size, "gpt2")
+    else:
+        config = llama_config(shape)
+        writer = gguf.GGUFWriter(str(path), "llama")
+        llama_metadata(writer, config)
+        write_vocab(writer, config.vocab_size, "llama")
+        tensors = q4_k_m_tensors(config)
     for name, dims, kind in tensors:
+        count = int(np.prod(dims))
         if kind == "F32":
-            writer.add_tensor_info(name, dims, np.dtype(np.float32), 4 * dims[0])
+            writer.add_tensor_info(name, dims, np.dtype(np.float32), 4 * count)
         else:
             qtype = gguf.GGMLQuantizationType[kind]
             block, size = gguf.GGML_QUANT_SIZES[qtype]
-            row = dims[1] // block * size
-            writer.add_tensor_info(name, (dims[0], row), np.dtype(np.uint8), dims[0] * row, qtype)
+            row = dims[-1] // block * size
+            rows = count // dims[-1]
+            byte_shape = (*dims[:-1], row)
+            writer.add_tensor_info(name, byte_shape, np.dtype(np.uint8), rows * row, qtype)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_ti_data_to_file()
     rng = np.random.default_rng(0)
     for _, dims, kind in tensors:
-        if kind == "F32":
+        if kind == "F32":  # norms of ones; a router of ones picks its first experts
             writer.write_tensor_data(np.ones(dims, dtype=np.float32))
         else:
             writer.write_tensor_data(random_blocks(dims, gguf.GGMLQuantizationType[kind], rng))
@@ -155,7 +223,7 @@ def commit() -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--shape", choices=sorted(SHAPES), default="llama-3.1-8b")
+    parser.add_argument("--shape", choices=sorted({*SHAPES, *MOE_SHAPES}), default="llama-3.1-8b")
     parser.add_argument("--dir", help="where the temporary folder goes (default: the system's)")
     parser.add_argument("--out", help="also write the JSON record to this file")
     parser.add_argument("--forward", action="store_true", help="also time one 4-token forward")
