@@ -87,6 +87,14 @@ def check_fused(device, dtype):
                 rtol=1e-2,
                 atol=1e-2,
             )
+    branch = torch.randn(5, 96, device=device, dtype=dtype)
+    for unit in (False, True):
+        for scale in (1.0, 0.3):  # MiniCPM3 scales its residual branches
+            stream, normed = fused.add_rms_norm(x, branch, w, 1e-6, unit, scale)
+            expected = x + branch * scale if scale != 1.0 else x + branch
+            torch.testing.assert_close(stream, expected, rtol=0, atol=0)
+            expected = fused.rms_norm_torch(expected, w, 1e-6, unit)
+            torch.testing.assert_close(normed, expected, rtol=1e-2, atol=1e-2)
     gate_up = torch.randn(5, 2 * 1100, device=device, dtype=dtype)
     for act in ("silu", "gelu_pytorch_tanh"):
         torch.testing.assert_close(
@@ -125,3 +133,14 @@ def check_fused(device, dtype):
         torch.testing.assert_close(q2, q, rtol=0, atol=0)
         torch.testing.assert_close(caches[0].view(16, hkv, d)[slots], k, rtol=0, atol=0)
         torch.testing.assert_close(caches[1].view(16, hkv, d)[slots], v, rtol=0, atol=0)
+    # Gemma 4: v normed without a weight; its k-equals-v layers read v from k's raw columns
+    norms = (qw, kw, 1e-6, False)
+    for v_col in (None, hq * d):
+        start = (hq + hkv) * d if v_col is None else v_col
+        raw_v = qkv[:, start : start + hkv * d].reshape(t, hkv, d)
+        v_ref = fused.rms_norm_torch(raw_v, torch.ones_like(qw), 1e-6, False)
+        q3 = fused.rope_store(qkv, cos, sin, hq, hkv, d, *caches, slots, norms, 1e-6, v_col)
+        q, k = fused.rope_qk(qkv, cos, sin, hq, hkv, d, norms)
+        torch.testing.assert_close(q3, q, rtol=0, atol=0)
+        torch.testing.assert_close(caches[0].view(16, hkv, d)[slots], k, rtol=0, atol=0)
+        torch.testing.assert_close(caches[1].view(16, hkv, d)[slots], v_ref, **tol)

@@ -30,7 +30,7 @@ from tests.test_models_glm4_moe_lite import randomize_correction_bias
 
 from kestrel.errors import ModelLoadError, UnsupportedModelError
 from kestrel.kernels.quant import Format
-from kestrel.models.layers.fused import _concat_projection
+from kestrel.models.layers.fused import concat_projection
 from kestrel.models.layers.quant import QuantEmbedding, QuantLinear
 from kestrel.weights.loader import build_model, checkpoint_summary, load_model, resolve
 
@@ -394,7 +394,7 @@ def _assert_joined_in_runs(module, x, runs: list[int]) -> None:
     stack share one tensor (`runs`: how many in each run), which the layers keep views of."""
     linears = [getattr(module, name) for name in PROJECTIONS]
     expected = torch.cat([linear(x) for linear in linears], dim=1)
-    joined = _concat_projection(module, PROJECTIONS)
+    joined = concat_projection(module, PROJECTIONS)
     torch.testing.assert_close(joined(x), expected, rtol=1e-5, atol=1e-5)
     storages = [linear.qweight.untyped_storage().data_ptr() for linear in linears]
     assert [len(list(run)) for _, run in itertools.groupby(storages)] == runs

@@ -70,6 +70,25 @@ def rms_norm(x, weight, eps: float, unit_offset: bool) -> torch.Tensor:
     return out
 
 
+def add_rms_norm(x, branch, weight, eps: float, unit_offset: bool, scale: float = 1.0):
+    """(x + branch * scale, its RMSNorm), the arithmetic of layers.RMSNorm.add_norm: one kernel
+    where two (three with a scale) ran. x, branch: (T, H) of one dtype."""
+    alike = (
+        x.dtype == branch.dtype and x.dim() == 2 and x.is_contiguous() and branch.is_contiguous()
+    )
+    if not (alike and _triton_ok(x)):
+        x = x + branch * scale if scale != 1.0 else x + branch
+        return x, rms_norm(x, weight, eps, unit_offset)
+    h = x.shape[-1]
+    stream, out = torch.empty_like(x), torch.empty_like(x)
+    _add_rms_norm_kernel[(x.shape[0],)](
+        x, branch, weight, stream, out, h, eps, scale,
+        UNIT=unit_offset, SCALED=scale != 1.0, BLOCK=triton.next_power_of_2(h),
+        num_warps=8 if h >= 4096 else 4,
+    )  # fmt: skip
+    return stream, out
+
+
 def rms_norm_torch(x, weight, eps, unit_offset) -> torch.Tensor:
     dtype = x.dtype
     xf = x.float()
@@ -115,7 +134,7 @@ def rope_qk(
     """qkv: (T, (hq + 2 hkv) d) -> rotated q (T, hq, d), k (T, hkv, d) (HF rotate-half)."""
     t = qkv.shape[0]
     if not _triton_ok(qkv):
-        qkv = qkv if norms is None else _normed_qk(qkv, hq, hkv, d, norms)
+        qkv = qkv if norms is None else _prepared_qkv(qkv, hq, hkv, d, norms)
         q = qkv[:, : hq * d].view(t, hq, d)
         k = qkv[:, hq * d : (hq + hkv) * d].view(t, hkv, d)
         return rope_torch(q, cos, sin), rope_torch(k, cos, sin)
@@ -129,35 +148,45 @@ def rope_qk(
 
 
 def rope_store(
-    qkv, cos, sin, hq, hkv, d, k_cache, v_cache, slot_mapping, norms=None
+    qkv, cos, sin, hq, hkv, d, k_cache, v_cache, slot_mapping, norms=None, v_norm=None, v_col=None
 ) -> torch.Tensor:
     """rope_qk, but k (rotated) and v go straight into their cache slots; returns q (T, hq, d).
-    The same arithmetic as rope_qk followed by attention.write_kv."""
-    t = qkv.shape[0]
-    if _native_ok(qkv) and qkv.stride(-1) == 1 and cos.dtype == torch.float32:
-        qkv = qkv if norms is None else _normed_qk(qkv, hq, hkv, d, norms)
-        return cpu_native.rope_store(qkv, cos, sin, hq, hkv, d, k_cache, v_cache, slot_mapping)
+    The same arithmetic as rope_qk followed by attention.write_kv. v is read from column `v_col`
+    (default: after k; Gemma 4's k-equals-v layers read k's raw columns) and, with `v_norm` (an
+    eps), RMS-normed without a weight first, as Gemma 4 does."""
+    t, plain = qkv.shape[0], v_col is None and v_norm is None
     if not _triton_ok(qkv):
+        if not (norms is None and plain):
+            qkv, norms = _prepared_qkv(qkv, hq, hkv, d, norms, v_norm, v_col), None
+        if _native_ok(qkv) and qkv.stride(-1) == 1 and cos.dtype == torch.float32:
+            return cpu_native.rope_store(qkv, cos, sin, hq, hkv, d, k_cache, v_cache, slot_mapping)
         from kestrel.kernels.attention import write_kv
 
-        q, k = rope_qk(qkv, cos, sin, hq, hkv, d, norms)
+        q, k = rope_qk(qkv, cos, sin, hq, hkv, d)
         write_kv(k_cache, v_cache, k, qkv[:, (hq + hkv) * d :].view(t, hkv, d), slot_mapping)
         return q
     q = qkv.new_empty(t, hq, d)
+    v_args = ((hq + hkv) * d if v_col is None else v_col, v_norm or 0.0, v_norm is not None)
     _rope_store_kernel[(t, hq + hkv)](
         qkv, cos, sin, q, k_cache, v_cache, slot_mapping, qkv.stride(0), cos.stride(0), hq, hkv,
-        *_norm_args(qkv, norms), HALF=d // 2, num_warps=1,
+        *_norm_args(qkv, norms), *v_args, HALF=d // 2, num_warps=1,
     )  # fmt: skip
     return q
 
 
-def _normed_qk(qkv, hq: int, hkv: int, d: int, norms) -> torch.Tensor:
-    """qkv with q's and k's heads RMS-normed (the paths without the Triton kernels)."""
-    q_weight, k_weight, eps, unit = norms
+def _prepared_qkv(qkv, hq: int, hkv: int, d: int, norms, v_norm=None, v_col=None):
+    """[q | k | v] as the RoPE kernels see it: q's and k's heads RMS-normed, v from `v_col`
+    and normed without a weight with `v_norm` (the paths without the Triton kernels)."""
     t, qk = qkv.shape[0], (hq + hkv) * d
-    q = rms_norm(qkv[:, : hq * d].reshape(t, hq, d), q_weight, eps, unit)
-    k = rms_norm(qkv[:, hq * d : qk].reshape(t, hkv, d), k_weight, eps, unit)
-    return torch.cat([q.reshape(t, -1), k.reshape(t, -1), qkv[:, qk:]], dim=1)
+    q, k = qkv[:, : hq * d].reshape(t, hq, d), qkv[:, hq * d : qk].reshape(t, hkv, d)
+    if norms is not None:
+        q_weight, k_weight, eps, unit = norms
+        q, k = rms_norm(q, q_weight, eps, unit), rms_norm(k, k_weight, eps, unit)
+    start = qk if v_col is None else v_col
+    v = qkv[:, start : start + hkv * d]
+    if v_norm is not None:
+        v = rms_norm_torch(v.reshape(t, hkv, d), torch.ones_like(v[0, :d]), v_norm, False)
+    return torch.cat([q.reshape(t, -1), k.reshape(t, -1), v.reshape(t, -1)], dim=1)
 
 
 def _norm_args(qkv, norms) -> tuple:
@@ -212,6 +241,29 @@ if triton is not None:
         else:  # round to the input dtype before the weight, as the PyTorch module does
             y = (x * rstd).to(OUT.dtype.element_ty).to(tl.float32) * w
         tl.store(OUT + row * h + cols, y.to(OUT.dtype.element_ty), mask=ok)
+
+    @triton.jit
+    def _add_rms_norm_kernel(
+        X, B, W, STREAM, OUT, h, eps, scale,
+        UNIT: tl.constexpr, SCALED: tl.constexpr, BLOCK: tl.constexpr,
+    ):  # fmt: skip
+        row = tl.program_id(0).to(tl.int64)
+        cols = tl.arange(0, BLOCK)
+        ok = cols < h
+        dt = X.dtype.element_ty
+        b = tl.load(B + row * h + cols, mask=ok, other=0.0).to(tl.float32)
+        if SCALED:  # rounded, as PyTorch rounds branch * scale before the add
+            b = (b * scale).to(dt).to(tl.float32)
+        x = (tl.load(X + row * h + cols, mask=ok, other=0.0).to(tl.float32) + b).to(dt)
+        tl.store(STREAM + row * h + cols, x, mask=ok)
+        x = x.to(tl.float32)
+        rstd = tl.rsqrt(tl.sum(x * x, 0) / h + eps)
+        w = tl.load(W + cols, mask=ok, other=0.0).to(tl.float32)
+        if UNIT:
+            y = x * rstd * (1.0 + w)
+        else:
+            y = (x * rstd).to(dt).to(tl.float32) * w
+        tl.store(OUT + row * h + cols, y.to(dt), mask=ok)
 
     @triton.jit
     def _act_mul_kernel(GU, OUT, inter, stride, GELU: tl.constexpr, BLOCK: tl.constexpr):
@@ -290,13 +342,13 @@ if triton is not None:
 
     @triton.jit
     def _rope_store_kernel(
-        QKV, COS, SIN, Q, KC, VC, SLOTS, stride_t, stride_c, hq, hkv, QW, KW, eps,
-        NORM: tl.constexpr, UNIT: tl.constexpr, HALF: tl.constexpr,
+        QKV, COS, SIN, Q, KC, VC, SLOTS, stride_t, stride_c, hq, hkv,
+        QW, KW, eps, NORM: tl.constexpr, UNIT: tl.constexpr,  # `_norm_args`
+        v_col, v_eps, V_NORM: tl.constexpr, HALF: tl.constexpr,
     ):  # fmt: skip
         t = tl.program_id(0).to(tl.int64)
         h = tl.program_id(1)
         i = tl.arange(0, HALF)
-        src = QKV + t * stride_t + h * 2 * HALF
         x1, x2 = _load_head(QKV, t, h, hq, stride_t, QW, KW, eps, NORM, UNIT, HALF)
         dt = QKV.dtype.element_ty
         f32 = tl.float32
@@ -316,8 +368,13 @@ if triton is not None:
             dst = KC + (slot * hkv + kh) * 2 * HALF
             tl.store(dst + i, y1.to(KC.dtype.element_ty))
             tl.store(dst + HALF + i, y2.to(KC.dtype.element_ty))
-            v = tl.load(src + hkv * 2 * HALF + i)
-            v2 = tl.load(src + hkv * 2 * HALF + HALF + i)
+            vsrc = QKV + t * stride_t + v_col + kh * 2 * HALF
+            v = tl.load(vsrc + i)
+            v2 = tl.load(vsrc + HALF + i)
+            if V_NORM:  # no weight; rounded to the input dtype, as Gemma 4's v norm
+                vf, vf2 = v.to(f32), v2.to(f32)
+                rstd = tl.rsqrt((tl.sum(vf * vf, 0) + tl.sum(vf2 * vf2, 0)) / (2 * HALF) + v_eps)
+                v, v2 = (vf * rstd).to(dt), (vf2 * rstd).to(dt)
             vdst = VC + (slot * hkv + kh) * 2 * HALF
             tl.store(vdst + i, v.to(VC.dtype.element_ty))
             tl.store(vdst + HALF + i, v2.to(VC.dtype.element_ty))

@@ -67,8 +67,9 @@ class ExaoneMoeBlock(nn.Module):
         self.post_attention_layernorm = RMSNorm(hidden, eps)
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch, cos_sin) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), batch, cos_sin)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        h = self.self_attn(self.input_layernorm(x), batch, cos_sin)
+        x, h = self.post_attention_layernorm.add_norm(x, h)
+        return x + self.mlp(h)
 
 
 class ExaoneMoeModel(nn.Module):

@@ -16,11 +16,13 @@ from torch import nn
 from transformers import Gemma4TextConfig
 
 import kestrel.cache.recurrent  # noqa: F401  registers the "none" cache kind
+from kestrel.cache.paged import paged_attention
 from kestrel.cache.sequence import CacheSpec, KVShape
-from kestrel.kernels.fused import ACTIVATIONS
+from kestrel.kernels.fused import ACTIVATIONS, rope_qk, rope_store
 from kestrel.models.base import CausalLM, rope_parameters
 from kestrel.models.batch import ForwardBatch
 from kestrel.models.layers.attention import cached_attention
+from kestrel.models.layers.fused import concat_projection
 from kestrel.models.layers.mlp import GatedMLP
 from kestrel.models.layers.moe import Experts, route_topk
 from kestrel.models.layers.norm import RMSNorm
@@ -109,6 +111,33 @@ class Gemma4Attention(nn.Module):
             v = rms_norm(raw_v, self.eps)
             out = cached_attention(q, k, v, self.layer_idx, batch, 1.0, self.window)
         return self.o_proj(out.reshape(T, -1))
+
+    def fuse(self) -> None:
+        """The paged runner's path (models/layers/fused.py's `fuse_model` calls this): q, k and v
+        from one projection; the heads' norms, RoPE and the cache write in one kernel."""
+        owns = self.kv_source == self.layer_idx
+        names = ["q_proj", "k_proj", "v_proj"][: 1 if not owns else 2 if self.v_proj is None else 3]
+        self.qkv = concat_projection(self, names)
+        self.forward = self._forward_fused
+
+    def _forward_fused(self, x: torch.Tensor, batch: ForwardBatch, cos_sin) -> torch.Tensor:
+        meta = getattr(batch, "attention", None)
+        if meta is None or not x.is_cuda:
+            return Gemma4Attention.forward(self, x, batch, cos_sin)
+        hq, hkv, d = self.num_heads, self.num_kv_heads, self.head_dim
+        (cos, sin), qkv, layer = cos_sin, self.qkv(x), self.kv_source
+        if layer != self.layer_idx:  # reads another layer's keys: q alone
+            q, _ = rope_qk(qkv, cos, sin, hq, 0, d, (self.q_norm.weight,) * 2 + (self.eps, False))
+        else:
+            norms = (self.q_norm.weight, self.k_norm.weight, self.eps, False)
+            v_col = hq * d if self.v_proj is None else None  # k = v: v from k's raw columns
+            k_cache, v_cache, slots = meta.pool.k[layer], meta.pool.v[layer], meta.slot_mapping
+            q = rope_store(
+                qkv, cos, sin, hq, hkv, d, k_cache, v_cache, slots, norms, self.eps, v_col
+            )
+        k_cache, v_cache = meta.pool.k[layer], meta.pool.v[layer]
+        out = paged_attention(q, k_cache, v_cache, meta, 1.0, self.window, meta.use_triton)
+        return self.o_proj(out.reshape(x.shape[0], -1))
 
 
 class Gemma4Router(nn.Module):

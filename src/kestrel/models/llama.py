@@ -60,8 +60,9 @@ class LlamaBlock(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps)
 
     def forward(self, x, batch: ForwardBatch, cos_sin) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), batch, cos_sin)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        h = self.self_attn(self.input_layernorm(x), batch, cos_sin)
+        x, h = self.post_attention_layernorm.add_norm(x, h)
+        return x + self.mlp(h)
 
 
 class LlamaModel(nn.Module):

@@ -124,9 +124,14 @@ class NasBlock(nn.Module):
             self.mlp = LinearMLP(hidden)
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch, cos_sin) -> torch.Tensor:
-        if self.block.attention != "none":
+        attention, ffn = self.block.attention != "none", self.block.ffn != "none"
+        if attention and ffn:
+            h = self.self_attn(self.input_layernorm(x), batch, cos_sin)
+            x, h = self.post_attention_layernorm.add_norm(x, h)
+            return x + self.mlp(h)
+        if attention:
             x = x + self.self_attn(self.input_layernorm(x), batch, cos_sin)
-        if self.block.ffn != "none":
+        if ffn:
             x = x + self.mlp(self.post_attention_layernorm(x))
         return x
 

@@ -14,7 +14,14 @@ import torch
 
 from kestrel.cache.paged import paged_attention
 from kestrel.kernels import gemv
-from kestrel.kernels.fused import ACTIVATIONS, act_mul, rms_norm, rope_qk, rope_store
+from kestrel.kernels.fused import (
+    ACTIVATIONS,
+    act_mul,
+    add_rms_norm,
+    rms_norm,
+    rope_qk,
+    rope_store,
+)
 from kestrel.models.layers.attention import Attention, cached_attention
 from kestrel.models.layers.mla import MultiHeadLatentAttention
 from kestrel.models.layers.mlp import GatedMLP
@@ -27,16 +34,19 @@ from kestrel.models.layers.rope import RotaryEmbedding
 def fuse_model(model: torch.nn.Module) -> None:
     """Point the model's norms, MLPs and attention projections at the fused kernels."""
     for module in model.modules():
-        if isinstance(module, RMSNorm):
+        if callable(getattr(module, "fuse", None)):  # a layer that knows its fused path
+            module.fuse()
+        elif isinstance(module, RMSNorm):
             module.forward = types.MethodType(_norm_forward, module)
+            module.add_norm = types.MethodType(_add_norm_forward, module)
         elif isinstance(module, GatedMLP):
-            module.gate_up = _concat_projection(module, ["gate_proj", "up_proj"])
+            module.gate_up = concat_projection(module, ["gate_proj", "up_proj"])
             module.forward = types.MethodType(_mlp_forward, module)
         elif isinstance(module, MultiHeadLatentAttention) and _latent_fusable(module):
-            module.latent_down = _concat_projection(module, LATENT_DOWN)
+            module.latent_down = concat_projection(module, LATENT_DOWN)
             module.project = types.MethodType(_latent_project, module)
         elif isinstance(module, Attention) and _fusable(module):
-            module.qkv = _concat_projection(module, ["q_proj", "k_proj", "v_proj"])
+            module.qkv = concat_projection(module, ["q_proj", "k_proj", "v_proj"])
             module.forward = types.MethodType(_attention_forward, module)
         elif type(module) is torch.nn.Linear:
             module.forward = types.MethodType(_linear_forward, module)
@@ -46,7 +56,7 @@ def fuse_model(model: torch.nn.Module) -> None:
 LATENT_DOWN = ["q_a_proj", "kv_a_proj_with_mqa"]
 
 
-def _concat_projection(module, names: list[str]) -> Callable:
+def concat_projection(module, names: list[str]) -> Callable:
     """x -> the Linears `names`' outputs side by side. Each run of neighbours that stack (plain
     Linears, or quantized ones of one kind: `_stackable`) becomes one weight the Linears keep
     views of; where the runs differ (llama.cpp's Q4_K_M keeps v in Q6_K in half the layers,
@@ -71,7 +81,8 @@ def _runs(linears: list) -> list[list]:
 def _stack(linears: list) -> Callable:
     """x -> the outputs of a run of Linears that stack, from one weight and bias."""
     if len(linears) == 1:
-        return linears[0]
+        linear = linears[0]
+        return lambda x: linear(x)  # its forward when called: fuse_model may rewire it later
     first = linears[0]
     bias = None if first.bias is None else torch.cat([linear.bias for linear in linears])
     if type(first) is torch.nn.Linear:
@@ -154,6 +165,10 @@ def _linear_forward(self, x):
 
 def _norm_forward(self, x):
     return rms_norm(x, self.weight, self.eps, self.unit_offset)
+
+
+def _add_norm_forward(self, x, branch, scale: float = 1.0):
+    return add_rms_norm(x, branch, self.weight, self.eps, self.unit_offset, scale)
 
 
 def _mlp_forward(self, x):

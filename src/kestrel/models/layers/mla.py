@@ -212,8 +212,8 @@ class MLABlock(nn.Module):
 
     def forward(self, x, batch: ForwardBatch, cos_sin, q_scale=None) -> torch.Tensor:
         h = self.self_attn(self.input_layernorm(x), batch, cos_sin, q_scale)
-        x = x + h * self.residual_scale if self.residual_scale != 1.0 else x + h
-        h = self.mlp(self.post_attention_layernorm(x))
+        x, h = self.post_attention_layernorm.add_norm(x, h, self.residual_scale)
+        h = self.mlp(h)
         return x + h * self.residual_scale if self.residual_scale != 1.0 else x + h
 
 

@@ -20,3 +20,9 @@ class RMSNorm(nn.Module):
         if self.unit_offset:
             return (x * (1.0 + self.weight.float())).to(dtype)
         return self.weight * x.to(dtype)
+
+    def add_norm(self, x: torch.Tensor, branch: torch.Tensor, scale: float = 1.0):
+        """(x + branch * scale, this norm of it): the residual stream after a sublayer and the
+        next sublayer's input; one kernel on the paged runner (models/layers/fused.py)."""
+        x = x + branch * scale if scale != 1.0 else x + branch
+        return x, self(x)
