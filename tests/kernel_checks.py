@@ -95,6 +95,9 @@ def check_fused(device, dtype):
             torch.testing.assert_close(stream, expected, rtol=0, atol=0)
             expected = fused.rms_norm_torch(expected, w, 1e-6, unit)
             torch.testing.assert_close(normed, expected, rtol=1e-2, atol=1e-2)
+        out = fused.rms_norm_add(branch, x, w, 1e-6, unit)  # Gemma's sandwich norms
+        expected = x + fused.rms_norm_torch(branch, w, 1e-6, unit)
+        torch.testing.assert_close(out, expected, rtol=1e-2, atol=1e-2)
     gate_up = torch.randn(5, 2 * 1100, device=device, dtype=dtype)
     for act in ("silu", "gelu_pytorch_tanh"):
         torch.testing.assert_close(

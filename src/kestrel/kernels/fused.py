@@ -89,6 +89,23 @@ def add_rms_norm(x, branch, weight, eps: float, unit_offset: bool, scale: float 
     return stream, out
 
 
+def rms_norm_add(branch, x, weight, eps: float, unit_offset: bool) -> torch.Tensor:
+    """x + RMSNorm(branch), the arithmetic of layers.RMSNorm.norm_add: one kernel where two ran.
+    branch, x: (T, H) of one dtype."""
+    alike = (
+        x.dtype == branch.dtype and x.dim() == 2 and x.is_contiguous() and branch.is_contiguous()
+    )
+    if not (alike and _triton_ok(x)):
+        return x + rms_norm(branch, weight, eps, unit_offset)
+    h = x.shape[-1]
+    out = torch.empty_like(x)
+    _rms_norm_add_kernel[(x.shape[0],)](
+        branch, x, weight, out, h, eps, UNIT=unit_offset, BLOCK=triton.next_power_of_2(h),
+        num_warps=8 if h >= 4096 else 4,
+    )  # fmt: skip
+    return out
+
+
 def rms_norm_torch(x, weight, eps, unit_offset) -> torch.Tensor:
     dtype = x.dtype
     xf = x.float()
@@ -264,6 +281,24 @@ if triton is not None:
         else:
             y = (x * rstd).to(dt).to(tl.float32) * w
         tl.store(OUT + row * h + cols, y.to(dt), mask=ok)
+
+    @triton.jit
+    def _rms_norm_add_kernel(
+        B, X, W, OUT, h, eps, UNIT: tl.constexpr, BLOCK: tl.constexpr
+    ):  # fmt: skip
+        row = tl.program_id(0).to(tl.int64)
+        cols = tl.arange(0, BLOCK)
+        ok = cols < h
+        dt = X.dtype.element_ty
+        b = tl.load(B + row * h + cols, mask=ok, other=0.0).to(tl.float32)
+        rstd = tl.rsqrt(tl.sum(b * b, 0) / h + eps)
+        w = tl.load(W + cols, mask=ok, other=0.0).to(tl.float32)
+        if UNIT:
+            y = (b * rstd * (1.0 + w)).to(dt)
+        else:
+            y = ((b * rstd).to(dt).to(tl.float32) * w).to(dt)
+        x = tl.load(X + row * h + cols, mask=ok, other=0.0).to(tl.float32)
+        tl.store(OUT + row * h + cols, (x + y.to(tl.float32)).to(dt), mask=ok)
 
     @triton.jit
     def _act_mul_kernel(GU, OUT, inter, stride, GELU: tl.constexpr, BLOCK: tl.constexpr):

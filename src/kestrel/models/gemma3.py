@@ -46,10 +46,11 @@ class Gemma3Block(nn.Module):
         self.post_feedforward_layernorm = gemma_norm(hidden, eps)
 
     def forward(self, x, batch: ForwardBatch, cos_sin) -> torch.Tensor:
-        x = x + self.post_attention_layernorm(
-            self.self_attn(self.input_layernorm(x), batch, cos_sin)
+        h = self.self_attn(self.input_layernorm(x), batch, cos_sin)
+        x = self.post_attention_layernorm.norm_add(h, x)
+        return self.post_feedforward_layernorm.norm_add(
+            self.mlp(self.pre_feedforward_layernorm(x)), x
         )
-        return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
 
 
 class Gemma3Model(nn.Module):

@@ -18,6 +18,7 @@ from transformers import Gemma4TextConfig
 import kestrel.cache.recurrent  # noqa: F401  registers the "none" cache kind
 from kestrel.cache.paged import paged_attention
 from kestrel.cache.sequence import CacheSpec, KVShape
+from kestrel.kernels import fused
 from kestrel.kernels.fused import ACTIVATIONS, rope_qk, rope_store
 from kestrel.models.base import CausalLM, rope_parameters
 from kestrel.models.batch import ForwardBatch
@@ -151,7 +152,17 @@ class Gemma4Router(nn.Module):
         self.per_expert_scale = nn.Parameter(torch.ones(config.num_experts))
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        x = rms_norm(x, self.eps) * self.scale * x.shape[-1] ** -0.5
+        return self._route(rms_norm(x, self.eps) * self.scale * x.shape[-1] ** -0.5)
+
+    def fuse(self) -> None:
+        """The paged runner's router (models/layers/fused.py's `fuse_model` calls this): the
+        weightless norm times `scale` is one RMSNorm kernel with `scale` for its weight."""
+        self.forward = self._forward_fused
+
+    def _forward_fused(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self._route(fused.rms_norm(x, self.scale, self.eps, False) * x.shape[-1] ** -0.5)
+
+    def _route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         weights, ids = route_topk(self.proj(x), self.top_k, "softmax", normalize=True)
         return weights * self.per_expert_scale[ids].float(), ids
 
@@ -190,13 +201,12 @@ class Gemma4Block(nn.Module):
             self.pre_feedforward_layernorm_2 = RMSNorm(hidden, eps)
 
     def forward(self, x, batch: ForwardBatch, cos_sin, per_layer_input) -> torch.Tensor:
-        x = x + self.post_attention_layernorm(
-            self.self_attn(self.input_layernorm(x), batch, cos_sin)
-        )
-        x = x + self.post_feedforward_layernorm(self._feed_forward(x))
+        h = self.self_attn(self.input_layernorm(x), batch, cos_sin)
+        x = self.post_attention_layernorm.norm_add(h, x)
+        x = self.post_feedforward_layernorm.norm_add(self._feed_forward(x), x)
         if self.per_layer:
             gated = self.act(self.per_layer_input_gate(x)) * per_layer_input  # (T, P)
-            x = x + self.post_per_layer_input_norm(self.per_layer_projection(gated))
+            x = self.post_per_layer_input_norm.norm_add(self.per_layer_projection(gated), x)
         return x * self.layer_scalar
 
     def _feed_forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -205,7 +215,8 @@ class Gemma4Block(nn.Module):
             return dense
         # the experts run beside the dense MLP, on the same residual, each with its own norms
         routed = self.experts(self.pre_feedforward_layernorm_2(x), *self.router(x))
-        return self.post_feedforward_layernorm_1(dense) + self.post_feedforward_layernorm_2(routed)
+        routed = self.post_feedforward_layernorm_2(routed)
+        return self.post_feedforward_layernorm_1.norm_add(dense, routed)
 
 
 class Gemma4Model(nn.Module):

@@ -19,6 +19,7 @@ from kestrel.kernels.fused import (
     act_mul,
     add_rms_norm,
     rms_norm,
+    rms_norm_add,
     rope_qk,
     rope_store,
 )
@@ -39,6 +40,7 @@ def fuse_model(model: torch.nn.Module) -> None:
         elif isinstance(module, RMSNorm):
             module.forward = types.MethodType(_norm_forward, module)
             module.add_norm = types.MethodType(_add_norm_forward, module)
+            module.norm_add = types.MethodType(_norm_add_forward, module)
         elif isinstance(module, GatedMLP):
             module.gate_up = concat_projection(module, ["gate_proj", "up_proj"])
             module.forward = types.MethodType(_mlp_forward, module)
@@ -169,6 +171,10 @@ def _norm_forward(self, x):
 
 def _add_norm_forward(self, x, branch, scale: float = 1.0):
     return add_rms_norm(x, branch, self.weight, self.eps, self.unit_offset, scale)
+
+
+def _norm_add_forward(self, branch, x):
+    return rms_norm_add(branch, x, self.weight, self.eps, self.unit_offset)
 
 
 def _mlp_forward(self, x):

@@ -26,3 +26,8 @@ class RMSNorm(nn.Module):
         next sublayer's input; one kernel on the paged runner (models/layers/fused.py)."""
         x = x + branch * scale if scale != 1.0 else x + branch
         return x, self(x)
+
+    def norm_add(self, branch: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """x + this norm of a sublayer's output (Gemma's sandwich norms): one kernel on the paged
+        runner (models/layers/fused.py)."""
+        return x + self(branch)
