@@ -95,17 +95,20 @@ def test_packed_gguf_decodes_the_tokens_of_the_dequantized_file(quant, tmp_path)
     """fp32 on CUDA, paged runner with graphs: decode through the GEMVs, prefill through the
     dequantized matmul; greedy tokens equal those of the file dequantized at load."""
     path = tiny_llama_gguf(tmp_path / f"{quant}.gguf", quant)
+    is_packed = lambda model: any(isinstance(m, QuantLinear) for m in model.modules())  # noqa: E731
+    assert greedy_tokens(path, True, is_packed) == greedy_tokens(path, False, is_packed)
 
-    def tokens(packed: bool):
-        model = load_model(resolve(str(path)), torch.float32, CUDA, False, packed)
-        assert any(isinstance(m, QuantLinear) for m in model.modules()) == packed
-        runner = PagedRunner(model, CUDA, 4, 64, 256, CacheConfig(block_size=16, num_blocks=64))
-        params = SamplingParams(temperature=0)
-        requests = [Request(f"q{i}", p, params, 12) for i, p in enumerate(prompts(9, 5, 14))]
-        run_to_end(runner, requests, max_num_seqs=4, prefill_chunk_size=8)
-        return [r.output_ids for r in requests]
 
-    assert tokens(packed=True) == tokens(packed=False)
+def greedy_tokens(path, packed: bool, is_packed) -> list[list[int]]:
+    """fp32 greedy tokens of three prompts on the paged runner with graphs, the file's blocks
+    kept packed or dequantized at load (`is_packed(model)` says which it got)."""
+    model = load_model(resolve(str(path)), torch.float32, CUDA, False, packed)
+    assert is_packed(model) == packed
+    runner = PagedRunner(model, CUDA, 4, 64, 256, CacheConfig(block_size=16, num_blocks=64))
+    params = SamplingParams(temperature=0)
+    requests = [Request(f"q{i}", p, params, 12) for i, p in enumerate(prompts(9, 5, 14))]
+    run_to_end(runner, requests, max_num_seqs=4, prefill_chunk_size=8)
+    return [r.output_ids for r in requests]
 
 
 @pytest.mark.parametrize("tokens", [1, 3, 40])
@@ -140,17 +143,8 @@ def test_packed_moe_gguf_decodes_the_tokens_of_the_dequantized_file(tmp_path):
     """fp32 on CUDA, paged runner with graphs: a Q4_K MoE file with its expert stacks packed
     decodes the greedy tokens of the file dequantized at load."""
     path = tiny_moe_gguf(tmp_path / "moe.gguf", "Q4_K")
-
-    def tokens(packed: bool):
-        model = load_model(resolve(str(path)), torch.float32, CUDA, False, packed)
-        assert isinstance(model.model.layers[1].mlp.experts.down_proj, PackedStack) == packed
-        runner = PagedRunner(model, CUDA, 4, 64, 256, CacheConfig(block_size=16, num_blocks=64))
-        params = SamplingParams(temperature=0)
-        requests = [Request(f"q{i}", p, params, 12) for i, p in enumerate(prompts(9, 5, 14))]
-        run_to_end(runner, requests, max_num_seqs=4, prefill_chunk_size=8)
-        return [r.output_ids for r in requests]
-
-    assert tokens(packed=True) == tokens(packed=False)
+    is_packed = lambda model: isinstance(model.model.layers[1].mlp.experts.down_proj, PackedStack)  # noqa: E731
+    assert greedy_tokens(path, True, is_packed) == greedy_tokens(path, False, is_packed)
 
 
 def test_auto_keeps_blocks_packed_only_for_models_too_big_to_run_dense():

@@ -251,13 +251,19 @@ if triton is not None:
         cols = tl.arange(0, BLOCK)
         ok = cols < h
         x = tl.load(X + row * stride + cols, mask=ok, other=0.0).to(tl.float32)
+        y = _normed(x, W, cols, ok, h, eps, UNIT, OUT.dtype.element_ty)
+        tl.store(OUT + row * h + cols, y.to(OUT.dtype.element_ty), mask=ok)
+
+    @triton.jit
+    def _normed(x, W, cols, ok, h, eps, UNIT: tl.constexpr, dt: tl.constexpr):
+        """A row's RMSNorm in fp32 (x: fp32 values of dtype `dt`), as layers.RMSNorm computes it
+        up to its last rounding to `dt`."""
         rstd = tl.rsqrt(tl.sum(x * x, 0) / h + eps)
         w = tl.load(W + cols, mask=ok, other=0.0).to(tl.float32)
         if UNIT:
-            y = x * rstd * (1.0 + w)
-        else:  # round to the input dtype before the weight, as the PyTorch module does
-            y = (x * rstd).to(OUT.dtype.element_ty).to(tl.float32) * w
-        tl.store(OUT + row * h + cols, y.to(OUT.dtype.element_ty), mask=ok)
+            return x * rstd * (1.0 + w)
+        else:  # rounded to the input dtype before the weight, as the PyTorch module does
+            return (x * rstd).to(dt).to(tl.float32) * w
 
     @triton.jit
     def _add_rms_norm_kernel(
@@ -273,13 +279,7 @@ if triton is not None:
             b = (b * scale).to(dt).to(tl.float32)
         x = (tl.load(X + row * h + cols, mask=ok, other=0.0).to(tl.float32) + b).to(dt)
         tl.store(STREAM + row * h + cols, x, mask=ok)
-        x = x.to(tl.float32)
-        rstd = tl.rsqrt(tl.sum(x * x, 0) / h + eps)
-        w = tl.load(W + cols, mask=ok, other=0.0).to(tl.float32)
-        if UNIT:
-            y = x * rstd * (1.0 + w)
-        else:
-            y = (x * rstd).to(dt).to(tl.float32) * w
+        y = _normed(x.to(tl.float32), W, cols, ok, h, eps, UNIT, dt)
         tl.store(OUT + row * h + cols, y.to(dt), mask=ok)
 
     @triton.jit
@@ -291,12 +291,7 @@ if triton is not None:
         ok = cols < h
         dt = X.dtype.element_ty
         b = tl.load(B + row * h + cols, mask=ok, other=0.0).to(tl.float32)
-        rstd = tl.rsqrt(tl.sum(b * b, 0) / h + eps)
-        w = tl.load(W + cols, mask=ok, other=0.0).to(tl.float32)
-        if UNIT:
-            y = (b * rstd * (1.0 + w)).to(dt)
-        else:
-            y = ((b * rstd).to(dt).to(tl.float32) * w).to(dt)
+        y = _normed(b, W, cols, ok, h, eps, UNIT, dt).to(dt)
         x = tl.load(X + row * h + cols, mask=ok, other=0.0).to(tl.float32)
         tl.store(OUT + row * h + cols, (x + y.to(tl.float32)).to(dt), mask=ok)
 
