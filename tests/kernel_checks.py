@@ -118,11 +118,16 @@ def check_fused(device, dtype):
     torch.testing.assert_close(k, k_ref, **tol)
     caches = [torch.randn(4, 4, hkv, d, device=device, dtype=dtype) for _ in range(2)]
     slots = torch.randperm(16, device=device)[:t]
-    q2 = fused.rope_store(qkv, cos, sin, hq, hkv, d, *caches, slots)
-    torch.testing.assert_close(q2, q, rtol=0, atol=0)
-    torch.testing.assert_close(caches[0].view(16, hkv, d)[slots], k, rtol=0, atol=0)
+
+    def assert_stored(stored_q, q, k, v, v_tol=None):
+        """rope_store returned `q` and put `k` and `v` in the cache slots."""
+        torch.testing.assert_close(stored_q, q, rtol=0, atol=0)
+        torch.testing.assert_close(caches[0].view(16, hkv, d)[slots], k, rtol=0, atol=0)
+        v_tol = v_tol or dict(rtol=0, atol=0)
+        torch.testing.assert_close(caches[1].view(16, hkv, d)[slots], v, **v_tol)
+
     v = qkv[:, (hq + hkv) * d :].view(t, hkv, d)
-    torch.testing.assert_close(caches[1].view(16, hkv, d)[slots], v, rtol=0, atol=0)
+    assert_stored(fused.rope_store(qkv, cos, sin, hq, hkv, d, *caches, slots), q, k, v)
     # q/k RMS-normed per head before RoPE (Qwen3, Gemma 3's (1 + w), EXAONE)
     for unit in (False, True):
         qw, kw = (torch.randn(d, device=device, dtype=dtype) for _ in range(2))
@@ -134,10 +139,7 @@ def check_fused(device, dtype):
         )
         torch.testing.assert_close(q, fused.rope_torch(q_ref, cos, sin), **tol)
         torch.testing.assert_close(k, fused.rope_torch(k_ref, cos, sin), **tol)
-        q2 = fused.rope_store(qkv, cos, sin, hq, hkv, d, *caches, slots, norms)
-        torch.testing.assert_close(q2, q, rtol=0, atol=0)
-        torch.testing.assert_close(caches[0].view(16, hkv, d)[slots], k, rtol=0, atol=0)
-        torch.testing.assert_close(caches[1].view(16, hkv, d)[slots], v, rtol=0, atol=0)
+        assert_stored(fused.rope_store(qkv, cos, sin, hq, hkv, d, *caches, slots, norms), q, k, v)
     # Gemma 4: v normed without a weight; its k-equals-v layers read v from k's raw columns
     norms = (qw, kw, 1e-6, False)
     for v_col in (None, hq * d):
@@ -146,6 +148,4 @@ def check_fused(device, dtype):
         v_ref = fused.rms_norm_torch(raw_v, torch.ones_like(qw), 1e-6, False)
         q3 = fused.rope_store(qkv, cos, sin, hq, hkv, d, *caches, slots, norms, 1e-6, v_col)
         q, k = fused.rope_qk(qkv, cos, sin, hq, hkv, d, norms)
-        torch.testing.assert_close(q3, q, rtol=0, atol=0)
-        torch.testing.assert_close(caches[0].view(16, hkv, d)[slots], k, rtol=0, atol=0)
-        torch.testing.assert_close(caches[1].view(16, hkv, d)[slots], v_ref, **tol)
+        assert_stored(q3, q, k, v_ref, tol)
