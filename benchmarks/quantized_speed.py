@@ -9,6 +9,10 @@ tests/quant_writer.py), measured, then deleted. Targets (the quantized-weights i
 `torch.cuda.memory_allocated` at most 1.1x the file and decode at least 2x bf16; FP8 single
 stream at least 1.6x bf16 and throughput at least 1.2x.
 
+`--formats moe_q4_k_m` writes a Qwen3-30B-A3B-shaped Q4_K_M MoE (benchmarks/quantized_memory.py's
+`moe-30b-a3b`: 128 experts, 8 active) and decodes it twice, its blocks kept packed and dequantized
+to bf16 at load, so the packed experts' speed is measured against the same model in bf16.
+
     python benchmarks/quantized_speed.py --out benchmarks/results/h200-quantized-<commit>.jsonl
 """
 
@@ -67,7 +71,9 @@ def timed_write(write, path: Path) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", required=True, help="JSON lines are appended here")
-    parser.add_argument("--formats", nargs="+", default=["q4_k_m", "fp8"])
+    parser.add_argument(
+        "--formats", nargs="+", default=["q4_k_m", "fp8"], choices=["q4_k_m", "fp8", "moe_q4_k_m"]
+    )
     parser.add_argument("--output-tokens", type=int, default=256, help="single stream")
     parser.add_argument("--no-throughput", action="store_true", help="single streams only")
     parser.add_argument("--no-single-stream", action="store_true", help="FP8 throughput only")
@@ -90,6 +96,13 @@ def main() -> None:
             bench(
                 "latency", ["-m", str(path), "--quantized-weights", "keep"], out, args.output_tokens
             )
+    if "moe_q4_k_m" in args.formats:
+        with tempfile.TemporaryDirectory() as folder:
+            path = Path(folder) / "moe-30b-a3b-Q4_K_M.gguf"
+            timed_write(lambda p: write_file(p, "moe-30b-a3b"), path)
+            for weights in ("dequantize", "keep"):
+                model = ["-m", str(path), "--quantized-weights", weights]
+                bench("latency", model, out, args.output_tokens)
     if "fp8" in args.formats:
         with tempfile.TemporaryDirectory() as folder:
             path = Path(folder) / "llama-3.1-8b-fp8"
