@@ -80,7 +80,8 @@ def main() -> None:
     args = parser.parse_args()
     out = Path(args.out)
     bf16 = ["--shape", "llama3-8b"]
-    if not args.no_single_stream:
+    llama = {"q4_k_m", "fp8"} & set(args.formats)  # measured against the bf16 llama3-8b shape
+    if llama and not args.no_single_stream:
         bench("latency", bf16, out, args.output_tokens)
     throughput = "fp8" in args.formats and not args.no_throughput
     if throughput:
