@@ -21,10 +21,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kestrel.kernels import cpu_native, gemv
+from kestrel.kernels import cpu_native, gemv, gguf_dp4a
 from kestrel.kernels import moe as moe_kernels
 from kestrel.kernels import quant as quant_kernels
-from kestrel.kernels.fused import ACTIVATIONS
+from kestrel.kernels.fused import ACTIVATIONS, act_mul
 from kestrel.models.base import Slot
 from kestrel.models.layers.mlp import GatedMLP
 
@@ -80,9 +80,10 @@ def _limit_groups(choice: torch.Tensor, n_group: int, topk_group: int, group_sco
 
 
 class PackedStack(nn.Module):
-    """A stacked expert projection kept as a GGUF file's blocks, `blocks` (E, rows, row bytes):
-    only the experts a batch chooses are dequantized, while they compute, so a quantized MoE
-    file takes its own size in memory. Indexing gives experts dense, as a stacked weight does."""
+    """A stacked expert projection kept as a GGUF file's blocks, `blocks` (E, rows, row bytes),
+    so a quantized MoE file takes its own size in memory. Decode on CUDA multiplies from the
+    blocks (`Experts._pair_gemvs`); elsewhere only the experts a batch chooses are dequantized,
+    while they compute. Indexing gives experts dense, as a stacked weight does."""
 
     def __init__(self, blocks: torch.Tensor, qtype: str, cols: int, dtype: torch.dtype):
         super().__init__()
@@ -142,12 +143,34 @@ class Experts(nn.Module):
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """x (T, H), weights/ids (T, k) -> (T, H): sum over k of weight * expert_id(x)."""
+        if self._reads_blocks(x, ids):
+            return self._pair_gemvs(x, weights, ids)
         if moe_kernels.available(x, self.act_name):
             in_proj, down_proj, ids = self._dense(ids)
             return moe_kernels.fused_experts(
                 x.contiguous(), in_proj, down_proj, weights, ids, self.act_name, self.gated
             )
         return self.reference(x, weights, ids)
+
+    def _reads_blocks(self, x: torch.Tensor, ids: torch.Tensor) -> bool:
+        """Decode (fewer pairs than experts) on CUDA from packed k-quant stacks: the GEMVs read
+        the chosen experts' blocks (kernels/gguf_dp4a.py) instead of dequantizing them."""
+        stacks = (self.in_proj, self.down_proj)
+        return ids.numel() <= self.num_experts and all(
+            isinstance(s, PackedStack) and gguf_dp4a.serves(x, s.qtype, self.num_experts)
+            for s in stacks
+        )
+
+    def _pair_gemvs(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor):
+        """Each (token, expert) pair through its expert, from the blocks: the in projection,
+        the activation, then the down projection scaled by the pair's routing weight."""
+        flat = ids.reshape(-1)
+        w_in, w_down = self.in_proj, self.down_proj
+        h = gguf_dp4a.expert_gemv(x, w_in.blocks, w_in.qtype, w_in.cols, flat)  # (P, 2I or I)
+        h = act_mul(h, self.act_name) if self.gated else self.act(h)
+        scale = weights.reshape(-1).float()
+        out = gguf_dp4a.expert_gemv(h, w_down.blocks, w_down.qtype, w_down.cols, flat, scale)
+        return out.view(*ids.shape, -1).sum(1).to(x.dtype)
 
     def _dense(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The stacks the fused kernels read and `ids` into them: packed stacks give the chosen
