@@ -23,7 +23,7 @@ from tests.quant_writer import (
     quantize_state,
     write_folder,
 )
-from tests.reference import assert_close, chunked_logits
+from tests.reference import assert_close, chunked_logits, decode_logits
 from tests.test_gguf_quantized import CONFIG, PROMPT
 from tests.test_models_glm4_moe_lite import CONFIG as GLM
 from tests.test_models_glm4_moe_lite import randomize_correction_bias
@@ -309,7 +309,7 @@ def test_moe_experts_stay_quantized_and_give_the_dequantized_logits(key, tmp_pat
     ids = [(i * 37 + 11) % 128 for i in range(20)]
     expected = chunked_logits(load(floats), ids, len(ids))
     assert expected.abs().max() > 0.1
-    assert_close(chunked_logits(kestrel, ids, 6), expected)  # prefill chunks, then decode
+    assert_close(decode_logits(kestrel, ids, 6), expected)  # a prefill, then one token a step
     assert_close(chunked_logits(load(quant, packed=False), ids, 6), expected)
     with torch.no_grad():
         hf = transformers.Glm4MoeLiteForCausalLM.from_pretrained(floats, dtype=torch.float32)
