@@ -8,10 +8,10 @@ weights and a routed scaling factor; then shared experts that every token passes
 Expert weights are stacked as transformers >= 5 keeps them, `experts.gate_up_proj` (E, 2I, H) and
 `experts.down_proj` (E, H, I); checkpoints that store one tensor per expert load through
 `expert_slot`; a quantized checkpoint's stacks stay quantized (`PackedStack`). The expert
-computation is batched: a decode-sized batch gathers the chosen experts'
-weights and runs one bmm; a larger one sorts (token, expert) pairs by expert and runs one grouped
-GEMM per projection over every expert's contiguous slice (`grouped_matmul`). Neither loops over
-tokens in Python, and neither reads a count back to the host. On CUDA with Triton the routing and
+computation is batched: a decode-sized batch gathers the chosen experts' weights and runs one
+bmm; a larger one sorts (token, expert) pairs by expert and runs one grouped GEMM per projection
+over every expert's contiguous slice (`grouped_matmul`). Neither loops over tokens in Python,
+and neither reads a count back to the host. On CUDA with Triton the routing and
 both projections run as fused kernels (kernels/moe.py), for which this PyTorch path is the oracle.
 """
 
