@@ -111,6 +111,18 @@ class PackedStack(Quantized):
             return cpu_native.gguf_mm(x, self.qweight[expert], self.qtype, self.cols)
         return x @ self[expert].t()
 
+    def kernel_stack(self) -> moe_kernels.QuantStack | None:
+        """The stack as the fused MoE kernels read it quantized (FP8, MLX 4- and 8-bit); None
+        for formats they do not decode (GGUF, NVFP4, other MLX widths: dequantized instead)."""
+        fmt = self.fmt
+        if fmt.kind == "fp8":
+            return moe_kernels.QuantStack(self.qweight, self.scale, None, 0, fmt.block[1])
+        if fmt.kind == "mlx" and fmt.bits in (4, 8):
+            return moe_kernels.QuantStack(
+                self.qweight, self.scales, self.biases, fmt.bits, fmt.group
+            )
+        return None
+
     def extra_repr(self) -> str:
         return f"{tuple(self.shape)}, qtype={self.qtype}"
 
@@ -149,15 +161,19 @@ class Experts(nn.Module):
         return self.gate_up_proj if self.gated else self.up_proj
 
     @property
+    def stacks(self) -> tuple:
+        return self.in_proj, self.down_proj
+
+    @property
     def packed(self) -> bool:
-        return any(isinstance(w, PackedStack) for w in (self.in_proj, self.down_proj))
+        return any(isinstance(w, PackedStack) for w in self.stacks)
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """x (T, H), weights/ids (T, k) -> (T, H): sum over k of weight * expert_id(x)."""
         if self._reads_blocks(x, ids):
             return self._pair_gemvs(x, weights, ids)
         if moe_kernels.available(x, self.act_name):
-            in_proj, down_proj, ids = self._dense(ids)
+            in_proj, down_proj, ids = self._kernel_stacks(ids)
             return moe_kernels.fused_experts(
                 x.contiguous(), in_proj, down_proj, weights, ids, self.act_name, self.gated
             )
@@ -166,10 +182,9 @@ class Experts(nn.Module):
     def _reads_blocks(self, x: torch.Tensor, ids: torch.Tensor) -> bool:
         """Decode (fewer pairs than experts) on CUDA from packed k-quant stacks: the GEMVs read
         the chosen experts' blocks (kernels/gguf_dp4a.py) instead of dequantizing them."""
-        stacks = (self.in_proj, self.down_proj)
         return ids.numel() <= self.num_experts and all(
             isinstance(s, PackedStack) and gguf_dp4a.serves(x, s.qtype, self.num_experts)
-            for s in stacks
+            for s in self.stacks
         )
 
     def _pair_gemvs(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor):
@@ -183,12 +198,16 @@ class Experts(nn.Module):
         out = gguf_dp4a.expert_gemv(h, w_down.qweight, w_down.qtype, w_down.cols, flat, scale)
         return out.view(*ids.shape, -1).sum(1).to(x.dtype)
 
-    def _dense(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """The stacks the fused kernels read and `ids` into them: packed stacks give the chosen
-        experts, one per (token, expert) pair, where there are fewer pairs than experts (decode),
-        and every expert otherwise, dequantized for this call."""
+    def _kernel_stacks(self, ids: torch.Tensor):
+        """The stacks the fused kernels read and `ids` into them: dense stacks as they are, FP8
+        and MLX stacks quantized (`PackedStack.kernel_stack`); other packed stacks give the
+        chosen experts, one per (token, expert) pair, where there are fewer pairs than experts
+        (decode), and every expert otherwise, dequantized for this call."""
         if not self.packed:
             return self.in_proj, self.down_proj, ids
+        stacks = [w.kernel_stack() if isinstance(w, PackedStack) else None for w in self.stacks]
+        if None not in stacks:
+            return *stacks, ids
         flat = ids.reshape(-1)
         if flat.numel() > self.num_experts:
             return self.in_proj[:], self.down_proj[:], ids
