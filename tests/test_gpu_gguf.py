@@ -124,8 +124,8 @@ def test_packed_experts_equal_their_dequantized_stacks(tokens):
     packed, dense = Experts(E, H, inter), Experts(E, H, inter)
     for experts in (packed, dense):
         del experts.gate_up_proj, experts.down_proj
-    packed.gate_up_proj = PackedStack(in_blocks, "Q4_K", H, torch.bfloat16)
-    packed.down_proj = PackedStack(down_blocks, "Q6_K", inter, torch.bfloat16)
+    packed.gate_up_proj = PackedStack({"qweight": in_blocks}, "Q4_K", H, torch.bfloat16)
+    packed.down_proj = PackedStack({"qweight": down_blocks}, "Q6_K", inter, torch.bfloat16)
     dense.gate_up_proj = torch.nn.Parameter(packed.gate_up_proj[:], requires_grad=False)
     dense.down_proj = torch.nn.Parameter(packed.down_proj[:], requires_grad=False)
     x = torch.randn(tokens, H, device=CUDA, dtype=torch.bfloat16)

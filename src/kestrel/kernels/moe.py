@@ -186,9 +186,9 @@ if triton is not None:
         kernels/quant.py's dequantize_rows and the cast after it compute it."""
         at = rows[None, :] * groups + kk[:, None] // GROUP
         scale = tl.load(s + at, mask=mask, other=0.0).to(tl.float32)
-        if QUANT == 1:  # FP8
-            v = tl.load(w + rows[None, :] * K + kk[:, None], mask=mask, other=0.0)
-            return (v.to(tl.float32) * scale).to(dt)
+        if QUANT == 1:  # FP8, loaded without `other` (no fp32 -> fp8 cast), masked after
+            v = tl.load(w + rows[None, :] * K + kk[:, None], mask=mask)
+            return tl.where(mask, v.to(tl.float32) * scale, 0.0).to(dt)
         PER: tl.constexpr = 32 // BITS
         words = tl.load(w + rows[None, :] * (K // PER) + kk[:, None] // PER, mask=mask, other=0)
         q = (words >> ((kk[:, None] % PER) * BITS)) & ((1 << BITS) - 1)
