@@ -4,7 +4,9 @@ The first GEMM multiplies each pair's token by its expert's gate and up rows and
 activation in registers (act(gate) * up, or act(up) for ungated experts), writing one (P, I)
 intermediate; the second multiplies that by the expert's down rows and scales each pair by its
 routing weight, so a step of an MoE layer is two kernels plus the sum over each token's k pairs.
-Expert weights are read where they lie (no gathered copy), so decode reads each chosen expert once.
+Expert weights are read where they lie (no gathered copy), so decode reads each chosen expert once;
+FP8 and MLX 4- and 8-bit stacks (`QuantStack`) are read quantized, each tile dequantized in
+registers.
 
 Pairs reach an expert in blocks of BLOCK_M rows. With few pairs (decode) each pair is its own block
 ("one pair per block": no sorting at all); with many (prefill, large batches) pairs are sorted by
@@ -54,17 +56,13 @@ class QuantStack:
         return E, N, width * 32 // self.bits if self.bits else width
 
 
-def stack_args(w: torch.Tensor | QuantStack) -> tuple:
+def _stack_args(w: torch.Tensor | QuantStack) -> tuple:
     """The kernels' weight arguments: W, scales, biases, groups per row; QUANT, BITS, GROUP."""
     if not isinstance(w, QuantStack):
         return (w, w, w, 1), dict(QUANT=0, BITS=0, GROUP=1)
-    E, N, K = w.shape
-    groups = w.scales.shape[-1]
-    biases = w.scales if w.biases is None else w.biases
-    group = min(w.group, K)
-    return (w.values, w.scales, biases, groups), dict(
-        QUANT=2 if w.bits else 1, BITS=w.bits, GROUP=group
-    )
+    biases = w.scales if w.biases is None else w.biases  # FP8: a pointer never read
+    flags = dict(QUANT=2 if w.bits else 1, BITS=w.bits, GROUP=min(w.group, w.shape[2]))
+    return (w.values, w.scales, biases, w.scales.shape[-1]), flags
 
 
 def fused_experts(
@@ -81,8 +79,8 @@ def fused_experts(
     be a `QuantStack`, read quantized."""
     T, k = ids.shape
     E, H, inter = w_down.shape
-    (w_in, *in_q), in_flags = stack_args(w_in)
-    (w_down, *down_q), down_flags = stack_args(w_down)
+    (w_in, *in_q), in_flags = _stack_args(w_in)
+    (w_down, *down_q), down_flags = _stack_args(w_down)
     flat = ids.reshape(-1)
     P = flat.numel()
     one_pair = P <= E  # decode: pairs rarely share an expert, so sorting buys nothing

@@ -349,18 +349,13 @@ class _Target:
         return isinstance(module, Experts) and attr in stacks and not slot.transpose
 
     def pack_experts(self, slot: Slot, fmt, tensors: dict[str, torch.Tensor]) -> bool:
-        """Put one quantized part (a GGUF `fmt` name or a `Format`, its tensors by role for
-        (rows, cols)) in its place in an expert stack, packed from its first part on. False where
-        the stack's parts differ in format (llama.cpp's mixes may keep gate and up apart, MLX
-        may override one module): the stack is then dense, the parts packed so far dequantized
-        into it, and this one is for the caller to load dense."""
+        """Put one quantized part (its `Format`, its tensors by role) in its place in an expert
+        stack, packed from its first part on. False where the stack's parts differ in format
+        (llama.cpp's mixes may keep gate and up apart, MLX may override one module): the stack is
+        then dense, the parts packed so far dequantized into it, and this one is for the caller
+        to load dense."""
         module, attr = self._owner(slot.name)
         stack, param = getattr(module, attr), self.params[slot.name]
-        fmt = (
-            fmt
-            if isinstance(fmt, quant_kernels.Format)
-            else quant_kernels.Format("gguf", qtype=fmt)
-        )
         fmt, tensors = quant_kernels.by_row(fmt, tensors, param[slot.index].shape[-2])
         # int32, not uint32: CUDA cannot index uint32 tensors (MLX words)
         tensors = {r: _indexable(t) for r, t in tensors.items()}
@@ -383,8 +378,11 @@ class _Target:
     def _empty_stack(self, param: torch.Tensor, fmt, part: dict) -> PackedStack:
         """A stack for `param` (E, rows, cols) in `fmt`, each role shaped as `part`'s per row."""
         E, N, K = param.shape
-        empty = {r: torch.empty(E, N, *t.shape[1:], dtype=t.dtype) for r, t in part.items()}
-        return PackedStack({r: t.to(self.device) for r, t in empty.items()}, fmt, K, param.dtype)
+        empty = {
+            r: torch.empty(E, N, *t.shape[1:], dtype=t.dtype, device=self.device)
+            for r, t in part.items()
+        }
+        return PackedStack(empty, fmt, K, param.dtype)
 
     def why_dense_layer(self, slot: Slot) -> str | None:
         """None when the parameter is a whole Linear's or Embedding's weight (in every tied
@@ -445,7 +443,7 @@ def _load_gguf(target: _Target, f, name: str, t, source: ModelSource) -> None:
         if not target.expert_stack(slot):
             target.pack(slot.name, rows, qtype)
             return
-        if target.pack_experts(slot, qtype, {"qweight": rows}):
+        if target.pack_experts(slot, quant_kernels.Format("gguf", qtype=qtype), {"qweight": rows}):
             return
         reason = "its expert stack's parts are of different types"
     if qtype not in ("F32", "F16", "BF16"):
