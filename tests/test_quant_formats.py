@@ -21,6 +21,7 @@ from tests.quant_writer import (
     mlx_quantize,
     quant_config,
     quantize_state,
+    split_experts,
     write_folder,
 )
 from tests.reference import assert_close, chunked_logits, decode_logits
@@ -230,23 +231,6 @@ def test_inspect_lists_quantized_layers_by_format_and_their_resident_bytes(tmp_p
     norm_elements = 5 * 256
     assert info["resident_bytes"]["cpu"] == stored  # quantized as stored, float32 norms as is
     assert info["resident_bytes"]["cuda"] == stored - 2 * norm_elements  # bfloat16 norms
-
-
-def split_experts(state: dict, intermediate: int) -> dict:
-    """Stacked expert tensors -> one 2-D tensor per expert and projection, as FP8 MoE releases
-    (DeepSeek-V3, Qwen3-MoE-FP8) store them."""
-    out = {}
-    for name, t in state.items():
-        prefix = name.removesuffix("gate_up_proj").removesuffix("down_proj")
-        if name.endswith("experts.gate_up_proj"):
-            for e, w in enumerate(t):
-                out[f"{prefix}{e}.gate_proj.weight"] = w[:intermediate]
-                out[f"{prefix}{e}.up_proj.weight"] = w[intermediate:]
-        elif name.endswith("experts.down_proj"):
-            out.update({f"{prefix}{e}.down_proj.weight": w for e, w in enumerate(t)})
-        else:
-            out[name] = t
-    return out
 
 
 def stack_experts(state: dict, template: dict) -> dict:
