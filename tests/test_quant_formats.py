@@ -23,6 +23,7 @@ from tests.quant_writer import (
     quantize_state,
     split_experts,
     write_folder,
+    write_random_shape,
 )
 from tests.reference import assert_close, chunked_logits, decode_logits
 from tests.test_gguf_quantized import CONFIG, PROMPT
@@ -473,3 +474,18 @@ def test_gguf_projections_of_two_types_join_by_type(types, runs):
         blocks = random_blocks((rows, 256), GGMLQuantizationType[qtype], rng)
         setattr(module, name, QuantLinear(torch.from_numpy(blocks), qtype, 256))
     _assert_joined_in_runs(module, torch.randn(3, 256), runs)
+
+
+def test_random_shape_checkpoint_loads_with_its_experts_quantized(tmp_path):
+    # benchmarks/quantized_speed.py --formats moe_fp8 writes GLM-4.7-Flash's shape this way
+    small = dict(num_hidden_layers=3, n_routed_experts=8, vocab_size=512, hidden_size=256)
+    small.update(intermediate_size=512, moe_intermediate_size=128, num_attention_heads=2)
+    small.update(num_key_value_heads=2, q_lora_rank=128, kv_lora_rank=128)
+    folder = write_random_shape(tmp_path / "glm", "fp8", "glm-4.7-flash", **small)
+    model = load(folder)
+    experts = model.model.layers[1].mlp.experts
+    assert isinstance(experts.gate_up_proj, PackedStack)
+    assert experts.gate_up_proj.shape == (8, 256, 256)
+    assert isinstance(model.model.layers[0].mlp.down_proj, QuantLinear)  # the dense layer
+    logits = chunked_logits(model, [1, 2, 3, 4, 5], 5)
+    assert torch.isfinite(logits).all() and logits.abs().max() > 0
