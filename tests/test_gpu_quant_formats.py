@@ -123,10 +123,8 @@ def test_quantized_weights_stay_in_checkpoint_bytes_on_the_gpu(tmp_path):
     del model, dense
 
 
-@pytest.mark.parametrize("key", ["fp8-channel", "fp8-block", "nvfp4-modelopt", "mlx-4"])
-def test_cuda_graph_decode_gives_the_eager_tokens(key, tmp_path):
-    quant, _ = write_pair(tmp_path, key)
-    model = load(quant)
+def eager_and_graph_tokens(model) -> list:
+    """Greedy tokens of a few requests on the paged runner, eager and under CUDA graphs."""
     outputs = []
     for graphs in (False, True):
         config = CacheConfig(block_size=16, num_blocks=200)
@@ -137,7 +135,13 @@ def test_cuda_graph_decode_gives_the_eager_tokens(key, tmp_path):
         ]
         run_to_end(runner, reqs, max_num_seqs=4, prefill_chunk_size=5)
         outputs.append([r.output_ids for r in reqs])
-    assert outputs[0] == outputs[1]
+    return outputs
+
+
+@pytest.mark.parametrize("key", ["fp8-channel", "fp8-block", "nvfp4-modelopt", "mlx-4"])
+def test_cuda_graph_decode_gives_the_eager_tokens(key, tmp_path):
+    eager, graphs = eager_and_graph_tokens(load(write_pair(tmp_path, key)[0]))
+    assert eager == graphs
 
 
 def write_glm(tmp_path, key: str):
@@ -156,23 +160,12 @@ def test_quantized_moe_experts_on_cuda_match_their_dequantized_values(key, tmp_p
     ids = [(i * 37 + 11) % 128 for i in range(20)]
     with torch.no_grad():
         expected = chunked_logits(reference, ids, len(ids))
-        for chunk in (len(ids), 1):  # every expert dequantized (prefill), the chosen ones (decode)
+        for chunk in (len(ids), 1):  # a prefill-sized step, then decode-sized ones
             got = chunked_logits(model, ids, chunk)
             assert relative_error(got, expected) < (0.06 if key.startswith("fp8") else 0.02)
 
 
 @pytest.mark.parametrize("key", ["fp8-block", "mlx-4"])
 def test_quantized_moe_cuda_graph_decode_gives_the_eager_tokens(key, tmp_path):
-    quant, _ = write_glm(tmp_path, key)
-    model = load(quant)
-    outputs = []
-    for graphs in (False, True):
-        config = CacheConfig(block_size=16, num_blocks=200)
-        runner = PagedRunner(model, CUDA, 4, 9, 256, config, cuda_graphs=graphs)
-        reqs = [
-            Request(f"q{i}", p, SamplingParams(temperature=0), 16)
-            for i, p in enumerate(prompts(9, 4, 13))
-        ]
-        run_to_end(runner, reqs, max_num_seqs=4, prefill_chunk_size=5)
-        outputs.append([r.output_ids for r in reqs])
-    assert outputs[0] == outputs[1]
+    eager, graphs = eager_and_graph_tokens(load(write_glm(tmp_path, key)[0]))
+    assert eager == graphs
