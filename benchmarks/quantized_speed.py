@@ -12,6 +12,9 @@ stream at least 1.6x bf16 and throughput at least 1.2x.
 `--formats moe_q4_k_m` writes a Qwen3-30B-A3B-shaped Q4_K_M MoE (benchmarks/quantized_memory.py's
 `moe-30b-a3b`: 128 experts, 8 active) and decodes it twice, its blocks kept packed and dequantized
 to bf16 at load, so the packed experts' speed is measured against the same model in bf16.
+`--formats moe_fp8` writes GLM-4.7-Flash's shape (`--shape glm-4.7-flash`: MLA, 64 experts, 4
+active) as an FP8 checkpoint with 128 x 128 block scales and experts stored one tensor per expert
+(tests/quant_writer.py's `write_random_shape`), and measures it against that bf16 shape.
 
     python benchmarks/quantized_speed.py --out benchmarks/results/h200-quantized-<commit>.jsonl
 """
@@ -29,7 +32,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT), str(ROOT / "src")]
 
 from benchmarks.quantized_memory import write_file  # noqa: E402
-from tests.quant_writer import write_random_llama  # noqa: E402
+from tests.quant_writer import write_random_llama, write_random_shape  # noqa: E402
 
 
 def weights_memory(path: Path) -> dict:
@@ -72,7 +75,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", required=True, help="JSON lines are appended here")
     parser.add_argument(
-        "--formats", nargs="+", default=["q4_k_m", "fp8"], choices=["q4_k_m", "fp8", "moe_q4_k_m"]
+        "--formats",
+        nargs="+",
+        default=["q4_k_m", "fp8"],
+        choices=["q4_k_m", "fp8", "moe_q4_k_m", "moe_fp8"],
     )
     parser.add_argument("--output-tokens", type=int, default=256, help="single stream")
     parser.add_argument("--no-throughput", action="store_true", help="single streams only")
@@ -104,6 +110,14 @@ def main() -> None:
             for weights in ("dequantize", "keep"):
                 model = ["-m", str(path), "--quantized-weights", weights]
                 bench("latency", model, out, args.output_tokens)
+    if "moe_fp8" in args.formats:
+        with tempfile.TemporaryDirectory() as folder:
+            path = Path(folder) / "glm-4.7-flash-fp8"
+            timed_write(lambda p: write_random_shape(p, "fp8", "glm-4.7-flash"), path)
+            for model in (["--shape", "glm-4.7-flash"], ["-m", str(path)]):
+                bench("latency", model, out, args.output_tokens)
+                if not args.no_throughput:
+                    bench("throughput", model, out, args.output_tokens)
     if "fp8" in args.formats:
         with tempfile.TemporaryDirectory() as folder:
             path = Path(folder) / "llama-3.1-8b-fp8"

@@ -229,6 +229,80 @@ def write_random_llama(folder: Path, fmt: str, shape: dict = LLAMA_8B, **kw) -> 
     return folder
 
 
+def split_experts(state: dict, intermediate: int) -> dict:
+    """Stacked expert tensors -> one 2-D tensor per expert and projection, as FP8 MoE releases
+    (DeepSeek-V3, Qwen3-MoE-FP8) store them."""
+    out = {}
+    for name, t in state.items():
+        prefix = name.removesuffix("gate_up_proj").removesuffix("down_proj")
+        if name.endswith("experts.gate_up_proj"):
+            for e, w in enumerate(t):
+                out[f"{prefix}{e}.gate_proj.weight"] = w[:intermediate]
+                out[f"{prefix}{e}.up_proj.weight"] = w[intermediate:]
+        elif name.endswith("experts.down_proj"):
+            out.update({f"{prefix}{e}.down_proj.weight": w for e, w in enumerate(t)})
+        else:
+            out[name] = t
+    return out
+
+
+def write_random_shape(folder: Path, fmt: str, shape: str, **overrides) -> Path:
+    """`kestrel bench --shape` `shape` (its config fields changed by `overrides`) as a random
+    checkpoint in `fmt` (its default options), one decoder layer a shard, routed experts one
+    tensor per expert as Hugging Face FP8 MoE releases store them. Each distinct tensor shape is
+    drawn and quantized once and written wherever it occurs: a 30B shape writes in seconds, and a
+    speed measurement reads every byte whether or not the layers differ."""
+    import re
+
+    from kestrel.weights.loader import build_model
+    from kestrel.weights.shapes import decoder_config, shape_config
+
+    config = shape_config(shape, **overrides)
+    model = build_model(config, torch.bfloat16, torch.device("meta"))
+    key, value = quant_config(fmt)
+    write_folder(folder, config, {}, {key: value})
+    (folder / "model.safetensors").unlink()
+    shards: dict[str, dict] = {}  # "" (embedding, norm, head) or a layer's prefix -> its tensors
+    for name, p in model.named_parameters():
+        layer = re.match(r".*?layers\.\d+\.", name)
+        shards.setdefault(layer[0] if layer else "", {})[name] = tuple(p.shape)
+    width = getattr(decoder_config(config), "moe_intermediate_size", None)
+    made: dict = {}
+    weight_map = {}
+    for index, params in enumerate(shards.values()):
+        state = {n: _drawn(made, n, s) for n, s in params.items()}
+        tensors = {}
+        for name, w in split_experts(state, width).items():
+            tensors.update(_quantized_once(made, name, w, fmt))
+        file = f"model-{index:05d}.safetensors"
+        save_file(tensors, str(folder / file))
+        weight_map.update(dict.fromkeys(tensors, file))
+    index = {"metadata": {}, "weight_map": weight_map}
+    (folder / "model.safetensors.index.json").write_text(json.dumps(index))
+    return folder
+
+
+def _drawn(made: dict, name: str, shape: tuple) -> torch.Tensor:
+    """A random tensor of `shape` (norms near 1, the rest small), drawn once per shape."""
+    key = ("norm" in name, shape)
+    if key not in made:
+        noise = torch.randn(shape)
+        made[key] = 1 + 0.1 * noise if "norm" in name else 0.02 * noise
+    return made[key]
+
+
+def _quantized_once(made: dict, name: str, w: torch.Tensor, fmt: str) -> dict:
+    """`quantize_state` of one tensor (float matrices left in bfloat16), a linear weight's
+    roles made once per shape; copies, since a safetensors file holds no shared memory."""
+    if not (name.endswith("_proj.weight") or name == "lm_head.weight") or w.dim() != 2:
+        return {name: w.to(torch.bfloat16) if w.dim() == 2 else w.clone()}
+    module = name.removesuffix(".weight")
+    if ("quantized", w.shape) not in made:
+        tensors, _ = quantize_state({name: w}, fmt, False)
+        made["quantized", w.shape] = {k.removeprefix(module): v for k, v in tensors.items()}
+    return {module + suffix: t.clone() for suffix, t in made["quantized", w.shape].items()}
+
+
 def _llama_shards(config):
     """Per shard, (name, shape) of its tensors: the embedding, each layer, the norm and head."""
     h, i, d = (

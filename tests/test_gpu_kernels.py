@@ -8,9 +8,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 from tests.kernel_checks import check_fused, check_paged_attention
+from tests.quant_writer import fp8_quantize, mlx_quantize
 
 from kestrel.kernels import attention, fused, gemv
-from kestrel.kernels.moe import fused_experts, route
+from kestrel.kernels.moe import QuantStack, fused_experts, route
+from kestrel.kernels.quant import Format, by_row
 from kestrel.models.layers.moe import Experts, grouped_matmul, route_topk
 
 pytestmark = pytest.mark.gpu
@@ -193,6 +195,50 @@ def test_fused_experts_equal_the_pytorch_experts(dtype, tokens, act, gated):
         captured = fused_experts(*args)
     graph.replay()
     torch.testing.assert_close(captured.float().cpu(), expected, **tol)
+
+
+def quant_stack(kind: str, E: int, N: int, K: int) -> tuple[QuantStack, torch.Tensor]:
+    """A random expert stack (E, N, K) as the kernels read it in `kind` and its dequantized
+    values, quantized by tests/quant_writer.py (FP8: 128 x 128 tiles, per row once stacked)."""
+    parts, dense = [], []
+    for _ in range(E):
+        w = torch.randn(N, K) * 0.1
+        if kind == "fp8":
+            q, scale, values = fp8_quantize(w, (128, 128))
+            _, t = by_row(Format("fp8", block=(128, 128)), {"qweight": q, "scale": scale}, N)
+            parts.append({"values": q, "scales": t["scale"]})
+        else:
+            t, values = mlx_quantize(w, int(kind[-1]), 32)
+            words = t["weight"].view(torch.int32)
+            parts.append({"values": words, "scales": t["scales"], "biases": t["biases"]})
+        dense.append(values)
+    stacked = {role: torch.stack([p[role] for p in parts]).cuda() for role in parts[0]}
+    bits, group = (0, 128) if kind == "fp8" else (int(kind[-1]), 32)
+    stack = QuantStack(stacked["values"], stacked["scales"], stacked.get("biases"), bits, group)
+    return stack, torch.stack(dense)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("tokens", [1, 3, 40])  # one pair per block (P <= E), sorted blocks
+@pytest.mark.parametrize("kind", ["fp8", "mlx4", "mlx8"])
+def test_fused_experts_read_quantized_stacks_as_their_dequantized_values(dtype, tokens, kind):
+    """FP8 and MLX stacks dequantized tile by tile in the kernels give what the kernels give on
+    the same stacks dequantized first (widths not whole tiles, FP8's last tile clipped)."""
+    torch.manual_seed(tokens)
+    E, H, inter = 16, 192, 96
+    w_in, dense_in = quant_stack(kind, E, 2 * inter, H)
+    w_down, dense_down = quant_stack(kind, E, H, inter)
+    x = torch.randn(tokens, H, device="cuda", dtype=dtype)
+    weights, ids = route_topk(torch.randn(tokens, E, device="cuda"), 4)
+    dense = (dense_in.to("cuda", dtype), dense_down.to("cuda", dtype))
+    expected = fused_experts(x, *dense, weights, ids, "silu", True)
+    got = fused_experts(x, w_in, w_down, weights, ids, "silu", True)
+    torch.testing.assert_close(got, expected, rtol=1e-3, atol=1e-3)
+    graph, stream = torch.cuda.CUDAGraph(), torch.cuda.Stream()
+    with torch.cuda.stream(stream), torch.cuda.graph(graph, stream=stream):
+        captured = fused_experts(x, w_in, w_down, weights, ids, "silu", True)
+    graph.replay()
+    torch.testing.assert_close(captured, expected, rtol=1e-3, atol=1e-3)
 
 
 @pytest.mark.parametrize(

@@ -5,7 +5,8 @@ tensor cores (`torch._scaled_mm`, activations quantized per row on the fly), 128
 ones on the block-scaled GEMM, and agree with the dequantized weights to FP8 activation
 rounding; the other formats dequantize inside the layer
 and agree to bfloat16 rounding; the weights stay in their checkpoint bytes on the GPU, and decode
-under CUDA graphs gives the eager tokens."""
+under CUDA graphs gives the eager tokens. MoE experts stay quantized in every format, the fused
+MoE kernels reading the chosen experts dequantized."""
 
 import pytest
 import torch
@@ -13,13 +14,14 @@ import torch.nn.functional as F
 from tests.quant_writer import fp8_quantize
 from tests.reference import chunked_logits
 from tests.test_paged_cache import prompts, run_to_end
-from tests.test_quant_formats import FORMATS, PROMPT, write_pair
+from tests.test_quant_formats import FORMATS, PROMPT, write_glm_pair, write_pair
 
 from kestrel.config import CacheConfig
 from kestrel.engine.paged_runner import PagedRunner
 from kestrel.engine.request import Request
 from kestrel.kernels import fp8_activations
 from kestrel.kernels.quant import Format, fp8_block_gemm_works, fp8_groups
+from kestrel.models.layers.moe import PackedStack
 from kestrel.models.layers.quant import QuantLinear
 from kestrel.sampling import SamplingParams
 from kestrel.weights.loader import load_model, resolve
@@ -121,10 +123,8 @@ def test_quantized_weights_stay_in_checkpoint_bytes_on_the_gpu(tmp_path):
     del model, dense
 
 
-@pytest.mark.parametrize("key", ["fp8-channel", "fp8-block", "nvfp4-modelopt", "mlx-4"])
-def test_cuda_graph_decode_gives_the_eager_tokens(key, tmp_path):
-    quant, _ = write_pair(tmp_path, key)
-    model = load(quant)
+def eager_and_graph_tokens(model) -> list:
+    """Greedy tokens of a few requests on the paged runner, eager and under CUDA graphs."""
     outputs = []
     for graphs in (False, True):
         config = CacheConfig(block_size=16, num_blocks=200)
@@ -135,4 +135,37 @@ def test_cuda_graph_decode_gives_the_eager_tokens(key, tmp_path):
         ]
         run_to_end(runner, reqs, max_num_seqs=4, prefill_chunk_size=5)
         outputs.append([r.output_ids for r in reqs])
-    assert outputs[0] == outputs[1]
+    return outputs
+
+
+@pytest.mark.parametrize("key", ["fp8-channel", "fp8-block", "nvfp4-modelopt", "mlx-4"])
+def test_cuda_graph_decode_gives_the_eager_tokens(key, tmp_path):
+    eager, graphs = eager_and_graph_tokens(load(write_pair(tmp_path, key)[0]))
+    assert eager == graphs
+
+
+def write_glm(tmp_path, key: str):
+    fmt, options, _, _ = FORMATS[key]
+    return write_glm_pair(tmp_path, key, {**options, "group": 16} if fmt == "mlx" else options)
+
+
+@pytest.mark.parametrize("key", ["mlx-4", "fp8-block", "fp8-tensor", "nvfp4-compressed"])
+def test_quantized_moe_experts_on_cuda_match_their_dequantized_values(key, tmp_path):
+    quant, floats = write_glm(tmp_path, key)
+    model, reference = load(quant), load(floats, torch.float32)
+    experts = model.model.layers[1].mlp.experts
+    assert isinstance(experts.gate_up_proj, PackedStack) and isinstance(
+        experts.down_proj, PackedStack
+    )
+    ids = [(i * 37 + 11) % 128 for i in range(20)]
+    with torch.no_grad():
+        expected = chunked_logits(reference, ids, len(ids))
+        for chunk in (len(ids), 1):  # a prefill-sized step, then decode-sized ones
+            got = chunked_logits(model, ids, chunk)
+            assert relative_error(got, expected) < (0.06 if key.startswith("fp8") else 0.02)
+
+
+@pytest.mark.parametrize("key", ["fp8-block", "mlx-4"])
+def test_quantized_moe_cuda_graph_decode_gives_the_eager_tokens(key, tmp_path):
+    eager, graphs = eager_and_graph_tokens(load(write_glm(tmp_path, key)[0]))
+    assert eager == graphs

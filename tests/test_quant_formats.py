@@ -21,9 +21,11 @@ from tests.quant_writer import (
     mlx_quantize,
     quant_config,
     quantize_state,
+    split_experts,
     write_folder,
+    write_random_shape,
 )
-from tests.reference import assert_close, chunked_logits
+from tests.reference import assert_close, chunked_logits, decode_logits
 from tests.test_gguf_quantized import CONFIG, PROMPT
 from tests.test_models_glm4_moe_lite import CONFIG as GLM
 from tests.test_models_glm4_moe_lite import randomize_correction_bias
@@ -31,6 +33,7 @@ from tests.test_models_glm4_moe_lite import randomize_correction_bias
 from kestrel.errors import ModelLoadError, UnsupportedModelError
 from kestrel.kernels.quant import Format
 from kestrel.models.layers.fused import concat_projection
+from kestrel.models.layers.moe import PackedStack
 from kestrel.models.layers.quant import QuantEmbedding, QuantLinear
 from kestrel.weights.loader import build_model, checkpoint_summary, load_model, resolve
 
@@ -231,23 +234,6 @@ def test_inspect_lists_quantized_layers_by_format_and_their_resident_bytes(tmp_p
     assert info["resident_bytes"]["cuda"] == stored - 2 * norm_elements  # bfloat16 norms
 
 
-def split_experts(state: dict, intermediate: int) -> dict:
-    """Stacked expert tensors -> one 2-D tensor per expert and projection, as FP8 MoE releases
-    (DeepSeek-V3, Qwen3-MoE-FP8) store them."""
-    out = {}
-    for name, t in state.items():
-        prefix = name.removesuffix("gate_up_proj").removesuffix("down_proj")
-        if name.endswith("experts.gate_up_proj"):
-            for e, w in enumerate(t):
-                out[f"{prefix}{e}.gate_proj.weight"] = w[:intermediate]
-                out[f"{prefix}{e}.up_proj.weight"] = w[intermediate:]
-        elif name.endswith("experts.down_proj"):
-            out.update({f"{prefix}{e}.down_proj.weight": w for e, w in enumerate(t)})
-        else:
-            out[name] = t
-    return out
-
-
 def stack_experts(state: dict, template: dict) -> dict:
     """The inverse of `split_experts`, for the float checkpoint transformers reads."""
     out = {k: v for k, v in state.items() if ".experts." not in k}
@@ -264,35 +250,84 @@ def stack_experts(state: dict, template: dict) -> dict:
     return out
 
 
-def test_fp8_moe_experts_and_mla_kv_b_proj_dequantize_at_load_beside_fp8_layers(tmp_path, caplog):
-    # glm4_moe_lite: MLA (kv_b_proj is read whole) and routed experts (stacked in the model)
+def write_glm_pair(tmp_path, key: str, options: dict):
+    """A tiny glm4_moe_lite (MLA, routed experts stored one tensor per expert) in format `key`
+    and the float checkpoint of its dequantized values: (quantized folder, float folder). Only
+    matrices of whole groups are quantized, and not the head."""
+    fmt = FORMATS[key][0]
     config = transformers.Glm4MoeLiteConfig(**GLM)
     torch.manual_seed(0)
     model = transformers.Glm4MoeLiteForCausalLM(config)
     with torch.no_grad():
         randomize_correction_bias(model)
     state = {k: v.detach().clone() for k, v in model.state_dict().items()}
-    tensors, dequantized = quantize_state(
-        split_experts(state, GLM["moe_intermediate_size"]), "fp8", False, block=(128, 128)
-    )
-    key, value = quant_config("fp8", block=(128, 128))
-    quant = write_folder(tmp_path / "glm-fp8", config, tensors, {key: value})
-    floats = write_folder(tmp_path / "glm-float", config, stack_experts(dequantized, state))
+    split = split_experts(state, GLM["moe_intermediate_size"])
+    group = options.get("group", 16 if "nvfp4" in fmt else 1)
+    keep = {
+        n.removesuffix(".weight") for n, w in split.items() if w.dim() == 2 and w.shape[1] % group
+    }
+    tensors, dequantized = quantize_state(split, fmt, False, (*keep, "lm_head"), **options)
+    config_key, value = quant_config(fmt, **options)
+    quant = write_folder(tmp_path / key, config, tensors, {config_key: value})
+    return quant, write_folder(tmp_path / f"{key}-float", config, stack_experts(dequantized, state))
+
+
+@pytest.mark.parametrize("key", ["mlx-4", "fp8-block", "fp8-tensor", "nvfp4-compressed"])
+def test_moe_experts_stay_quantized_and_give_the_dequantized_logits(key, tmp_path, caplog):
+    fmt, options, _, _ = FORMATS[key]
+    options = {**options, "group": 16} if fmt == "mlx" else options  # the experts are 16 wide
+    quant, floats = write_glm_pair(tmp_path, key, options)
     with caplog.at_level(logging.INFO, logger="kestrel.weights"):
         kestrel = load(quant)
-    assert "FP8_E4M3_128x128 tensors dequantized at load: the model reads it whole" in caplog.text
     dense = [r.message for r in caplog.records if "dequantized at load" in r.message]
-    assert len(dense) == 1 and "(e.g. model.layers.0.self_attn.kv_b_proj.weight)" in dense[0]
-    assert dense[0].startswith(f"{3 + 2 * 8 * 3} FP8")  # 3 kv_b_proj, 2 layers x 8 experts x 3
-    attn = kestrel.model.layers[1].self_attn
-    assert isinstance(attn.q_a_proj, QuantLinear) and type(attn.kv_b_proj) is torch.nn.Linear
-    assert isinstance(kestrel.model.layers[1].mlp.shared_experts.gate_proj, QuantLinear)
+    assert not [m for m in dense if "experts" in m]  # only MLA's kv_b_proj, read whole
+    experts = kestrel.model.layers[1].mlp.experts
+    for stack in (experts.gate_up_proj, experts.down_proj):
+        assert isinstance(stack, PackedStack) and stack.fmt.kind in fmt  # "fp8" of "compressed-fp8"
+    dense_bytes = experts.num_experts * 3 * GLM["moe_intermediate_size"] * GLM["hidden_size"] * 4
+    assert resident_bytes(experts) < dense_bytes / 3
+    meta = build_model(kestrel.config, torch.float32, torch.device("meta"))
+    summary = checkpoint_summary(meta, resolve(str(quant)), torch.device("cpu"), torch.float32)
+    # FP8 stacks repeat their tile scales per row, a few percent more than stored
+    assert summary["resident"] == pytest.approx(resident_bytes(kestrel), rel=0.1)
+
     ids = [(i * 37 + 11) % 128 for i in range(20)]
     expected = chunked_logits(load(floats), ids, len(ids))
-    assert_close(chunked_logits(kestrel, ids, 6), expected)
+    assert expected.abs().max() > 0.1
+    assert_close(decode_logits(kestrel, ids, 6), expected)  # a prefill, then one token a step
+    assert_close(chunked_logits(load(quant, packed=False), ids, 6), expected)
     with torch.no_grad():
         hf = transformers.Glm4MoeLiteForCausalLM.from_pretrained(floats, dtype=torch.float32)
         assert_close(hf(torch.tensor([ids])).logits[0], expected)
+
+
+def test_expert_parts_of_different_formats_load_dense(tmp_path, caplog):
+    # MLX may quantize one module otherwise (config.json's per-module overrides): a stack whose
+    # parts differ in format is dequantized whole, with a log line
+    options = {**FORMATS["mlx-4"][1], "group": 16}
+    quant, floats = write_glm_pair(tmp_path, "mlx-4", options)
+    module, width = "model.layers.1.mlp.experts.3.up_proj", GLM["moe_intermediate_size"]
+    tensors, float_state = (
+        load_file(quant / "model.safetensors"),
+        load_file(floats / "model.safetensors"),
+    )
+    stacked = float_state["model.layers.1.mlp.experts.gate_up_proj"]
+    eight_bit, dequantized = mlx_quantize(stacked[3, width:], bits=8, group=16)
+    tensors.update({f"{module}.{role}": t for role, t in eight_bit.items()})
+    stacked[3, width:] = dequantized
+    save_file(tensors, str(quant / "model.safetensors"))
+    save_file(float_state, str(floats / "model.safetensors"))
+    config = json.loads((quant / "config.json").read_text())
+    config["quantization"][module] = {"bits": 8, "group_size": 16}
+    (quant / "config.json").write_text(json.dumps(config))
+    with caplog.at_level(logging.INFO, logger="kestrel.weights"):
+        kestrel = load(quant)
+    assert "its expert stack's parts are of different formats" in caplog.text
+    experts = kestrel.model.layers[1].mlp.experts
+    assert type(experts.gate_up_proj) is torch.nn.Parameter
+    assert isinstance(experts.down_proj, PackedStack)
+    ids = [(i * 37 + 11) % 128 for i in range(20)]
+    assert_close(chunked_logits(kestrel, ids, 6), chunked_logits(load(floats), ids, len(ids)))
 
 
 def test_fp8_modules_to_not_convert_stay_in_float(tmp_path):
@@ -439,3 +474,18 @@ def test_gguf_projections_of_two_types_join_by_type(types, runs):
         blocks = random_blocks((rows, 256), GGMLQuantizationType[qtype], rng)
         setattr(module, name, QuantLinear(torch.from_numpy(blocks), qtype, 256))
     _assert_joined_in_runs(module, torch.randn(3, 256), runs)
+
+
+def test_random_shape_checkpoint_loads_with_its_experts_quantized(tmp_path):
+    # benchmarks/quantized_speed.py --formats moe_fp8 writes GLM-4.7-Flash's shape this way
+    small = dict(num_hidden_layers=3, n_routed_experts=8, vocab_size=512, hidden_size=256)
+    small.update(intermediate_size=512, moe_intermediate_size=128, num_attention_heads=2)
+    small.update(num_key_value_heads=2, q_lora_rank=128, kv_lora_rank=128)
+    folder = write_random_shape(tmp_path / "glm", "fp8", "glm-4.7-flash", **small)
+    model = load(folder)
+    experts = model.model.layers[1].mlp.experts
+    assert isinstance(experts.gate_up_proj, PackedStack)
+    assert experts.gate_up_proj.shape == (8, 256, 256)
+    assert isinstance(model.model.layers[0].mlp.down_proj, QuantLinear)  # the dense layer
+    logits = chunked_logits(model, [1, 2, 3, 4, 5], 5)
+    assert torch.isfinite(logits).all() and logits.abs().max() > 0

@@ -202,7 +202,7 @@ def _prepared_qkv(qkv, hq: int, hkv: int, d: int, norms, v_norm=None, v_col=None
     start = qk if v_col is None else v_col
     v = qkv[:, start : start + hkv * d]
     if v_norm is not None:
-        v = rms_norm_torch(v.reshape(t, hkv, d), torch.ones_like(v[0, :d]), v_norm, False)
+        v = rms_norm_torch(v.reshape(t, hkv, d), 1.0, v_norm, False)  # no weight
     return torch.cat([q.reshape(t, -1), k.reshape(t, -1), v.reshape(t, -1)], dim=1)
 
 
@@ -463,6 +463,4 @@ if triton is not None:
         r = tl.arange(0, BLOCK_R)
         mr = r < rank
         x = tl.load(row + r, mask=mr, other=0.0).to(tl.float32)
-        normed = (x * tl.rsqrt(tl.sum(x * x, 0) / rank + eps)).to(dt).to(tl.float32)
-        w = tl.load(W + r, mask=mr, other=0.0).to(tl.float32)
-        tl.store(out + r, (w * normed).to(dt), mask=mr)
+        tl.store(out + r, _normed(x, W, r, mr, rank, eps, False, dt).to(dt), mask=mr)

@@ -46,16 +46,16 @@ HALF_DTYPES = (torch.bfloat16, torch.float16)
 EMULATE_DP4A = os.environ.get("TRITON_INTERPRET") == "1"
 
 
-def serves(x: torch.Tensor, qtype: str) -> bool:
+def serves(x: torch.Tensor, qtype: str, max_rows: int = MAX_ROWS) -> bool:
     """Whether `gemv` computes x (M, K) times weights of `qtype`: CUDA, Triton, half-precision
-    x, a k-quant, few rows."""
+    x, a k-quant, at most `max_rows` rows."""
     rows = x.numel() // x.shape[-1]
     return (
         triton is not None
         and x.is_cuda
         and x.dtype in HALF_DTYPES
         and qtype in TYPES
-        and rows <= MAX_ROWS
+        and rows <= max_rows
     )
 
 
@@ -76,20 +76,46 @@ def gemv(
 ) -> torch.Tensor:
     """x (M, K) times W.T -> (M, N) in x's dtype; blocks (N, row bytes) uint8 in `qtype`.
     `config` (rows per program, super-blocks per step, warps) overrides `CONFIGS`."""
+    y = torch.empty(x.shape[0], blocks.shape[0], device=x.device, dtype=x.dtype)
+    return _launch(x, blocks, qtype, cols, y, config)
+
+
+def expert_gemv(
+    x: torch.Tensor,
+    blocks: torch.Tensor,
+    qtype: str,
+    cols: int,
+    experts: torch.Tensor,
+    scale: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Each (token, expert) pair's GEMV, from the stacked experts' blocks (E, N, row bytes): row
+    p of the result is x[p // (P / T)] times expert experts[p]'s W.T, for x (T, K) and ids
+    `experts` (P,) (so x's rows repeat for a token's k experts). With `scale` (P,) row p is
+    multiplied by scale[p] and the result is float32, for the sum over a token's experts."""
+    out_dtype = x.dtype if scale is None else torch.float32
+    y = torch.empty(experts.numel(), blocks.shape[1], device=x.device, dtype=out_dtype)
+    return _launch(x, blocks, qtype, cols, y, None, experts, scale)
+
+
+def _launch(x, blocks, qtype, cols, y, config, experts=None, scale=None) -> torch.Tensor:
+    """One `_gemv` over y's rows: quantize x once, then a program per (rows of W, row of y)."""
     kind = TYPES[qtype]
-    M, N = x.shape[0], blocks.shape[0]
+    (M, N), T = y.shape, x.shape[0]
     block_n, span, warps = config or CONFIGS[qtype]
-    while config is None and block_n > 1 and triton.cdiv(N, block_n) < MIN_PROGRAMS:
+    # pairs of an MoE read different weights: each counts towards filling the GPU
+    reads = 1 if experts is None else M
+    while config is None and block_n > 1 and triton.cdiv(N, block_n) * reads < MIN_PROGRAMS:
         block_n //= 2  # a short matrix (k/v projections): more programs, fewer rows each
     words, info = quantize(x.contiguous())
-    y = torch.empty(M, N, device=x.device, dtype=x.dtype)
-    row = blocks.stride(0)  # bytes
+    row = blocks.stride(-2)  # bytes
     # Q4_K/Q5_K blocks are 16-byte aligned: int32 words; Q6_K's only 2-byte: halfwords
     w = blocks.view(torch.int32) if kind < 2 else blocks.view(torch.uint16)
     _gemv[(triton.cdiv(N, block_n), M)](
-        words, info, w, y, N, cols, triton.cdiv(cols, 256 * span),
-        row // 4 if kind < 2 else row // 2,
-        QTYPE=kind, BLOCK_N=block_n, SPAN=span, EMULATE=EMULATE_DP4A, num_warps=warps,
+        words, info, w, y, experts if experts is not None else y,
+        scale if scale is not None else y, N, cols, triton.cdiv(cols, 256 * span),
+        row // 4 if kind < 2 else row // 2, M // T,
+        QTYPE=kind, BLOCK_N=block_n, SPAN=span, EXPERTS=experts is not None,
+        SCALED=scale is not None, EMULATE=EMULATE_DP4A, num_warps=warps,
     )  # fmt: skip
     return y
 
@@ -151,23 +177,31 @@ if triton is not None:
 
     @triton.jit
     def _gemv(
-        Q, X, W, Y, N, K, steps, row_units,
-        QTYPE: tl.constexpr, BLOCK_N: tl.constexpr, SPAN: tl.constexpr, EMULATE: tl.constexpr,
+        Q, X, W, Y, Experts, Scale, N, K, steps, row_units, repeat,
+        QTYPE: tl.constexpr, BLOCK_N: tl.constexpr, SPAN: tl.constexpr, EXPERTS: tl.constexpr,
+        SCALED: tl.constexpr, EMULATE: tl.constexpr,
     ):  # fmt: skip
         """Q, X: x's words and scales from `quantize`; W the blocks as int32 words (Q4_K, Q5_K)
-        or halfwords (Q6_K), `row_units` a row's length in W's units. Rows past N recompute
-        row N - 1 and are not stored."""
+        or halfwords (Q6_K), `row_units` a row's length in W's units. Row m of Y takes row
+        m // `repeat` of x and, with EXPERTS, expert Experts[m]'s N rows of W. Rows past N
+        recompute row N - 1 and are not stored."""
         first = tl.program_id(0) * BLOCK_N
         m = tl.program_id(1).to(tl.int64)
         rows = tl.minimum(first + tl.arange(0, BLOCK_N), N - 1).to(tl.int64)
+        if EXPERTS:
+            rows += tl.load(Experts + m).to(tl.int64) * N
+        xm = m // repeat
         acc = tl.zeros((BLOCK_N, 4 * SPAN), dtype=tl.float32)
         for step in range(0, steps):
             if QTYPE == 2:
-                acc += _q6_step(Q, X, W, rows, m, step, K, row_units, SPAN, EMULATE)
+                acc += _q6_step(Q, X, W, rows, xm, step, K, row_units, SPAN, EMULATE)
             else:
-                acc += _k45_step(Q, X, W, rows, m, step, K, row_units, QTYPE, SPAN, EMULATE)
+                acc += _k45_step(Q, X, W, rows, xm, step, K, row_units, QTYPE, SPAN, EMULATE)
+        y = tl.sum(acc, 1)
+        if SCALED:
+            y *= tl.load(Scale + m)
         lanes = first + tl.arange(0, BLOCK_N)
-        tl.store(Y + m * N + lanes, tl.sum(acc, 1).to(Y.dtype.element_ty), mask=lanes < N)
+        tl.store(Y + m * N + lanes, y.to(Y.dtype.element_ty), mask=lanes < N)
 
     # Q4_K (f16 d, f16 dmin, 12 scale bytes, qs[128]) and Q5_K (the same, then qh[32] before qs).
     # A step takes SPAN super-blocks as chunks u (chunk j = u % 4 of super-block u // 4) of 8

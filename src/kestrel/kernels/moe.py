@@ -4,7 +4,9 @@ The first GEMM multiplies each pair's token by its expert's gate and up rows and
 activation in registers (act(gate) * up, or act(up) for ungated experts), writing one (P, I)
 intermediate; the second multiplies that by the expert's down rows and scales each pair by its
 routing weight, so a step of an MoE layer is two kernels plus the sum over each token's k pairs.
-Expert weights are read where they lie (no gathered copy), so decode reads each chosen expert once.
+Expert weights are read where they lie (no gathered copy), so decode reads each chosen expert once;
+FP8 and MLX 4- and 8-bit stacks (`QuantStack`) are read quantized, each tile dequantized in
+registers.
 
 Pairs reach an expert in blocks of BLOCK_M rows. With few pairs (decode) each pair is its own block
 ("one pair per block": no sorting at all); with many (prefill, large batches) pairs are sorted by
@@ -14,6 +16,8 @@ of pairs so the grid is static (CUDA graphs) and nothing is read back to the hos
 The PyTorch path in models/layers/moe.py is the CPU path and these kernels' oracle in the GPU tests.
 This module imports nothing from kestrel: kernels are the bottom of the import graph.
 """
+
+from dataclasses import dataclass
 
 import torch
 
@@ -33,19 +37,50 @@ def available(x: torch.Tensor, act: str | None = None) -> bool:
     return triton is not None and x.is_cuda and (act is None or act in ACTIVATION_IDS)
 
 
+@dataclass(frozen=True)
+class QuantStack:
+    """An expert stack (E, N, K) the kernels dequantize tile by tile as they read it. FP8
+    (`bits` 0): float8_e4m3fn values (E, N, K) times float32 `scales` (E, N, K / group); MLX
+    affine: `bits` 4 or 8 values packed little end first in int32 words (E, N, K * bits / 32),
+    times `scales` plus `biases` (E, N, K / group). A group may span a row (group >= K)."""
+
+    values: torch.Tensor
+    scales: torch.Tensor
+    biases: torch.Tensor | None
+    bits: int
+    group: int
+
+    @property
+    def shape(self) -> tuple[int, int, int]:
+        E, N, width = self.values.shape
+        return E, N, width * 32 // self.bits if self.bits else width
+
+
+def _stack_args(w: torch.Tensor | QuantStack) -> tuple:
+    """The kernels' weight arguments: W, scales, biases, groups per row; QUANT, BITS, GROUP."""
+    if not isinstance(w, QuantStack):
+        return (w, w, w, 1), dict(QUANT=0, BITS=0, GROUP=1)
+    biases = w.scales if w.biases is None else w.biases  # FP8: a pointer never read
+    flags = dict(QUANT=2 if w.bits else 1, BITS=w.bits, GROUP=min(w.group, w.shape[2]))
+    return (w.values, w.scales, biases, w.scales.shape[-1]), flags
+
+
 def fused_experts(
     x: torch.Tensor,
-    w_in: torch.Tensor,
-    w_down: torch.Tensor,
+    w_in: torch.Tensor | QuantStack,
+    w_down: torch.Tensor | QuantStack,
     weights: torch.Tensor,
     ids: torch.Tensor,
     act: str,
     gated: bool,
 ) -> torch.Tensor:
     """x (T, H), w_in (E, 2I or I, H), w_down (E, H, I), weights/ids (T, k) -> (T, H): the sum
-    over k of weight * down(act(gate) * up) (or down(act(up)) when not gated)."""
+    over k of weight * down(act(gate) * up) (or down(act(up)) when not gated). Either stack may
+    be a `QuantStack`, read quantized."""
     T, k = ids.shape
     E, H, inter = w_down.shape
+    (w_in, *in_q), in_flags = _stack_args(w_in)
+    (w_down, *down_q), down_flags = _stack_args(w_down)
     flat = ids.reshape(-1)
     P = flat.numel()
     one_pair = P <= E  # decode: pairs rarely share an expert, so sorting buys nothing
@@ -56,14 +91,14 @@ def fused_experts(
     h = x.new_empty(P, inter)
     tile = tiles(one_pair, inter, blocks, per_expert)
     _experts_in[(blocks, triton.cdiv(inter, tile["BLOCK_N"]))](
-        x, w_in, h, pairs, block_expert, P, k, E, H, inter,
-        ONE_PAIR=one_pair, GATED=gated, ACT=ACTIVATION_IDS[act], IEEE=fp32, **tile,
+        x, w_in, *in_q, h, pairs, block_expert, P, k, E, H, inter,
+        ONE_PAIR=one_pair, GATED=gated, ACT=ACTIVATION_IDS[act], IEEE=fp32, **in_flags, **tile,
     )  # fmt: skip
     out = torch.empty(P, H, device=x.device, dtype=torch.float32)
     tile = tiles(one_pair, H, blocks, per_expert)
     _experts_down[(blocks, triton.cdiv(H, tile["BLOCK_N"]))](
-        h, w_down, out, weights.reshape(-1).float(), pairs, block_expert, P, E, H, inter,
-        ONE_PAIR=one_pair, IEEE=fp32, **tile,
+        h, w_down, *down_q, out, weights.reshape(-1).float(), pairs, block_expert, P, E, H, inter,
+        ONE_PAIR=one_pair, IEEE=fp32, **down_flags, **tile,
     )  # fmt: skip
     return out.view(T, k, H).sum(1).to(x.dtype)
 
@@ -140,14 +175,35 @@ if triton is not None:
         return tl.dot(a, b, acc)
 
     @triton.jit
+    def _quant_tile(
+        w, s, z, groups, rows, kk, mask, K,
+        QUANT: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr, dt: tl.constexpr,
+    ):  # fmt: skip
+        """W's (BLOCK_K, BLOCK_N) tile at rows `rows` (of the whole stack: expert * N + n) and
+        inputs `kk` of a `QuantStack`, dequantized in fp32 and rounded to `dt`, as
+        kernels/quant.py's dequantize_rows and the cast after it compute it."""
+        at = rows[None, :] * groups + kk[:, None] // GROUP
+        scale = tl.load(s + at, mask=mask, other=0.0).to(tl.float32)
+        if QUANT == 1:  # FP8, loaded without `other` (no fp32 -> fp8 cast), masked after
+            v = tl.load(w + rows[None, :] * K + kk[:, None], mask=mask)
+            return tl.where(mask, v.to(tl.float32) * scale, 0.0).to(dt)
+        PER: tl.constexpr = 32 // BITS
+        words = tl.load(w + rows[None, :] * (K // PER) + kk[:, None] // PER, mask=mask, other=0)
+        q = (words >> ((kk[:, None] % PER) * BITS)) & ((1 << BITS) - 1)
+        bias = tl.load(z + at, mask=mask, other=0.0).to(tl.float32)
+        return (q.to(tl.float32) * scale + bias).to(dt)
+
+    @triton.jit
     def _experts_in(
         x,  # (T, H)
         w,  # (E, 2I or I, H): gate rows then up rows when gated
+        s, z, groups,  # a QuantStack's scales, biases, groups per row (QUANT > 0)
         h,  # (P, I) out
         pairs,  # (B * BLOCK_M,) pair per row, or the expert ids when ONE_PAIR
         block_expert,  # (B,)
         P, k, E, H, inter,
         ONE_PAIR: tl.constexpr, GATED: tl.constexpr, ACT: tl.constexpr, IEEE: tl.constexpr,
+        QUANT: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     ):  # fmt: skip
         expert, rows = _block_rows(pairs, block_expert, tl.program_id(0), P, E, ONE_PAIR, BLOCK_M)
@@ -160,13 +216,25 @@ if triton is not None:
         w_at = w + expert * (2 * inter if GATED else inter) * H + n[None, :] * H + kk[:, None]
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        w_rows = expert * (2 * inter if GATED else inter) + n  # QUANT: rows of the whole stack
         for k0 in range(0, H, BLOCK_K):
             mk = kk + k0 < H
             a = tl.load(a_at + k0, mask=live[:, None] & mk[None, :], other=0.0)
-            b = tl.load(w_at + k0, mask=mk[:, None] & mn[None, :], other=0.0)
+            mb = mk[:, None] & mn[None, :]
+            if QUANT == 0:
+                b = tl.load(w_at + k0, mask=mb, other=0.0)
+            else:
+                b = _quant_tile(
+                    w, s, z, groups, w_rows, kk + k0, mb, H, QUANT, BITS, GROUP, a.dtype
+                )
             acc = _dot(a, b, acc, IEEE)
             if GATED:
-                b = tl.load(w_at + inter * H + k0, mask=mk[:, None] & mn[None, :], other=0.0)
+                if QUANT == 0:
+                    b = tl.load(w_at + inter * H + k0, mask=mb, other=0.0)
+                else:
+                    b = _quant_tile(
+                        w, s, z, groups, w_rows + inter, kk + k0, mb, H, QUANT, BITS, GROUP, a.dtype
+                    )
                 up = _dot(a, b, up, IEEE)
         if ACT == 0:
             acc = acc * tl.sigmoid(acc)
@@ -185,10 +253,12 @@ if triton is not None:
     def _experts_down(
         h,  # (P, I)
         w,  # (E, H, I)
+        s, z, groups,  # a QuantStack's scales, biases, groups per row (QUANT > 0)
         out,  # (P, H) fp32
         weights,  # (P,) fp32 routing weights
         pairs, block_expert, P, E, H, inter,
         ONE_PAIR: tl.constexpr, IEEE: tl.constexpr,
+        QUANT: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     ):  # fmt: skip
         expert, rows = _block_rows(pairs, block_expert, tl.program_id(0), P, E, ONE_PAIR, BLOCK_M)
@@ -203,7 +273,14 @@ if triton is not None:
         for k0 in range(0, inter, BLOCK_K):
             mk = kk + k0 < inter
             a = tl.load(a_at + k0, mask=live[:, None] & mk[None, :], other=0.0)
-            b = tl.load(w_at + k0, mask=mk[:, None] & mn[None, :], other=0.0)
+            mb = mk[:, None] & mn[None, :]
+            if QUANT == 0:
+                b = tl.load(w_at + k0, mask=mb, other=0.0)
+            else:
+                w_rows = expert * H + n
+                b = _quant_tile(
+                    w, s, z, groups, w_rows, kk + k0, mb, inter, QUANT, BITS, GROUP, a.dtype
+                )
             acc = _dot(a, b, acc, IEEE)
         acc = acc * tl.load(weights + rows, mask=live, other=0.0)[:, None]
         tl.store(out + rows[:, None] * H + n[None, :], acc, mask=live[:, None] & mn[None, :])

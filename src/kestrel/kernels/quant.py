@@ -248,11 +248,26 @@ def _nvfp4(fmt, t, rows, cols):
     packed = t["qweight"][rows]  # (n, cols / 2) uint8
     nibbles = torch.stack([packed & 0x0F, packed >> 4], dim=-1).reshape(packed.shape[0], cols)
     values = _e2m1_table(packed.device)[nibbles.long()].reshape(packed.shape[0], -1, fmt.group)
-    scale = t["scale"][rows].float() * t["scale_2"].float()  # (n, cols / 16)
+    scale_2 = t["scale_2"].float()  # a scalar, or one per row (`by_row`)
+    scale = t["scale"][rows].float() * (scale_2[rows, None] if scale_2.dim() else scale_2)
     return (values * scale.unsqueeze(-1)).reshape(packed.shape[0], cols)
 
 
 _FORMATS = {"gguf": _gguf, "mlx": _mlx, "fp8": _fp8, "nvfp4": _nvfp4}
+
+
+def by_row(fmt: Format, t: dict[str, torch.Tensor], rows: int) -> tuple[Format, dict]:
+    """A weight's tensors with one entry per row in each role, (rows, ...), and their `Format`:
+    what an expert stack holds, so that parts with scales of their own (gate and up, each
+    expert) stack along the rows. FP8 tile scales repeat down their tile's rows (4 bytes per row
+    and tile: 3% of the weight's bytes for 128-wide tiles), NVFP4's per-tensor scale_2 becomes
+    one per row; GGUF blocks and MLX groups are per row already."""
+    if fmt.kind == "fp8":
+        tiles = torch.arange(rows, device=t["scale"].device) // fmt.block[0]
+        return Format("fp8", block=(1, fmt.block[1])), {**t, "scale": t["scale"][tiles]}
+    if fmt.kind == "nvfp4":
+        return fmt, {**t, "scale_2": t["scale_2"].reshape(1).expand(rows).contiguous()}
+    return fmt, t
 
 
 def fp8_linear(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor) -> torch.Tensor:

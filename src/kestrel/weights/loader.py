@@ -348,29 +348,41 @@ class _Target:
         stacks = ("gate_up_proj", "up_proj", "down_proj")
         return isinstance(module, Experts) and attr in stacks and not slot.transpose
 
-    def pack_experts(self, slot: Slot, blocks: torch.Tensor, qtype: str) -> bool:
-        """Put GGUF blocks (rows, row bytes) in their part of an expert stack, packed from its
-        first part on. False where the stack's parts differ in type (llama.cpp's mixes may keep
-        gate and up apart): the stack is then dense, the parts packed so far dequantized into it,
-        and this one is for the caller to load dense."""
+    def pack_experts(self, slot: Slot, fmt, tensors: dict[str, torch.Tensor]) -> bool:
+        """Put one quantized part (its `Format`, its tensors by role) in its place in an expert
+        stack, packed from its first part on. False where the stack's parts differ in format
+        (llama.cpp's mixes may keep gate and up apart, MLX may override one module): the stack is
+        then dense, the parts packed so far dequantized into it, and this one is for the caller
+        to load dense."""
         module, attr = self._owner(slot.name)
         stack, param = getattr(module, attr), self.params[slot.name]
-        if isinstance(stack, PackedStack) and stack.qtype != qtype:
+        fmt, tensors = quant_kernels.by_row(fmt, tensors, param[slot.index].shape[-2])
+        # int32, not uint32: CUDA cannot index uint32 tensors (MLX words)
+        tensors = {r: _indexable(t) for r, t in tensors.items()}
+        if isinstance(stack, PackedStack) and stack.fmt != fmt:
             self.params[slot.name] = nn.Parameter(stack[:], requires_grad=False)
             setattr(module, attr, self.params[slot.name])
             return False
         if not isinstance(stack, PackedStack):
             if not stack.is_meta:
                 return False  # dense since an earlier part
-            E, N, K = param.shape
-            empty = torch.empty(E, N, quant_kernels.row_bytes(qtype, K), dtype=torch.uint8)
-            stack = PackedStack(empty.to(self.device), qtype, K, param.dtype)
+            stack = self._empty_stack(param, fmt, tensors)
             delattr(module, attr)  # the meta parameter: a module takes its name
             setattr(module, attr, stack)
-        dest = stack.blocks[slot.index]
-        dest.copy_(blocks.view(dest.shape))
+        for role, t in tensors.items():
+            dest = getattr(stack, role)[slot.index]
+            dest.copy_(t.reshape(dest.shape))
         self.filled[slot.name] = self.filled.get(slot.name, 0) + param[slot.index].numel()
         return True
+
+    def _empty_stack(self, param: torch.Tensor, fmt, part: dict) -> PackedStack:
+        """A stack for `param` (E, rows, cols) in `fmt`, each role shaped as `part`'s per row."""
+        E, N, K = param.shape
+        empty = {
+            r: torch.empty(E, N, *t.shape[1:], dtype=t.dtype, device=self.device)
+            for r, t in part.items()
+        }
+        return PackedStack(empty, fmt, K, param.dtype)
 
     def why_dense_layer(self, slot: Slot) -> str | None:
         """None when the parameter is a whole Linear's or Embedding's weight (in every tied
@@ -431,7 +443,7 @@ def _load_gguf(target: _Target, f, name: str, t, source: ModelSource) -> None:
         if not target.expert_stack(slot):
             target.pack(slot.name, rows, qtype)
             return
-        if target.pack_experts(slot, rows, qtype):
+        if target.pack_experts(slot, quant_kernels.Format("gguf", qtype=qtype), {"qweight": rows}):
             return
         reason = "its expert stack's parts are of different types"
     if qtype not in ("F32", "F16", "BF16"):
@@ -481,6 +493,10 @@ def _load_quantized(target: _Target, shards, scheme, module: str, fmt, source, b
     if reason is None:
         target.pack(slot.name, t.pop("qweight"), fmt, **t)
         return
+    if target.packed and target.expert_stack(slot):
+        if target.pack_experts(slot, fmt, t):
+            return
+        reason = "its expert stack's parts are of different formats"
     target.note_dense(fmt.name, reason, names["qweight"])
     weight = quant_kernels.dequantize_rows(fmt, t, slice(None), shape[1])
     target.copy(slot, target.model.checkpoint_tensor(slot.name, weight), names["qweight"], source)
@@ -533,15 +549,20 @@ def _folder_summary(model: CausalLM, source: ModelSource, device, dense: int) ->
         names = scheme.tensor_names(module)
         types[fmt.name] = types.get(fmt.name, 0) + 1
         slot = target.slot(f"{module}.weight")
-        if slot is not None and target.why_dense_layer(slot) is None:
-            param = target.params[slot.name]
-            packed[id(param)] = sum(_stored_bytes(headers.get(n)) for n in names.values())
+        if slot is not None and (target.why_dense_layer(slot) is None or target.expert_stack(slot)):
+            key = id(target.params[slot.name])  # an expert stack's parts add up
+            stored = sum(_stored_bytes(headers.get(n)) for n in names.values())
+            packed[key] = packed.get(key, 0) + stored
     parts = {n for m in modules for n in scheme.tensor_names(m).values()}
     for name, entry in headers.items():
         if name not in parts and not st_quant.is_unused(scheme, name):
             types[entry["dtype"]] = types.get(entry["dtype"], 0) + 1
     resident = sum(packed.get(i, n * dense) for i, n in unique.items())
     return {"types": types, "resident": resident}
+
+
+def _indexable(t: torch.Tensor) -> torch.Tensor:
+    return t.view(torch.int32) if t.dtype == torch.uint32 else t
 
 
 def _stored_bytes(entry: dict | None) -> int:

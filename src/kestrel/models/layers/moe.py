@@ -7,11 +7,11 @@ weights and a routed scaling factor; then shared experts that every token passes
 
 Expert weights are stacked as transformers >= 5 keeps them, `experts.gate_up_proj` (E, 2I, H) and
 `experts.down_proj` (E, H, I); checkpoints that store one tensor per expert load through
-`expert_slot`; a GGUF file's stacks may stay in their blocks (`PackedStack`). The expert
-computation is batched: a decode-sized batch gathers the chosen experts'
-weights and runs one bmm; a larger one sorts (token, expert) pairs by expert and runs one grouped
-GEMM per projection over every expert's contiguous slice (`grouped_matmul`). Neither loops over
-tokens in Python, and neither reads a count back to the host. On CUDA with Triton the routing and
+`expert_slot`; a quantized checkpoint's stacks stay quantized (`PackedStack`). The expert
+computation is batched: a decode-sized batch gathers the chosen experts' weights and runs one
+bmm; a larger one sorts (token, expert) pairs by expert and runs one grouped GEMM per projection
+over every expert's contiguous slice (`grouped_matmul`). Neither loops over tokens in Python,
+and neither reads a count back to the host. On CUDA with Triton the routing and
 both projections run as fused kernels (kernels/moe.py), for which this PyTorch path is the oracle.
 """
 
@@ -21,12 +21,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kestrel.kernels import cpu_native, gemv
+from kestrel.kernels import cpu_native, gemv, gguf_dp4a
 from kestrel.kernels import moe as moe_kernels
 from kestrel.kernels import quant as quant_kernels
-from kestrel.kernels.fused import ACTIVATIONS
+from kestrel.kernels.fused import ACTIVATIONS, act_mul
 from kestrel.models.base import Slot
 from kestrel.models.layers.mlp import GatedMLP
+from kestrel.models.layers.quant import Quantized
 
 
 def route_topk(
@@ -79,35 +80,58 @@ def _limit_groups(choice: torch.Tensor, n_group: int, topk_group: int, group_sco
     return grouped.masked_fill(~group_mask[..., None], float("-inf")).view(T, E)
 
 
-class PackedStack(nn.Module):
-    """A stacked expert projection kept as a GGUF file's blocks, `blocks` (E, rows, row bytes):
-    only the experts a batch chooses are dequantized, while they compute, so a quantized MoE
-    file takes its own size in memory. Indexing gives experts dense, as a stacked weight does."""
+class PackedStack(Quantized):
+    """A stacked expert projection kept in its checkpoint's quantized format: each role's tensor
+    (`qweight`, the packed values, and the format's scales) as (E, rows, ...), one entry per row
+    (`kernels.quant.by_row`), so a quantized MoE checkpoint takes its own size in memory. Decode
+    on CUDA multiplies GGUF k-quant blocks directly (`Experts._pair_gemvs`); elsewhere only the
+    experts a batch chooses are dequantized, while they compute. Indexing gives experts dense,
+    as a stacked weight does."""
 
-    def __init__(self, blocks: torch.Tensor, qtype: str, cols: int, dtype: torch.dtype):
-        super().__init__()
-        self.register_buffer("blocks", blocks)
-        self.qtype, self.cols, self.dtype = qtype, cols, dtype
+    def __init__(self, tensors: dict[str, torch.Tensor], fmt, cols: int, dtype: torch.dtype):
+        super().__init__(tensors, fmt, cols)
+        self.dtype = dtype
 
     @property
     def shape(self) -> tuple[int, int, int]:
-        return (*self.blocks.shape[:2], self.cols)
+        return (*self.qweight.shape[:2], self.cols)
 
     def __getitem__(self, experts) -> torch.Tensor:
         """The experts `experts` (ids, an id or a slice) dequantized: (..., rows, cols)."""
-        blocks = self.blocks[experts]
-        rows = blocks.reshape(-1, blocks.shape[-1])
-        dense = quant_kernels.dequantize(rows, self.qtype, self.cols).to(self.dtype)
-        return dense.view(*blocks.shape[:-1], self.cols)
+        chosen = {role: _take(t, experts) for role, t in self.tensors().items()}
+        lead = chosen["qweight"].shape[:-1]  # (..., rows)
+        rows = {role: t.reshape(-1, *t.shape[len(lead) :]) for role, t in chosen.items()}
+        dense = quant_kernels.dequantize_rows(self.fmt, rows, slice(None), self.cols)
+        return dense.to(self.dtype).view(*lead, self.cols)
 
     def matmul(self, x: torch.Tensor, expert: int) -> torch.Tensor:
-        """x (M, cols) times expert `expert`'s weight transposed: from its blocks on the CPU."""
-        if not x.is_cuda and cpu_native.serves(self.qtype):
-            return cpu_native.gguf_mm(x, self.blocks[expert], self.qtype, self.cols)
+        """x (M, cols) times expert `expert`'s weight transposed: GGUF blocks multiply as they are
+        on the CPU."""
+        if self.fmt.kind == "gguf" and not x.is_cuda and cpu_native.serves(self.qtype):
+            return cpu_native.gguf_mm(x, self.qweight[expert], self.qtype, self.cols)
         return x @ self[expert].t()
+
+    def kernel_stack(self) -> moe_kernels.QuantStack | None:
+        """The stack as the fused MoE kernels read it quantized (FP8, MLX 4- and 8-bit); None
+        for formats they do not decode (GGUF, NVFP4, other MLX widths: dequantized instead)."""
+        fmt = self.fmt
+        if fmt.kind == "fp8":
+            return moe_kernels.QuantStack(self.qweight, self.scale, None, 0, fmt.block[1])
+        if fmt.kind == "mlx" and fmt.bits in (4, 8):
+            return moe_kernels.QuantStack(
+                self.qweight, self.scales, self.biases, fmt.bits, fmt.group
+            )
+        return None
 
     def extra_repr(self) -> str:
         return f"{tuple(self.shape)}, qtype={self.qtype}"
+
+
+def _take(t: torch.Tensor, experts) -> torch.Tensor:
+    """t[experts], FP8 through its bytes (index kernels do not take every float8 type)."""
+    if t.dtype == torch.float8_e4m3fn:
+        return t.view(torch.uint8)[experts].view(t.dtype)
+    return t[experts]
 
 
 class Experts(nn.Module):
@@ -137,24 +161,53 @@ class Experts(nn.Module):
         return self.gate_up_proj if self.gated else self.up_proj
 
     @property
+    def stacks(self) -> tuple:
+        return self.in_proj, self.down_proj
+
+    @property
     def packed(self) -> bool:
-        return any(isinstance(w, PackedStack) for w in (self.in_proj, self.down_proj))
+        return any(isinstance(w, PackedStack) for w in self.stacks)
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """x (T, H), weights/ids (T, k) -> (T, H): sum over k of weight * expert_id(x)."""
+        if self._reads_blocks(x, ids):
+            return self._pair_gemvs(x, weights, ids)
         if moe_kernels.available(x, self.act_name):
-            in_proj, down_proj, ids = self._dense(ids)
+            in_proj, down_proj, ids = self._kernel_stacks(ids)
             return moe_kernels.fused_experts(
                 x.contiguous(), in_proj, down_proj, weights, ids, self.act_name, self.gated
             )
         return self.reference(x, weights, ids)
 
-    def _dense(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """The stacks the fused kernels read and `ids` into them: packed stacks give the chosen
-        experts, one per (token, expert) pair, where there are fewer pairs than experts (decode),
-        and every expert otherwise, dequantized for this call."""
+    def _reads_blocks(self, x: torch.Tensor, ids: torch.Tensor) -> bool:
+        """Decode (fewer pairs than experts) on CUDA from packed k-quant stacks: the GEMVs read
+        the chosen experts' blocks (kernels/gguf_dp4a.py) instead of dequantizing them."""
+        return ids.numel() <= self.num_experts and all(
+            isinstance(s, PackedStack) and gguf_dp4a.serves(x, s.qtype, self.num_experts)
+            for s in self.stacks
+        )
+
+    def _pair_gemvs(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor):
+        """Each (token, expert) pair through its expert, from the blocks: the in projection,
+        the activation, then the down projection scaled by the pair's routing weight."""
+        flat = ids.reshape(-1)
+        w_in, w_down = self.in_proj, self.down_proj
+        h = gguf_dp4a.expert_gemv(x, w_in.qweight, w_in.qtype, w_in.cols, flat)  # (P, 2I or I)
+        h = act_mul(h, self.act_name) if self.gated else self.act(h)
+        scale = weights.reshape(-1).float()
+        out = gguf_dp4a.expert_gemv(h, w_down.qweight, w_down.qtype, w_down.cols, flat, scale)
+        return out.view(*ids.shape, -1).sum(1).to(x.dtype)
+
+    def _kernel_stacks(self, ids: torch.Tensor):
+        """The stacks the fused kernels read and `ids` into them: dense stacks as they are, FP8
+        and MLX stacks quantized (`PackedStack.kernel_stack`); other packed stacks give the
+        chosen experts, one per (token, expert) pair, where there are fewer pairs than experts
+        (decode), and every expert otherwise, dequantized for this call."""
         if not self.packed:
             return self.in_proj, self.down_proj, ids
+        stacks = [w.kernel_stack() if isinstance(w, PackedStack) else None for w in self.stacks]
+        if None not in stacks:
+            return *stacks, ids
         flat = ids.reshape(-1)
         if flat.numel() > self.num_experts:
             return self.in_proj[:], self.down_proj[:], ids

@@ -37,7 +37,7 @@ CUDA_CHUNK_BYTES = 256 << 20  # on CUDA fewer, larger matmuls: launches cost mor
 DENSE_LINEARS = frozenset({"kv_b_proj", "dt_proj"})
 
 
-class _Quantized(nn.Module):
+class Quantized(nn.Module):
     """The buffers of one quantized weight (rows, cols) and its `Format`."""
 
     def __init__(self, tensors: dict[str, torch.Tensor], fmt: Format | str, cols: int):
@@ -56,7 +56,7 @@ class _Quantized(nn.Module):
         return dequantize_rows(self.fmt, self.tensors(), rows, self.cols)
 
 
-class QuantLinear(_Quantized):
+class QuantLinear(Quantized):
     """y = x @ W.T (+ bias), W (out, in) quantized as `fmt` (a GGUF type name or a `Format`)."""
 
     def __init__(self, qweight: torch.Tensor, fmt, in_features: int, bias=None, **scales):
@@ -122,7 +122,7 @@ class QuantLinear(_Quantized):
         return f"{self.in_features}, {self.out_features}, qtype={self.qtype}"
 
 
-class QuantEmbedding(_Quantized):
+class QuantEmbedding(Quantized):
     """Token ids -> rows of E (vocab, dim) quantized as `fmt`, as `dtype`."""
 
     def __init__(self, qweight, fmt, embedding_dim: int, dtype: torch.dtype, **scales):
