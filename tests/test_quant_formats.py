@@ -489,3 +489,107 @@ def test_random_shape_checkpoint_loads_with_its_experts_quantized(tmp_path):
     assert isinstance(model.model.layers[0].mlp.down_proj, QuantLinear)  # the dense layer
     logits = chunked_logits(model, [1, 2, 3, 4, 5], 5)
     assert torch.isfinite(logits).all() and logits.abs().max() > 0
+
+
+def to_mlx_lm(state: dict, c: dict) -> dict:
+    """A transformers glm4_moe_lite state in mlx-lm's layout: experts stacked per projection in
+    `switch_mlp` (E, out, in), `kv_b_proj` split per head into `embed_q` (H, r, dn) and
+    `unembed_out` (H, dv, r)."""
+    I, dn, r = c["moe_intermediate_size"], c["qk_nope_head_dim"], c["kv_lora_rank"]  # noqa: E741
+    out = {}
+    for name, t in state.items():
+        prefix = name.rpartition(".")[0]
+        switch = prefix.removesuffix(".experts") + ".switch_mlp"
+        if name.endswith("experts.gate_up_proj"):
+            out[f"{switch}.gate_proj.weight"], out[f"{switch}.up_proj.weight"] = t[:, :I], t[:, I:]
+        elif name.endswith("experts.down_proj"):
+            out[f"{switch}.down_proj.weight"] = t
+        elif name.endswith("kv_b_proj.weight"):
+            w = t.view(c["num_attention_heads"], -1, r)
+            out[prefix.replace("kv_b_proj", "embed_q.weight")] = w[:, :dn].transpose(1, 2)
+            out[prefix.replace("kv_b_proj", "unembed_out.weight")] = w[:, dn:]
+        else:
+            out[name] = t
+    return out
+
+
+def from_mlx_lm(state: dict, c: dict) -> dict:
+    """The inverse of `to_mlx_lm`."""
+    out = {}
+    for name, t in state.items():
+        module = name.removesuffix(".weight")
+        if module.endswith("switch_mlp.gate_proj"):
+            experts = module.replace("switch_mlp.gate_proj", "experts")
+            up = state[name.replace("gate_proj", "up_proj")]
+            out[f"{experts}.gate_up_proj"] = torch.cat([t, up], 1)
+        elif module.endswith("switch_mlp.down_proj"):
+            out[module.replace("switch_mlp.down_proj", "experts.down_proj")] = t
+        elif module.endswith("embed_q"):
+            w = torch.cat([t.transpose(1, 2), state[name.replace("embed_q", "unembed_out")]], 1)
+            out[name.replace("embed_q", "kv_b_proj")] = w.reshape(-1, c["kv_lora_rank"])
+        elif not module.endswith(("switch_mlp.up_proj", "unembed_out")):
+            out[name] = t
+    return out
+
+
+def mlx_quantize_stack(w: torch.Tensor, bits: int, group: int) -> tuple[dict, torch.Tensor]:
+    """`mlx_quantize` over the last two dims of a (..., rows, cols) tensor, as mx.quantize does."""
+    parts = [mlx_quantize(m, bits, group) for m in w.reshape(-1, *w.shape[-2:])]
+    tensors = {
+        role: torch.stack([p[role] for p, _ in parts]).reshape(*w.shape[:-2], *t.shape)
+        for role, t in parts[0][0].items()
+    }
+    return tensors, torch.stack([d for _, d in parts]).reshape(w.shape)
+
+
+def write_mlx_lm_glm(tmp_path, quantized: bool):
+    """A tiny glm4_moe_lite as mlx-lm saves it (`to_mlx_lm`), in MLX 4-bit (every weight of
+    whole groups of 8, the embedding and head too; the router stays float) when `quantized`, and
+    the float checkpoint of its values in transformers' layout: (mlx folder, float folder)."""
+    config = transformers.Glm4MoeLiteConfig(**GLM)
+    torch.manual_seed(0)
+    model = transformers.Glm4MoeLiteForCausalLM(config)
+    with torch.no_grad():
+        randomize_correction_bias(model)
+    mlx = to_mlx_lm({k: v.detach().clone() for k, v in model.state_dict().items()}, GLM)
+    tensors, values = {}, {}
+    for name, w in mlx.items():
+        module = name.removesuffix(".weight")
+        linear = module.endswith(("_proj", "embed_q", "unembed_out", "lm_head", "embed_tokens"))
+        if not quantized or not linear or w.shape[-1] % 8:
+            tensors[name] = values[name] = w
+            continue
+        quant, values[name] = mlx_quantize_stack(w, 4, 8)
+        tensors.update({f"{module}.{role}": t for role, t in quant.items()})
+    extra = {"quantization": {"group_size": 8, "bits": 4}} if quantized else {}
+    folder = write_folder(tmp_path / "mlx", config, tensors, extra)
+    return folder, write_folder(tmp_path / "float", config, from_mlx_lm(values, GLM))
+
+
+@pytest.mark.parametrize("quantized", [True, False], ids=["mlx-4", "bf16"])
+def test_mlx_lm_layout_loads_stacked_experts_and_split_latent_projection(quantized, tmp_path):
+    # mlx-community MoE folders: experts in one tensor per projection (`switch_mlp`), MLA's
+    # kv_b_proj as per-head `embed_q` and `unembed_out`
+    mlx, floats = write_mlx_lm_glm(tmp_path, quantized)
+    kestrel = load(mlx)
+    experts = kestrel.model.layers[1].mlp.experts
+    for stack in (experts.gate_up_proj, experts.down_proj):
+        assert isinstance(stack, PackedStack) == quantized
+    ids = [(i * 37 + 11) % 128 for i in range(20)]
+    expected = chunked_logits(load(floats), ids, len(ids))
+    assert expected.abs().max() > 0.1
+    assert_close(decode_logits(kestrel, ids, 6), expected)
+    with torch.no_grad():
+        hf = transformers.Glm4MoeLiteForCausalLM.from_pretrained(floats, dtype=torch.float32)
+        assert_close(hf(torch.tensor([ids])).logits[0], expected)
+
+
+def test_stacked_experts_of_the_wrong_count_name_the_tensor(tmp_path):
+    mlx, _ = write_mlx_lm_glm(tmp_path, quantized=True)
+    tensors = load_file(mlx / "model.safetensors")
+    name = "model.layers.2.mlp.switch_mlp.down_proj"
+    for role in ("weight", "scales", "biases"):
+        tensors[f"{name}.{role}"] = tensors[f"{name}.{role}"][:-1]
+    save_file(tensors, str(mlx / "model.safetensors"))
+    with pytest.raises(ModelLoadError, match=rf"{name}\.weight stacks 7 parts; .* takes 8"):
+        load(mlx)

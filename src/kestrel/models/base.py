@@ -1,5 +1,6 @@
 """What every model family provides to the runner and the loaders."""
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -27,13 +28,25 @@ def head_dim(config) -> int:
 
 @dataclass(frozen=True)
 class Slot:
-    """Part of a parameter that one checkpoint tensor fills: `param[index]`, transposed first when
-    `transpose` (e.g. expert 3's gate rows of a stacked (E, 2I, H) weight). `checkpoint_name` may
-    return a Slot instead of a name; a parameter counts as loaded once its slots cover it."""
+    """Part of a parameter that one checkpoint tensor fills: `param[index]` (of the parameter
+    viewed as `view`, when given), the tensor's last two dims swapped first when `transpose` (e.g.
+    expert 3's gate rows of a stacked (E, 2I, H) weight; MLA's per-head keys in its (H, dn + dv,
+    r) `kv_b_proj`). An `index` led by `slice(None)` takes a stack of parts (every expert, every
+    head). `checkpoint_name` may return a Slot instead of a name; a parameter counts as loaded
+    once its slots cover it."""
 
     name: str
     index: tuple = ()
     transpose: bool = False
+    view: tuple = ()
+
+    def of(self, param: torch.Tensor) -> torch.Tensor:
+        """The part of `param` this slot fills."""
+        return (param.view(self.view) if self.view else param)[self.index]
+
+    def parts(self, count: int) -> list["Slot"]:
+        """A stack's slot (`index` led by `slice(None)`) as one slot per part."""
+        return [dataclasses.replace(self, index=(i, *self.index[1:])) for i in range(count)]
 
 
 class CausalLM(nn.Module):

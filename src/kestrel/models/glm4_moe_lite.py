@@ -61,7 +61,7 @@ class Glm4MoeLiteForCausalLM(LatentCausalLM):
             name = hasattr(self, "mtp") and predictor_name(name[len(mtp_prefix) :], MTP_NAMES, "")
             if not name:
                 return None
-        return expert_slot(name, self.config.moe_intermediate_size) or name
+        return expert_slot(name, self.config.moe_intermediate_size) or super().checkpoint_name(name)
 
 
 # the MTP layer's own tensors; its copies of the embeddings and head are the model's

@@ -46,4 +46,4 @@ class Mistral4ForCausalLM(LatentCausalLM):
 
     def checkpoint_name(self, name: str) -> str | Slot | None:
         # transformers saves stacked experts; older exports keep one tensor per expert
-        return expert_slot(name, self.config.moe_intermediate_size) or name
+        return expert_slot(name, self.config.moe_intermediate_size) or super().checkpoint_name(name)

@@ -311,7 +311,7 @@ class _Target:
     def copy(self, slot: Slot, tensor: torch.Tensor, name: str, source: ModelSource) -> None:
         if slot.transpose:
             tensor = tensor.transpose(-1, -2)
-        dest = self.dense(slot.name)[slot.index]
+        dest = slot.of(self.dense(slot.name))
         if tuple(tensor.shape) != tuple(dest.shape):
             raise ModelLoadError(
                 f"{source.path}: tensor {name} has shape {tuple(tensor.shape)}, "
@@ -356,7 +356,7 @@ class _Target:
         to load dense."""
         module, attr = self._owner(slot.name)
         stack, param = getattr(module, attr), self.params[slot.name]
-        fmt, tensors = quant_kernels.by_row(fmt, tensors, param[slot.index].shape[-2])
+        fmt, tensors = quant_kernels.by_row(fmt, tensors, slot.of(param).shape[-2])
         # int32, not uint32: CUDA cannot index uint32 tensors (MLX words)
         tensors = {r: _indexable(t) for r, t in tensors.items()}
         if isinstance(stack, PackedStack) and stack.fmt != fmt:
@@ -372,7 +372,7 @@ class _Target:
         for role, t in tensors.items():
             dest = getattr(stack, role)[slot.index]
             dest.copy_(t.reshape(dest.shape))
-        self.filled[slot.name] = self.filled.get(slot.name, 0) + param[slot.index].numel()
+        self.filled[slot.name] = self.filled.get(slot.name, 0) + slot.of(param).numel()
         return True
 
     def _empty_stack(self, param: torch.Tensor, fmt, part: dict) -> PackedStack:
@@ -435,7 +435,7 @@ def _load_gguf(target: _Target, f, name: str, t, source: ModelSource) -> None:
     rows = None if reason else _packed_rows(target.model, slot.name, blocks)
     if rows is not None:
         shape = gguf_weights.torch_shape(t)
-        expected = tuple(target.params[slot.name][slot.index].shape)
+        expected = tuple(slot.of(target.params[slot.name]).shape)
         if shape != expected:
             raise ModelLoadError(
                 f"{source.path}: tensor {name} has shape {shape}, expected {expected} for {slot.name}"
@@ -470,25 +470,49 @@ def _load_quantized_folder(target: _Target, source: ModelSource, scheme, bar) ->
 
 def _load_quantized(target: _Target, shards, scheme, module: str, fmt, source, bar) -> None:
     """One quantized module: kept as its checkpoint's tensors in a quantized layer where the
-    model can take one (and `target.packed`), else dequantized at load with a log line."""
+    model can take one (and `target.packed`), else dequantized at load with a log line. A stack
+    in one tensor (mlx-lm's `switch_mlp` experts, (E, rows, ...); MLA's per-head `embed_q`) loads
+    part by part."""
     names = scheme.tensor_names(module)
     tensors = {role: shards.get(n) for role, n in names.items()}
     bar.update(sum(t.numel() * t.element_size() for t in tensors.values() if t is not None))
     slot = target.slot(f"{module}.weight")
     if slot is None:
         return
-    dest = target.params[slot.name][slot.index]  # meta or materialized: only its shape is read
-    shape = tuple(dest.shape[::-1] if slot.transpose else dest.shape)
+    stack = tensors["qweight"]
+    if stack is None or stack.dim() != 3 or slot.index[:1] != (slice(None),):
+        _load_quantized_part(target, scheme, module, slot, fmt, tensors, names, source)
+        return
+    count = len(slot.of(target.params[slot.name]))
+    if len(stack) != count:
+        raise ModelLoadError(
+            f"{source.path}: tensor {names['qweight']} stacks {len(stack)} parts; "
+            f"{slot.name} takes {count}"
+        )
+    for i, part in enumerate(slot.parts(count)):
+        part_tensors = {r: _part(t, i, count) for r, t in tensors.items()}
+        part_names = {r: f"{n}[{i}]" for r, n in names.items()}
+        _load_quantized_part(target, scheme, module, part, fmt, part_tensors, part_names, source)
+
+
+def _part(t: torch.Tensor | None, i: int, count: int) -> torch.Tensor | None:
+    """Part `i` of a stacked role's tensor; a role the parts share (one scale) as it is."""
+    return t[i] if t is not None and t.dim() and len(t) == count else t
+
+
+def _load_quantized_part(target, scheme, module, slot, fmt, tensors, names, source) -> None:
+    dest = slot.of(target.params[slot.name])  # meta or materialized: only its shape is read
+    shape = (*dest.shape[:-2], dest.shape[-1], dest.shape[-2]) if slot.transpose else dest.shape
     if len(shape) != 2:
         raise ModelLoadError(
             f"{source.path}: tensor {names['qweight']} is quantized but fills {slot.name} of "
-            f"shape {shape}; quantized weights must be matrices"
+            f"shape {tuple(shape)}; quantized weights must be matrices"
         )
     try:
-        st_quant.check(fmt, module, tensors, names, shape)
+        st_quant.check(fmt, module, tensors, names, tuple(shape))
     except ModelLoadError as e:
         raise ModelLoadError(f"{source.path}: {e}") from e
-    t = st_quant.layer_tensors(scheme, fmt, tensors, shape)
+    t = st_quant.layer_tensors(scheme, fmt, tensors, tuple(shape))
     reason = target.why_dense_layer(slot) if target.packed else "packed weights are off"
     if reason is None:
         target.pack(slot.name, t.pop("qweight"), fmt, **t)

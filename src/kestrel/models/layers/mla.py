@@ -22,7 +22,7 @@ from kestrel.cache.mask import visible_mask
 from kestrel.cache.sequence import CACHE_KINDS, CacheSpec, KVShape
 from kestrel.kernels import fused
 from kestrel.kernels.attention import attend
-from kestrel.models.base import CausalLM, rope_parameters
+from kestrel.models.base import CausalLM, Slot, rope_parameters
 from kestrel.models.batch import ForwardBatch
 from kestrel.models.layers.mtp import final_norm
 from kestrel.models.layers.norm import RMSNorm
@@ -268,3 +268,16 @@ class LatentCausalLM(CausalLM):
 
     def cache_specs(self) -> list[CacheSpec]:
         return latent_cache_specs(self.config.num_hidden_layers)
+
+    def checkpoint_name(self, name: str) -> str | Slot:
+        """mlx-lm stores `kv_b_proj` split per head: `embed_q` (H, r, dn), the key part
+        transposed, and `unembed_out` (H, dv, r), the value part."""
+        prefix, _, part = name.rpartition(".self_attn.")
+        if part not in ("embed_q.weight", "unembed_out.weight"):
+            return name
+        c = self.config
+        view = (c.num_attention_heads, c.qk_nope_head_dim + c.v_head_dim, c.kv_lora_rank)
+        weight = f"{prefix}.self_attn.kv_b_proj.weight"
+        if part == "embed_q.weight":
+            return Slot(weight, (slice(None), slice(0, c.qk_nope_head_dim)), True, view)
+        return Slot(weight, (slice(None), slice(c.qk_nope_head_dim, None)), view=view)

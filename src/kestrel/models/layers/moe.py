@@ -380,6 +380,8 @@ class SparseMoE(nn.Module):
 
 
 _EXPERT_TENSOR = re.compile(r"^(?P<prefix>.*\.experts)\.(?P<expert>\d+)\.(?P<proj>\w+)\.weight$")
+# mlx-lm's SwitchGLU / SwitchMLP: every expert's projection in one (E, out, in) tensor
+_STACKED_TENSOR = re.compile(r"^(?P<prefix>.*)\.switch_mlp\.(?P<proj>\w+)\.weight$")
 
 
 def expert_slot(
@@ -391,11 +393,18 @@ def expert_slot(
 ) -> Slot | None:
     """`<prefix>.experts.<i>.<proj>.weight` (one tensor per expert) -> the part of the stacked
     weight it fills; None for any other name. Mixtral names its projections w1/w3/w2.
-    `gate=None`: experts without a gate (Experts(gated=False)), `up` fills `up_proj`."""
+    `gate=None`: experts without a gate (Experts(gated=False)), `up` fills `up_proj`.
+    mlx-lm's `<prefix>.switch_mlp.<proj>.weight` (gate_proj, up_proj, down_proj; fc1 and fc2
+    without a gate) fills the projection for every expert at once."""
     match = _EXPERT_TENSOR.match(name)
-    if match is None:
+    if match is not None:
+        prefix, expert, proj = match["prefix"], int(match["expert"]), match["proj"]
+    elif (match := _STACKED_TENSOR.match(name)) is not None:
+        prefix, expert = f"{match['prefix']}.experts", slice(None)
+        mlx = {"gate_proj": gate, "up_proj": up, "down_proj": down, "fc1": up, "fc2": down}
+        proj = mlx.get(match["proj"])
+    if match is None or proj is None:
         return None
-    prefix, expert, proj = match["prefix"], int(match["expert"]), match["proj"]
     if gate is None and proj == up:
         return Slot(f"{prefix}.up_proj", (expert,))
     if proj == gate:
