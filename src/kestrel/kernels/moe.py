@@ -184,14 +184,17 @@ if triton is not None:
         kernels/quant.py's dequantize_rows and the cast after it compute it."""
         at = rows[None, :] * groups + kk[:, None] // GROUP
         scale = tl.load(s + at, mask=mask, other=0.0).to(tl.float32)
+        # one branch compiles (constexpr): the MLX one divides by BITS, 0 for FP8
         if QUANT == 1:  # FP8, loaded without `other` (no fp32 -> fp8 cast), masked after
             v = tl.load(w + rows[None, :] * K + kk[:, None], mask=mask)
-            return tl.where(mask, v.to(tl.float32) * scale, 0.0).to(dt)
-        PER: tl.constexpr = 32 // BITS
-        words = tl.load(w + rows[None, :] * (K // PER) + kk[:, None] // PER, mask=mask, other=0)
-        q = (words >> ((kk[:, None] % PER) * BITS)) & ((1 << BITS) - 1)
-        bias = tl.load(z + at, mask=mask, other=0.0).to(tl.float32)
-        return (q.to(tl.float32) * scale + bias).to(dt)
+            tile = tl.where(mask, v.to(tl.float32) * scale, 0.0)
+        else:
+            per = 32 // BITS
+            words = tl.load(w + rows[None, :] * (K // per) + kk[:, None] // per, mask=mask, other=0)
+            q = (words >> ((kk[:, None] % per) * BITS)) & ((1 << BITS) - 1)
+            bias = tl.load(z + at, mask=mask, other=0.0).to(tl.float32)
+            tile = q.to(tl.float32) * scale + bias
+        return tile.to(dt)
 
     @triton.jit
     def _experts_in(
