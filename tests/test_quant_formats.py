@@ -30,6 +30,7 @@ from tests.test_gguf_quantized import CONFIG, PROMPT
 from tests.test_models_glm4_moe_lite import CONFIG as GLM
 from tests.test_models_glm4_moe_lite import randomize_correction_bias
 
+from kestrel.bench.roofline import active_weight_bytes, weight_bytes
 from kestrel.errors import ModelLoadError, UnsupportedModelError
 from kestrel.kernels.quant import Format
 from kestrel.models.layers.fused import concat_projection
@@ -290,6 +291,12 @@ def test_moe_experts_stay_quantized_and_give_the_dequantized_logits(key, tmp_pat
     summary = checkpoint_summary(meta, resolve(str(quant)), torch.device("cpu"), torch.float32)
     # FP8 stacks repeat their tile scales per row, a few percent more than stored
     assert summary["resident"] == pytest.approx(resident_bytes(kestrel), rel=0.1)
+    # `kestrel bench`'s roofline counts the stacks as they are held, a token reading k of E
+    assert weight_bytes(kestrel) == pytest.approx(summary["resident"], rel=0.1)
+    stacks = sum(resident_bytes(kestrel.model.layers[i].mlp.experts) for i in (1, 2))
+    embedding = resident_bytes(kestrel.model.embed_tokens) * (1 - 1 / GLM["vocab_size"])
+    unread = embedding + stacks * (1 - GLM["num_experts_per_tok"] / GLM["n_routed_experts"])
+    assert weight_bytes(kestrel) - active_weight_bytes(kestrel) == pytest.approx(unread)
 
     ids = [(i * 37 + 11) % 128 for i in range(20)]
     expected = chunked_logits(load(floats), ids, len(ids))

@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from kestrel.models.layers.moe import Experts
-from kestrel.models.layers.quant import QuantEmbedding, QuantLinear
+from kestrel.models.layers.quant import QuantEmbedding, Quantized, QuantLinear
 
 # the reference machine's measured ceilings (DESIGN.md section 5)
 H200 = dict(bandwidth=4.25e12, flops=786e12)
@@ -55,12 +55,12 @@ def active_bytes_per_token(config, dtype) -> float:
 
 def _weights(model: nn.Module):
     """(name, tensor) of every weight once: the parameters, and the stored tensors of quantized
-    layers (buffers by role; a tied head shares its embedding's)."""
+    layers and expert stacks (buffers by role; a tied head shares its embedding's)."""
     seen = set()
     stored = (
         (f"{prefix}.{role}", getattr(m, role))
         for prefix, m in model.named_modules()
-        if isinstance(m, (QuantLinear, QuantEmbedding))
+        if isinstance(m, Quantized)
         for role in m.roles
     )
     for name, t in (*model.named_parameters(), *stored):
@@ -90,7 +90,7 @@ def _read_fractions(model: nn.Module, batch: int) -> dict[str, float]:
         if isinstance(experts, Experts):
             top_k = getattr(module, "top_k", None) or module.router.top_k
             unread = (1 - top_k / experts.num_experts) ** batch
-            for name, _ in experts.named_parameters():
+            for name, _ in _weights(experts):
                 parts[f"{prefix}.experts.{name}"] = 1 - unread
     return parts
 

@@ -42,7 +42,8 @@ class QuantStack:
     """An expert stack (E, N, K) the kernels dequantize tile by tile as they read it. FP8
     (`bits` 0): float8_e4m3fn values (E, N, K) times float32 `scales` (E, N, K / group); MLX
     affine: `bits` 4 or 8 values packed little end first in int32 words (E, N, K * bits / 32),
-    times `scales` plus `biases` (E, N, K / group). A group may span a row (group >= K)."""
+    times `scales` plus `biases` (E, N, K / group). A group may span a row (group >= K); a
+    shorter one is a power of two of at least 16 (`serves`)."""
 
     values: torch.Tensor
     scales: torch.Tensor
@@ -54,6 +55,11 @@ class QuantStack:
     def shape(self) -> tuple[int, int, int]:
         E, N, width = self.values.shape
         return E, N, width * 32 // self.bits if self.bits else width
+
+    @staticmethod
+    def serves(group: int, cols: int) -> bool:
+        """Whether the kernels tile a stack of `group`-wide scales over `cols` inputs."""
+        return group >= cols or (group >= 16 and group & (group - 1) == 0)
 
 
 def _stack_args(w: torch.Tensor | QuantStack) -> tuple:
@@ -89,18 +95,26 @@ def fused_experts(
     pairs, block_expert = (flat, flat) if one_pair else sort_pairs(flat, E, bm)
     blocks, fp32 = block_expert.numel(), x.dtype == torch.float32
     h = x.new_empty(P, inter)
-    tile = tiles(one_pair, inter, blocks, per_expert)
+    tile = _within_groups(tiles(one_pair, inter, blocks, per_expert), in_flags, H)
     _experts_in[(blocks, triton.cdiv(inter, tile["BLOCK_N"]))](
         x, w_in, *in_q, h, pairs, block_expert, P, k, E, H, inter,
         ONE_PAIR=one_pair, GATED=gated, ACT=ACTIVATION_IDS[act], IEEE=fp32, **in_flags, **tile,
     )  # fmt: skip
     out = torch.empty(P, H, device=x.device, dtype=torch.float32)
-    tile = tiles(one_pair, H, blocks, per_expert)
+    tile = _within_groups(tiles(one_pair, H, blocks, per_expert), down_flags, inter)
     _experts_down[(blocks, triton.cdiv(H, tile["BLOCK_N"]))](
         h, w_down, *down_q, out, weights.reshape(-1).float(), pairs, block_expert, P, E, H, inter,
         ONE_PAIR=one_pair, IEEE=fp32, **down_flags, **tile,
     )  # fmt: skip
     return out.view(T, k, H).sum(1).to(x.dtype)
+
+
+def _within_groups(tile: dict, flags: dict, K: int) -> dict:
+    """`tile` with a BLOCK_K that divides the quantized stack's group (a power of two, see
+    `QuantStack`), so each weight tile reads one scale per column."""
+    if flags["QUANT"] and flags["GROUP"] < K:
+        return {**tile, "BLOCK_K": min(tile["BLOCK_K"], flags["GROUP"])}
+    return tile
 
 
 def tiles(one_pair: bool, n: int, blocks: int, pairs_per_expert: float = 0.0) -> dict:
@@ -176,23 +190,26 @@ if triton is not None:
 
     @triton.jit
     def _quant_tile(
-        w, s, z, groups, rows, kk, mask, K,
+        w, s, z, groups, rows, k0, kk, mk, mn, K,
         QUANT: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr, dt: tl.constexpr,
     ):  # fmt: skip
         """W's (BLOCK_K, BLOCK_N) tile at rows `rows` (of the whole stack: expert * N + n) and
-        inputs `kk` of a `QuantStack`, dequantized in fp32 and rounded to `dt`, as
-        kernels/quant.py's dequantize_rows and the cast after it compute it."""
-        at = rows[None, :] * groups + kk[:, None] // GROUP
-        scale = tl.load(s + at, mask=mask, other=0.0).to(tl.float32)
+        inputs k0 + kk of a `QuantStack`, dequantized in fp32 and rounded to `dt`, as
+        kernels/quant.py's dequantize_rows and the cast after it compute it. The tile lies in
+        one group (`fused_experts` keeps BLOCK_K a divisor of GROUP): one scale per column."""
+        at = rows * groups + k0 // GROUP
+        scale = tl.load(s + at, mask=mn, other=0.0).to(tl.float32)[None, :]
+        mask = mk[:, None] & mn[None, :]
         # one branch compiles (constexpr): the MLX one divides by BITS, 0 for FP8
         if QUANT == 1:  # FP8, loaded without `other` (no fp32 -> fp8 cast), masked after
-            v = tl.load(w + rows[None, :] * K + kk[:, None], mask=mask)
+            v = tl.load(w + rows[None, :] * K + (k0 + kk)[:, None], mask=mask)
             tile = tl.where(mask, v.to(tl.float32) * scale, 0.0)
         else:
             per = 32 // BITS
-            words = tl.load(w + rows[None, :] * (K // per) + kk[:, None] // per, mask=mask, other=0)
-            q = (words >> ((kk[:, None] % per) * BITS)) & ((1 << BITS) - 1)
-            bias = tl.load(z + at, mask=mask, other=0.0).to(tl.float32)
+            at_words = rows[None, :] * (K // per) + ((k0 + kk) // per)[:, None]
+            words = tl.load(w + at_words, mask=mask, other=0)
+            q = (words >> (((k0 + kk) % per) * BITS)[:, None]) & ((1 << BITS) - 1)
+            bias = tl.load(z + at, mask=mn, other=0.0).to(tl.float32)[None, :]
             tile = q.to(tl.float32) * scale + bias
         return tile.to(dt)
 
@@ -228,7 +245,7 @@ if triton is not None:
                 b = tl.load(w_at + k0, mask=mb, other=0.0)
             else:
                 b = _quant_tile(
-                    w, s, z, groups, w_rows, kk + k0, mb, H, QUANT, BITS, GROUP, a.dtype
+                    w, s, z, groups, w_rows, k0, kk, mk, mn, H, QUANT, BITS, GROUP, a.dtype
                 )
             acc = _dot(a, b, acc, IEEE)
             if GATED:
@@ -236,8 +253,9 @@ if triton is not None:
                     b = tl.load(w_at + inter * H + k0, mask=mb, other=0.0)
                 else:
                     b = _quant_tile(
-                        w, s, z, groups, w_rows + inter, kk + k0, mb, H, QUANT, BITS, GROUP, a.dtype
-                    )
+                        w, s, z, groups, w_rows + inter, k0, kk, mk, mn, H,
+                        QUANT, BITS, GROUP, a.dtype,
+                    )  # fmt: skip
                 up = _dot(a, b, up, IEEE)
         if ACT == 0:
             acc = acc * tl.sigmoid(acc)
@@ -282,7 +300,7 @@ if triton is not None:
             else:
                 w_rows = expert * H + n
                 b = _quant_tile(
-                    w, s, z, groups, w_rows, kk + k0, mb, inter, QUANT, BITS, GROUP, a.dtype
+                    w, s, z, groups, w_rows, k0, kk, mk, mn, inter, QUANT, BITS, GROUP, a.dtype
                 )
             acc = _dot(a, b, acc, IEEE)
         acc = acc * tl.load(weights + rows, mask=live, other=0.0)[:, None]

@@ -113,15 +113,18 @@ class PackedStack(Quantized):
 
     def kernel_stack(self) -> moe_kernels.QuantStack | None:
         """The stack as the fused MoE kernels read it quantized (FP8, MLX 4- and 8-bit); None
-        for formats they do not decode (GGUF, NVFP4, other MLX widths: dequantized instead)."""
+        for formats or groups they do not decode (GGUF, NVFP4, other MLX widths: dequantized
+        instead)."""
         fmt = self.fmt
         if fmt.kind == "fp8":
-            return moe_kernels.QuantStack(self.qweight, self.scale, None, 0, fmt.block[1])
-        if fmt.kind == "mlx" and fmt.bits in (4, 8):
-            return moe_kernels.QuantStack(
+            stack = moe_kernels.QuantStack(self.qweight, self.scale, None, 0, fmt.block[1])
+        elif fmt.kind == "mlx" and fmt.bits in (4, 8):
+            stack = moe_kernels.QuantStack(
                 self.qweight, self.scales, self.biases, fmt.bits, fmt.group
             )
-        return None
+        else:
+            return None
+        return stack if stack.serves(stack.group, self.cols) else None
 
     def extra_repr(self) -> str:
         return f"{tuple(self.shape)}, qtype={self.qtype}"
