@@ -1,9 +1,12 @@
 """nemotron_h equals transformers' NemotronHForCausalLM on a tiny checkpoint with every block kind
 (Mamba2 M, attention *, MLP -, MoE E), alone, batched, chunked and under --max-kv-size."""
 
+import shutil
+
 import pytest
 import torch
 import transformers
+from safetensors.torch import load_file, save_file
 from tests.family_suite import (  # noqa: F401  (the shared tests run here)
     Family,
     build_tiny,
@@ -21,6 +24,7 @@ from tests.family_suite import (  # noqa: F401  (the shared tests run here)
     test_serves_the_checkpoint_by_its_model_type,
     test_trim_leaves_recurrent_state_untouched,
 )
+from tests.reference import chunked_logits, load_kestrel
 
 from kestrel.models.nemotron_h import NemotronHForCausalLM
 
@@ -90,3 +94,19 @@ def test_loads_by_model_type_with_a_cache_per_block_kind(tiny):
     assert kinds == ["recurrent", "full", "none", "none", "recurrent", "full", "none", "recurrent"]
     # K and V of the 2 attention layers only: 2 kv heads x head_dim 16, fp32
     assert model.kv_bytes_per_token(torch.float32) == 2 * 2 * (2 * 16) * 4
+
+
+def test_mlx_lm_stacked_experts_load_as_the_per_expert_tensors(tiny, tmp_path):
+    # mlx-lm saves Nemotron-H's routed experts stacked, (E, out, in): `mixer.switch_mlp.fc1` the
+    # up projections, `fc2` the down ones
+    tensors = load_file(str(tiny.folder / "model.safetensors"))
+    stacked = {k: v for k, v in tensors.items() if ".experts." not in k}
+    for layer in {k.split(".mixer.experts.")[0] for k in tensors if ".mixer.experts." in k}:
+        for proj, mlx in (("up_proj", "fc1"), ("down_proj", "fc2")):
+            parts = [tensors[f"{layer}.mixer.experts.{e}.{proj}.weight"] for e in range(8)]
+            stacked[f"{layer}.mixer.switch_mlp.{mlx}.weight"] = torch.stack(parts)
+    assert len(stacked) < len(tensors)
+    shutil.copytree(tiny.folder, tmp_path / "mlx")
+    save_file(stacked, str(tmp_path / "mlx" / "model.safetensors"))
+    expected = chunked_logits(tiny.model, PROMPT, len(PROMPT))
+    torch.testing.assert_close(chunked_logits(load_kestrel(tmp_path / "mlx"), PROMPT, 7), expected)
