@@ -251,17 +251,22 @@ def stack_experts(state: dict, template: dict) -> dict:
     return out
 
 
-def write_glm_pair(tmp_path, key: str, options: dict):
-    """A tiny glm4_moe_lite (MLA, routed experts stored one tensor per expert) in format `key`
-    and the float checkpoint of its dequantized values: (quantized folder, float folder). Only
-    matrices of whole groups are quantized, and not the head."""
-    fmt = FORMATS[key][0]
+def tiny_glm():
+    """A tiny random glm4_moe_lite from transformers: (config, its float state dict)."""
     config = transformers.Glm4MoeLiteConfig(**GLM)
     torch.manual_seed(0)
     model = transformers.Glm4MoeLiteForCausalLM(config)
     with torch.no_grad():
         randomize_correction_bias(model)
-    state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    return config, {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def write_glm_pair(tmp_path, key: str, options: dict):
+    """A tiny glm4_moe_lite (MLA, routed experts stored one tensor per expert) in format `key`
+    and the float checkpoint of its dequantized values: (quantized folder, float folder). Only
+    matrices of whole groups are quantized, and not the head."""
+    fmt = FORMATS[key][0]
+    config, state = tiny_glm()
     split = split_experts(state, GLM["moe_intermediate_size"])
     group = options.get("group", 16 if "nvfp4" in fmt else 1)
     keep = {
@@ -553,12 +558,8 @@ def write_mlx_lm_glm(tmp_path, quantized: bool):
     """A tiny glm4_moe_lite as mlx-lm saves it (`to_mlx_lm`), in MLX 4-bit (every weight of
     whole groups of 8, the embedding and head too; the router stays float) when `quantized`, and
     the float checkpoint of its values in transformers' layout: (mlx folder, float folder)."""
-    config = transformers.Glm4MoeLiteConfig(**GLM)
-    torch.manual_seed(0)
-    model = transformers.Glm4MoeLiteForCausalLM(config)
-    with torch.no_grad():
-        randomize_correction_bias(model)
-    mlx = to_mlx_lm({k: v.detach().clone() for k, v in model.state_dict().items()}, GLM)
+    config, state = tiny_glm()
+    mlx = to_mlx_lm(state, GLM)
     tensors, values = {}, {}
     for name, w in mlx.items():
         module = name.removesuffix(".weight")
