@@ -1,11 +1,14 @@
 """One MoE layer's routed experts on the GPU: the fused Triton kernels against the PyTorch experts
-(gathered bmm for few pairs, grouped GEMM for many), on the seed MoE shapes, bf16, random weights
-and uniform random routing. Prints one JSON line per (shape, tokens): microseconds per layer for
-both and, for the fused kernels, the rate at which they read the chosen experts' weights.
+(gathered bmm for few pairs, grouped GEMM for many), on the seed MoE shapes, bf16 or FP8
+(`--fp8`: the experts quantized per row in groups of 128 columns, read by the kernels as FP8),
+random weights and uniform random routing. Prints one JSON line per (shape, tokens):
+microseconds per layer for both (PyTorch in bf16 only) and, for the fused kernels, the rate at
+which they read the chosen experts' weights.
 
-    python benchmarks/moe_kernels.py [--tokens 1 8 64 512 4096] [--sweep]
+    python benchmarks/moe_kernels.py [--tokens 1 8 64 512 4096] [--fp8] [--sweep]
 
-`--sweep` also times a few tile settings per size (to choose `kernels.moe.tiles`)."""
+`--sweep` also times a few launch settings per size (to choose `kernels.moe.tiles`, or, where
+decode's pair GEMVs serve, `kernels.moe_gemv`'s launch constants)."""
 
 import argparse
 import json
@@ -13,7 +16,7 @@ import os
 
 import torch
 
-from kestrel.kernels import moe
+from kestrel.kernels import moe, moe_gemv
 from kestrel.models.layers.moe import Experts, route_topk
 
 # (experts, top-k, hidden, expert width, activation, gated) from weights/shapes.py
@@ -22,12 +25,13 @@ SHAPES = {
     "glm-4.7-flash": (64, 4, 2048, 1536, "silu", True),
     "gemma4-26b-a4b": (128, 8, 2816, 704, "gelu_pytorch_tanh", True),
 }
-SWEEP = [
-    dict(BLOCK_M=16, BLOCK_N=n, BLOCK_K=k, num_warps=w, num_stages=s)
-    for n in (32, 64, 128)
-    for k in (64, 128, 256)
-    for w in (4,)
-    for s in (3, 4)
+GEMV_KNOBS = ("BLOCK_N", "CHUNKS", "WARPS", "MIN_PROGRAMS")
+SWEEP_GEMV = [
+    dict(zip(GEMV_KNOBS, (n, c, w, p), strict=True))
+    for n in (1, 2, 4, 8)
+    for c in (16, 32, 64)
+    for w in (1, 2, 4)
+    for p in (512, 2048)
 ]
 SWEEP_SORTED = [
     dict(BLOCK_M=m, BLOCK_N=n, BLOCK_K=k, num_warps=w, num_stages=s)
@@ -56,29 +60,52 @@ def timed(fn, iters: int = 50) -> float:
     return start.elapsed_time(end) * 1000 / iters
 
 
-def measure(shape: str, tokens: int, sweep: bool) -> dict:
+def fp8_stack(w: torch.Tensor) -> moe.QuantStack:
+    """w (E, N, K) as FP8 with a float32 scale per row per 128 columns."""
+    groups = w.float().unflatten(-1, (-1, 128))
+    scales = groups.abs().amax(-1).clamp(min=1e-12) / torch.finfo(torch.float8_e4m3fn).max
+    values = (groups / scales[..., None]).to(torch.float8_e4m3fn).flatten(-2)
+    return moe.QuantStack(values, scales, None, 0, 128)
+
+
+def measure(shape: str, tokens: int, fp8: bool, sweep: bool) -> dict:
     E, k, H, inter, act, gated = SHAPES[shape]
     experts = Experts(E, H, inter, act, gated).to("cuda", torch.bfloat16)
     for p in experts.parameters():
         torch.nn.init.normal_(p, std=0.02)
     x = torch.randn(tokens, H, device="cuda", dtype=torch.bfloat16)
     weights, ids = route_topk(torch.randn(tokens, E, device="cuda"), k)
-    read = ids.unique().numel() * sum(p[0].numel() * 2 for p in experts.parameters())
-    fused_us = timed(lambda: experts(x, weights, ids))
-    row = dict(shape=shape, tokens=tokens, pairs=tokens * k, fused_us=round(fused_us, 1))
-    row["pytorch_us"] = round(timed(lambda: experts.reference(x, weights, ids)), 1)
+    stacks = [fp8_stack(w) if fp8 else w for w in experts.stacks]
+    read = ids.unique().numel() * sum(p[0].numel() * (1 if fp8 else 2) for p in experts.stacks)
+
+    def fused():
+        return moe.fused_experts(x, *stacks, weights, ids, act, gated)
+
+    fused_us = timed(fused)
+    row = dict(shape=shape, tokens=tokens, pairs=tokens * k, fp8=fp8, fused_us=round(fused_us, 1))
+    if not fp8:
+        row["pytorch_us"] = round(timed(lambda: experts.reference(x, weights, ids)), 1)
     row["fused_weights_tb_s"] = round(read / fused_us / 1e6, 2)
     if sweep:
-        row["sweep"] = sweep_tiles(experts, x, weights, ids, tokens * k <= E)
+        row["sweep"] = sweep_gemv(fused) if tokens * k <= E else sweep_tiles(fused)
     return row
 
 
-def sweep_tiles(experts, x, weights, ids, one_pair: bool) -> list:
+def sweep_gemv(fused) -> list:
+    default, results = {knob: getattr(moe_gemv, knob) for knob in GEMV_KNOBS}, []
+    for config in SWEEP_GEMV:
+        vars(moe_gemv).update(config)
+        results.append((round(timed(fused, 20), 1), config))
+    vars(moe_gemv).update(default)
+    return sorted(results, key=lambda r: r[0])[:5]
+
+
+def sweep_tiles(fused) -> list:
     default, results = moe.tiles, []
-    for tile in SWEEP if one_pair else SWEEP_SORTED:
+    for tile in SWEEP_SORTED:
         moe.tiles = lambda *_, tile=tile: tile
         try:
-            results.append((round(timed(lambda: experts(x, weights, ids), 20), 1), tile))
+            results.append((round(timed(fused, 20), 1), tile))
         except Exception as e:  # a tile that does not fit shared memory
             results.append((None, dict(tile, error=type(e).__name__)))
         finally:
@@ -90,12 +117,13 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tokens", type=int, nargs="+", default=[1, 8, 32, 128, 512, 4096])
     parser.add_argument("--shapes", nargs="+", default=list(SHAPES))
+    parser.add_argument("--fp8", action="store_true", help="FP8 experts (128-column groups)")
     parser.add_argument("--sweep", action="store_true")
     args = parser.parse_args()
     torch.manual_seed(0)
     for shape in args.shapes:
         for tokens in args.tokens:
-            row = measure(shape, tokens, args.sweep)
+            row = measure(shape, tokens, args.fp8, args.sweep)
             row.update(device=torch.cuda.get_device_name(), commit=os.environ.get("KESTREL_COMMIT"))
             print(json.dumps(row), flush=True)
 

@@ -172,15 +172,16 @@ def test_mla_rope_norm_kernel_equals_the_pytorch_layers(dtype, interleaved):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("tokens", [1, 3, 40])  # one pair per block (P <= E), sorted blocks
+# decode's pair GEMVs (P <= E), sorted blocks, and few pairs on a width no GEMV chunk divides
+@pytest.mark.parametrize("tokens,inter", [(1, 72), (3, 72), (40, 72), (2, 34)])
 @pytest.mark.parametrize(
     "act,gated", [("silu", True), ("gelu_pytorch_tanh", True), ("relu2", False)]
 )
-def test_fused_experts_equal_the_pytorch_experts(dtype, tokens, act, gated):
+def test_fused_experts_equal_the_pytorch_experts(dtype, tokens, inter, act, gated):
     """The fused MoE kernels equal the PyTorch experts (run on the CPU in fp32 on the same
-    weights), with widths that are not whole tiles; the sorted form also under graph capture."""
+    weights), with widths that are not whole tiles, also under graph capture."""
     torch.manual_seed(tokens)
-    experts = Experts(16, 200, 72, act, gated)
+    experts = Experts(16, 200, inter, act, gated)
     for p in experts.parameters():
         torch.nn.init.normal_(p, std=0.1)
     x = torch.randn(tokens, 200)
@@ -219,11 +220,11 @@ def quant_stack(kind: str, E: int, N: int, K: int) -> tuple[QuantStack, torch.Te
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("tokens", [1, 3, 40])  # one pair per block (P <= E), sorted blocks
+@pytest.mark.parametrize("tokens", [1, 3, 40])  # decode's pair GEMVs (P <= E), sorted blocks
 @pytest.mark.parametrize("kind", ["fp8", "mlx4", "mlx8"])
 def test_fused_experts_read_quantized_stacks_as_their_dequantized_values(dtype, tokens, kind):
-    """FP8 and MLX stacks dequantized tile by tile in the kernels give what the kernels give on
-    the same stacks dequantized first (widths not whole tiles, FP8's last tile clipped)."""
+    """FP8 and MLX stacks read quantized in the kernels give what the kernels give on the same
+    stacks dequantized first (widths not whole tiles, FP8's last tile clipped)."""
     torch.manual_seed(tokens)
     E, H, inter = 16, 192, 96
     w_in, dense_in = quant_stack(kind, E, 2 * inter, H)
@@ -233,12 +234,16 @@ def test_fused_experts_read_quantized_stacks_as_their_dequantized_values(dtype, 
     dense = (dense_in.to("cuda", dtype), dense_down.to("cuda", dtype))
     expected = fused_experts(x, *dense, weights, ids, "silu", True)
     got = fused_experts(x, w_in, w_down, weights, ids, "silu", True)
-    torch.testing.assert_close(got, expected, rtol=1e-3, atol=1e-3)
+    # The GEMVs scale each chunk's float32 sum once, where the bf16 stack rounds each weight
+    # first: bf16's tolerance. The sorted GEMMs round every tile as the dequantized stack is.
+    gemv_bf16 = dtype == torch.bfloat16 and tokens < 40
+    tol = dict(rtol=3e-2, atol=3e-2) if gemv_bf16 else dict(rtol=1e-3, atol=1e-3)
+    torch.testing.assert_close(got, expected, **tol)
     graph, stream = torch.cuda.CUDAGraph(), torch.cuda.Stream()
     with torch.cuda.stream(stream), torch.cuda.graph(graph, stream=stream):
         captured = fused_experts(x, w_in, w_down, weights, ids, "silu", True)
     graph.replay()
-    torch.testing.assert_close(captured, expected, rtol=1e-3, atol=1e-3)
+    torch.testing.assert_close(captured, expected, **tol)
 
 
 @pytest.mark.parametrize(

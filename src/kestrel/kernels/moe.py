@@ -8,10 +8,11 @@ Expert weights are read where they lie (no gathered copy), so decode reads each 
 FP8 and MLX 4- and 8-bit stacks (`QuantStack`) are read quantized, each tile dequantized in
 registers.
 
-Pairs reach an expert in blocks of BLOCK_M rows. With few pairs (decode) each pair is its own block
-("one pair per block": no sorting at all); with many (prefill, large batches) pairs are sorted by
-expert and each expert's run is padded to whole blocks, with the block count bounded by the number
-of pairs so the grid is static (CUDA graphs) and nothing is read back to the host.
+With few pairs (decode: no more pairs than experts, so they rarely share one) each pair is a GEMV
+of its own (kernels/moe_gemv.py), no sorting at all. With many (prefill, large batches) pairs
+reach an expert in blocks of BLOCK_M rows: they are sorted by expert and each expert's run is
+padded to whole blocks, with the block count bounded by the number of pairs so the grid is static
+(CUDA graphs) and nothing is read back to the host.
 
 The PyTorch path in models/layers/moe.py is the CPU path and these kernels' oracle in the GPU tests.
 This module imports nothing from kestrel: kernels are the bottom of the import graph.
@@ -20,6 +21,8 @@ This module imports nothing from kestrel: kernels are the bottom of the import g
 from dataclasses import dataclass
 
 import torch
+
+from kestrel.kernels import moe_gemv
 
 try:
     import triton
@@ -43,7 +46,7 @@ class QuantStack:
     (`bits` 0): float8_e4m3fn values (E, N, K) times float32 `scales` (E, N, K / group); MLX
     affine: `bits` 4 or 8 values packed little end first in int32 words (E, N, K * bits / 32),
     times `scales` plus `biases` (E, N, K / group). A group may span a row (group >= K); a
-    shorter one is a power of two of at least 16 (`serves`)."""
+    shorter one is a power of two of at least 16 (`tiles_groups`)."""
 
     values: torch.Tensor
     scales: torch.Tensor
@@ -56,10 +59,12 @@ class QuantStack:
         E, N, width = self.values.shape
         return E, N, width * 32 // self.bits if self.bits else width
 
-    @staticmethod
-    def serves(group: int, cols: int) -> bool:
-        """Whether the kernels tile a stack of `group`-wide scales over `cols` inputs."""
-        return group >= cols or (group >= 16 and group & (group - 1) == 0)
+    @property
+    def tiles_groups(self) -> bool:
+        """Whether the kernels tile its scale groups: a group spans the row or is a power of
+        two of at least 16."""
+        group = self.group
+        return group >= self.shape[2] or (group >= 16 and group & (group - 1) == 0)
 
 
 def _stack_args(w: torch.Tensor | QuantStack) -> tuple:
@@ -85,28 +90,37 @@ def fused_experts(
     be a `QuantStack`, read quantized."""
     T, k = ids.shape
     E, H, inter = w_down.shape
-    (w_in, *in_q), in_flags = _stack_args(w_in)
-    (w_down, *down_q), down_flags = _stack_args(w_down)
-    flat = ids.reshape(-1)
+    (w_in, in_flags), (w_down, down_flags) = _stack_args(w_in), _stack_args(w_down)
+    stacks = (w_in, in_flags, w_down, down_flags)
+    args = (x, *stacks, weights, ids, ACTIVATION_IDS[act], gated, H, inter)
+    decode = ids.numel() <= E  # pairs rarely share an expert: each reads its own once
+    gemvs = moe_gemv.serves(w_in[0], in_flags, H) and moe_gemv.serves(w_down[0], down_flags, inter)
+    out = moe_gemv.pair_gemvs(*args) if decode and gemvs else _sorted_experts(*args, E)
+    return out.view(T, k, H).sum(1).to(x.dtype)
+
+
+def _sorted_experts(x, w_in, in_flags, w_down, down_flags, weights, ids, act, gated, H, inter, E):
+    """`fused_experts`' (P, H) float32 pair rows from the grouped GEMMs over pairs sorted by
+    expert (the arguments as `moe_gemv.pair_gemvs` takes them, and the expert count)."""
+    (w_in, *in_q), (w_down, *down_q) = w_in, w_down
+    flat, k = ids.reshape(-1), ids.shape[1]
     P = flat.numel()
-    one_pair = P <= E  # decode: pairs rarely share an expert, so sorting buys nothing
     per_expert = P / E
-    bm = tiles(one_pair, 0, 0, per_expert)["BLOCK_M"]
-    pairs, block_expert = (flat, flat) if one_pair else sort_pairs(flat, E, bm)
+    pairs, block_expert = sort_pairs(flat, E, tiles(0, 0, per_expert)["BLOCK_M"])
     blocks, fp32 = block_expert.numel(), x.dtype == torch.float32
     h = x.new_empty(P, inter)
-    tile = _within_groups(tiles(one_pair, inter, blocks, per_expert), in_flags, H)
+    tile = _within_groups(tiles(inter, blocks, per_expert), in_flags, H)
     _experts_in[(blocks, triton.cdiv(inter, tile["BLOCK_N"]))](
         x, w_in, *in_q, h, pairs, block_expert, P, k, E, H, inter,
-        ONE_PAIR=one_pair, GATED=gated, ACT=ACTIVATION_IDS[act], IEEE=fp32, **in_flags, **tile,
+        GATED=gated, ACT=act, IEEE=fp32, **in_flags, **tile,
     )  # fmt: skip
     out = torch.empty(P, H, device=x.device, dtype=torch.float32)
-    tile = _within_groups(tiles(one_pair, H, blocks, per_expert), down_flags, inter)
+    tile = _within_groups(tiles(H, blocks, per_expert), down_flags, inter)
     _experts_down[(blocks, triton.cdiv(H, tile["BLOCK_N"]))](
         h, w_down, *down_q, out, weights.reshape(-1).float(), pairs, block_expert, P, E, H, inter,
-        ONE_PAIR=one_pair, IEEE=fp32, **down_flags, **tile,
+        IEEE=fp32, **down_flags, **tile,
     )  # fmt: skip
-    return out.view(T, k, H).sum(1).to(x.dtype)
+    return out
 
 
 def _within_groups(tile: dict, flags: dict, K: int) -> dict:
@@ -117,12 +131,9 @@ def _within_groups(tile: dict, flags: dict, K: int) -> dict:
     return tile
 
 
-def tiles(one_pair: bool, n: int, blocks: int, pairs_per_expert: float = 0.0) -> dict:
+def tiles(n: int, blocks: int, pairs_per_expert: float) -> dict:
     """Tile sizes and launch settings for an output width n over `blocks` row blocks (measured
     on the H200 with benchmarks/moe_kernels.py --sweep)."""
-    if one_pair:  # few rows: narrow tiles so enough programs stream the weights
-        wide = blocks * triton.cdiv(n, 64) >= 256 if n else True
-        return dict(BLOCK_M=16, BLOCK_N=64 if wide else 32, BLOCK_K=128, num_warps=4, num_stages=3)
     if pairs_per_expert >= 128:  # prefill-sized: compute-bound, big tiles
         return dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=3)
     return dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=64, num_warps=4, num_stages=3)
@@ -173,13 +184,9 @@ def sort_pairs(flat: torch.Tensor, num_experts: int, block_m: int):
 if triton is not None:
 
     @triton.jit
-    def _block_rows(pairs, block_expert, pid, P, E, ONE_PAIR: tl.constexpr, BLOCK_M: tl.constexpr):
+    def _block_rows(pairs, block_expert, pid, BLOCK_M: tl.constexpr):
         # this block's expert and pair rows (P marks a padding row)
-        r = tl.arange(0, BLOCK_M)
-        if ONE_PAIR:
-            rows = tl.where(r == 0, pid, P)
-        else:
-            rows = tl.load(pairs + pid * BLOCK_M + r)
+        rows = tl.load(pairs + pid * BLOCK_M + tl.arange(0, BLOCK_M))
         return tl.load(block_expert + pid).to(tl.int64), rows.to(tl.int64)
 
     @triton.jit
@@ -219,14 +226,14 @@ if triton is not None:
         w,  # (E, 2I or I, H): gate rows then up rows when gated
         s, z, groups,  # a QuantStack's scales, biases, groups per row (QUANT > 0)
         h,  # (P, I) out
-        pairs,  # (B * BLOCK_M,) pair per row, or the expert ids when ONE_PAIR
+        pairs,  # (B * BLOCK_M,) pair per row
         block_expert,  # (B,)
         P, k, E, H, inter,
-        ONE_PAIR: tl.constexpr, GATED: tl.constexpr, ACT: tl.constexpr, IEEE: tl.constexpr,
+        GATED: tl.constexpr, ACT: tl.constexpr, IEEE: tl.constexpr,
         QUANT: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     ):  # fmt: skip
-        expert, rows = _block_rows(pairs, block_expert, tl.program_id(0), P, E, ONE_PAIR, BLOCK_M)
+        expert, rows = _block_rows(pairs, block_expert, tl.program_id(0), BLOCK_M)
         if expert >= E:
             return
         n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -257,14 +264,7 @@ if triton is not None:
                         QUANT, BITS, GROUP, a.dtype,
                     )  # fmt: skip
                 up = _dot(a, b, up, IEEE)
-        if ACT == 0:
-            acc = acc * tl.sigmoid(acc)
-        elif ACT == 1:  # tanh approximation of gelu
-            inner = 0.7978845608028654 * (acc + 0.044715 * acc * acc * acc)
-            acc = 0.5 * acc * (1.0 + (2.0 * tl.sigmoid(2.0 * inner) - 1.0))
-        else:  # squared relu
-            acc = tl.maximum(acc, 0.0)
-            acc = acc * acc
+        acc = moe_gemv.activate(acc, ACT)
         if GATED:
             acc = acc * up
         out = h + rows[:, None] * inter + n[None, :]
@@ -278,11 +278,11 @@ if triton is not None:
         out,  # (P, H) fp32
         weights,  # (P,) fp32 routing weights
         pairs, block_expert, P, E, H, inter,
-        ONE_PAIR: tl.constexpr, IEEE: tl.constexpr,
+        IEEE: tl.constexpr,
         QUANT: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     ):  # fmt: skip
-        expert, rows = _block_rows(pairs, block_expert, tl.program_id(0), P, E, ONE_PAIR, BLOCK_M)
+        expert, rows = _block_rows(pairs, block_expert, tl.program_id(0), BLOCK_M)
         if expert >= E:
             return
         n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)

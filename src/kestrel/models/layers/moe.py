@@ -124,7 +124,7 @@ class PackedStack(Quantized):
             )
         else:
             return None
-        return stack if stack.serves(stack.group, self.cols) else None
+        return stack if stack.tiles_groups else None
 
     def extra_repr(self) -> str:
         return f"{tuple(self.shape)}, qtype={self.qtype}"
@@ -399,15 +399,10 @@ def expert_slot(
     `gate=None`: experts without a gate (Experts(gated=False)), `up` fills `up_proj`.
     mlx-lm's `<prefix>.switch_mlp.<proj>.weight` (gate_proj, up_proj, down_proj; fc1 and fc2
     without a gate) fills the projection for every expert at once."""
-    match = _EXPERT_TENSOR.match(name)
-    if match is not None:
-        prefix, expert, proj = match["prefix"], int(match["expert"]), match["proj"]
-    elif (match := _STACKED_TENSOR.match(name)) is not None:
-        prefix, expert = f"{match['prefix']}.experts", slice(None)
-        mlx = {"gate_proj": gate, "up_proj": up, "down_proj": down, "fc1": up, "fc2": down}
-        proj = mlx.get(match["proj"])
-    if match is None or proj is None:
+    part = _expert_part(name, gate, up, down)
+    if part is None:
         return None
+    prefix, expert, proj = part
     if gate is None and proj == up:
         return Slot(f"{prefix}.up_proj", (expert,))
     if proj == gate:
@@ -416,4 +411,16 @@ def expert_slot(
         return Slot(f"{prefix}.gate_up_proj", (expert, slice(intermediate, 2 * intermediate)))
     if proj == down:
         return Slot(f"{prefix}.down_proj", (expert,))
+    return None
+
+
+def _expert_part(name: str, gate: str | None, up: str, down: str) -> tuple | None:
+    """An expert tensor's (stacks' prefix, expert id or slice(None) for all, projection name as
+    `expert_slot` names it); None for any other name."""
+    if (match := _EXPERT_TENSOR.match(name)) is not None:
+        return match["prefix"], int(match["expert"]), match["proj"]
+    if (match := _STACKED_TENSOR.match(name)) is not None:
+        mlx = {"gate_proj": gate, "up_proj": up, "down_proj": down, "fc1": up, "fc2": down}
+        proj = mlx.get(match["proj"])
+        return None if proj is None else (f"{match['prefix']}.experts", slice(None), proj)
     return None

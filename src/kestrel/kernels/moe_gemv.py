@@ -1,0 +1,191 @@
+"""Decode's routed experts as GEMVs: each (token, expert) pair reads its expert's rows once.
+
+kernels/moe.py's grouped GEMMs give a decode pair a 16-row tensor-core tile of which one row is
+real, over wide column tiles: at one token, GLM-4.7-Flash's four pairs made 96-192 programs on
+132 SMs, too few loads in flight to stream the weights (FP8 experts read at about 1.1 TB/s on the
+H100). Here, as in kernels/gemv.py and kernels/fp8_gemv.py, a program owns BLOCK_N rows of one
+pair's expert and walks K in steps of CHUNKS chunks of 16 bytes; each thread loads a (row, chunk)
+in one 16-byte load, with its own copy of x's values, and sums it on its own. Two kernels: the
+in projection with the activation (act(gate) * up, or act(up) ungated), then the down projection
+times the pair's routing weight, in float32 for the sum over a token's pairs.
+
+The stacks are kernels/moe.py's: bf16/fp16/fp32 (E, N, K), FP8 values with a float32 scale per
+row per group of columns, MLX 4- or 8-bit int32 words with a scale and a bias per group. A chunk
+lies in one group (`serves`), so its sum is scaled once: FP8 scale * sum(w * x), MLX
+scale * sum(q * x) + bias * sum(x), in float32 (the dequantized stack instead rounds each weight
+to x's dtype first). Imports nothing from kestrel.
+"""
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # CPU-only installs
+    triton = None
+
+CHUNK_BYTES = 16  # a thread's load
+BLOCK_N, CHUNKS, WARPS = 4, 32, 2  # rows per program, chunks per loop step, warps
+MIN_PROGRAMS = 2048  # fewer rows a program until there are this many (15 per SM)
+
+
+def span(w: torch.Tensor, flags: dict) -> int:
+    """Columns in a chunk of stack `w` (kernels/moe.py's `_stack_args` flags)."""
+    if flags["QUANT"] == 2:  # MLX: four int32 words of 32 / BITS values
+        return CHUNK_BYTES // 4 * (32 // flags["BITS"])
+    return CHUNK_BYTES // w.element_size()
+
+
+def serves(w: torch.Tensor, flags: dict, K: int) -> bool:
+    """Whether the GEMVs read stack `w` over K inputs: whole chunks, each in one scale group."""
+    columns, group = span(w, flags), flags["GROUP"]
+    return K % columns == 0 and (flags["QUANT"] == 0 or group >= K or group % columns == 0)
+
+
+def pair_gemvs(x, w_in, in_flags, w_down, down_flags, weights, ids, act, gated, H, inter):
+    """x (T, H) and the stacks' kernel arguments (W, scales, biases, groups per row; flags) ->
+    (P, H) float32: row p is pair p's down(act(in(x))) times its routing weight, for expert
+    ids (T, k), weights (T, k) and `act` an activation id (`activate`)."""
+    flat = ids.reshape(-1)
+    P, k = flat.numel(), ids.shape[1]
+    h = x.new_empty(P, inter)
+    block_n, grid = _grid(inter, P)
+    _gemv_in[grid](
+        x, *w_in, _shift(in_flags, H), h, flat, k, H, inter, _steps(w_in[0], in_flags, H),
+        GATED=gated, ACT=act, QUANT=in_flags["QUANT"], BITS=in_flags["BITS"],
+        BLOCK_N=block_n, CHUNKS=CHUNKS, SPAN=span(w_in[0], in_flags), num_warps=WARPS,
+    )  # fmt: skip
+    out = torch.empty(P, H, device=x.device, dtype=torch.float32)
+    block_n, grid = _grid(H, P)
+    _gemv_down[grid](
+        h, *w_down, _shift(down_flags, inter), out, weights.reshape(-1).float(), flat, H, inter,
+        _steps(w_down[0], down_flags, inter), QUANT=down_flags["QUANT"], BITS=down_flags["BITS"],
+        BLOCK_N=block_n, CHUNKS=CHUNKS, SPAN=span(w_down[0], down_flags), num_warps=WARPS,
+    )  # fmt: skip
+    return out
+
+
+def _grid(N: int, pairs: int) -> tuple[int, tuple[int, int]]:
+    block_n = BLOCK_N
+    while block_n > 1 and triton.cdiv(N, block_n) * pairs < MIN_PROGRAMS:
+        block_n //= 2  # few pairs or narrow experts: more programs, fewer rows each
+    return block_n, (triton.cdiv(N, block_n), pairs)
+
+
+def _steps(w: torch.Tensor, flags: dict, K: int) -> int:
+    return triton.cdiv(K, CHUNKS * span(w, flags))
+
+
+def _shift(flags: dict, K: int) -> int:
+    """A column's scale group is column >> shift (groups are powers of two or span the row)."""
+    group = flags["GROUP"]
+    return 31 if group >= K else group.bit_length() - 1
+
+
+if triton is not None:
+
+    @triton.jit
+    def activate(acc, ACT: tl.constexpr):
+        """silu (0), gelu's tanh approximation (1) or squared relu (2) of float32 acc."""
+        if ACT == 0:
+            return acc * tl.sigmoid(acc)
+        elif ACT == 1:
+            inner = 0.7978845608028654 * (acc + 0.044715 * acc * acc * acc)
+            return 0.5 * acc * (1.0 + (2.0 * tl.sigmoid(2.0 * inner) - 1.0))
+        else:
+            acc = tl.maximum(acc, 0.0)
+            return acc * acc
+
+    @triton.jit
+    def _row_sums(
+        X, W, S, Z, groups, shift, rows, xm, K, steps,
+        QUANT: tl.constexpr, BITS: tl.constexpr, BLOCK_N: tl.constexpr, CHUNKS: tl.constexpr,
+        SPAN: tl.constexpr,
+    ):  # fmt: skip
+        """(BLOCK_N,) float32: the stack's rows `rows` ((BLOCK_N, 1), experts' rows counted
+        from the stack's first) times row xm of X (., K). Chunks past K (the last step's tail)
+        read the last chunk again and count zero, so no load needs a mask."""
+        chunk = tl.arange(0, CHUNKS)[None, :]
+        columns = tl.arange(0, SPAN)[None, None, :]
+        acc = tl.zeros((BLOCK_N, CHUNKS), dtype=tl.float32)
+        for step in range(0, steps):
+            start = (step * CHUNKS + chunk) * SPAN  # (1, C) each chunk's first column
+            ok = start < K
+            start = tl.minimum(start, K - SPAN)
+            cols = start[:, :, None] + columns  # (1, C, SPAN)
+            x = tl.load(X + xm * K + cols + 0 * rows[:, :, None]).to(tl.float32)
+            group = rows * groups + (start >> shift)  # (BLOCK_N, C): the chunk's scale group
+            # one branch compiles (constexpr): the MLX one divides by BITS, 0 otherwise
+            if QUANT == 2:
+                part = _mlx_chunks(W, S, Z, group, rows, start, x, K, BITS, SPAN)
+            else:
+                part = tl.sum(tl.load(W + rows[:, :, None] * K + cols).to(tl.float32) * x, 2)
+                if QUANT == 1:
+                    part *= tl.load(S + group)
+            acc += tl.where(ok, part, 0.0)
+        return tl.sum(acc, 1)
+
+    @triton.jit
+    def _mlx_chunks(W, S, Z, group, rows, start, x, K, BITS: tl.constexpr, SPAN: tl.constexpr):
+        """(BLOCK_N, C): chunks of MLX words (value j of a word at bits j * BITS) times x
+        (BLOCK_N, C, SPAN): scale * sum(q * x) + bias * sum(x)."""
+        per: tl.constexpr = 32 // BITS  # values in a word
+        word = tl.arange(0, SPAN // per)[None, None, :]
+        words = tl.load(W + rows[:, :, None] * (K // per) + (start // per)[:, :, None] + word)
+        shifts = (tl.arange(0, per) * BITS)[None, None, None, :]
+        q = tl.reshape((words[:, :, :, None] >> shifts) & ((1 << BITS) - 1), x.shape)
+        dot = tl.sum(q.to(tl.float32) * x, 2)
+        scale = tl.load(S + group).to(tl.float32)
+        return scale * dot + tl.load(Z + group).to(tl.float32) * tl.sum(x, 2)
+
+    @triton.jit
+    def _gemv_in(
+        x,  # (T, H)
+        w, s, z, groups,  # the stack (E, 2I or I, H): gate rows then up rows when gated
+        shift,
+        h,  # (P, I) out
+        ids,  # (P,) each pair's expert
+        k, H, inter, steps,
+        GATED: tl.constexpr, ACT: tl.constexpr, QUANT: tl.constexpr, BITS: tl.constexpr,
+        BLOCK_N: tl.constexpr, CHUNKS: tl.constexpr, SPAN: tl.constexpr,
+    ):  # fmt: skip
+        """Pair p = program_id(1) (token p // k): BLOCK_N columns of its act(gate) * up. Rows
+        past I recompute row I - 1 and are not stored."""
+        p = tl.program_id(1).to(tl.int64)
+        first = tl.program_id(0) * BLOCK_N
+        n = tl.minimum(first + tl.arange(0, BLOCK_N), inter - 1).to(tl.int64)[:, None]
+        base = tl.load(ids + p).to(tl.int64) * (2 * inter if GATED else inter)
+        acc = _row_sums(
+            x, w, s, z, groups, shift, base + n, p // k, H, steps,
+            QUANT, BITS, BLOCK_N, CHUNKS, SPAN,
+        )  # fmt: skip
+        acc = activate(acc, ACT)
+        if GATED:  # the up rows follow the gate rows
+            acc *= _row_sums(
+                x, w, s, z, groups, shift, base + inter + n, p // k, H, steps,
+                QUANT, BITS, BLOCK_N, CHUNKS, SPAN,
+            )  # fmt: skip
+        lanes = first + tl.arange(0, BLOCK_N)
+        tl.store(h + p * inter + lanes, acc.to(h.dtype.element_ty), mask=lanes < inter)
+
+    @triton.jit
+    def _gemv_down(
+        h,  # (P, I)
+        w, s, z, groups,  # the stack (E, H, I)
+        shift,
+        out,  # (P, H) float32
+        weights,  # (P,) float32 routing weights
+        ids, H, inter, steps,
+        QUANT: tl.constexpr, BITS: tl.constexpr, BLOCK_N: tl.constexpr, CHUNKS: tl.constexpr,
+        SPAN: tl.constexpr,
+    ):  # fmt: skip
+        """Pair p = program_id(1): BLOCK_N columns of its down projection times its weight."""
+        p = tl.program_id(1).to(tl.int64)
+        first = tl.program_id(0) * BLOCK_N
+        n = tl.minimum(first + tl.arange(0, BLOCK_N), H - 1).to(tl.int64)[:, None]
+        rows = tl.load(ids + p).to(tl.int64) * H + n
+        y = _row_sums(
+            h, w, s, z, groups, shift, rows, p, inter, steps, QUANT, BITS, BLOCK_N, CHUNKS, SPAN
+        )
+        lanes = first + tl.arange(0, BLOCK_N)
+        tl.store(out + p * H + lanes, y * tl.load(weights + p), mask=lanes < H)
