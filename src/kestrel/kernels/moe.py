@@ -1,6 +1,6 @@
-"""Fused mixture-of-experts: every routed (token, expert) pair in two Triton grouped GEMMs.
+"""Fused mixture-of-experts: every routed (token, expert) pair in two Triton kernels.
 
-The first GEMM multiplies each pair's token by its expert's gate and up rows and applies the
+In the grouped GEMMs, the first multiplies each pair's token by its expert's gate and up rows and applies the
 activation in registers (act(gate) * up, or act(up) for ungated experts), writing one (P, I)
 intermediate; the second multiplies that by the expert's down rows and scales each pair by its
 routing weight, so a step of an MoE layer is two kernels plus the sum over each token's k pairs.
@@ -9,13 +9,15 @@ FP8 and MLX 4- and 8-bit stacks (`QuantStack`) are read quantized, each tile deq
 registers.
 
 With few pairs (decode: no more pairs than experts, so they rarely share one) each pair is a GEMV
-of its own (kernels/moe_gemv.py), no sorting at all. With many (prefill, large batches) pairs
+of its own (kernels/moe_gemv.py), no sorting at all, and the second kernel also sums each token's
+pairs. With many (prefill, large batches) pairs
 reach an expert in blocks of BLOCK_M rows: they are sorted by expert and each expert's run is
 padded to whole blocks, with the block count bounded by the number of pairs so the grid is static
 (CUDA graphs) and nothing is read back to the host.
 
 The PyTorch path in models/layers/moe.py is the CPU path and these kernels' oracle in the GPU tests.
-This module imports nothing from kestrel: kernels are the bottom of the import graph.
+This module imports nothing from kestrel outside kestrel.kernels: kernels are the bottom of the
+import graph.
 """
 
 from dataclasses import dataclass
@@ -95,8 +97,9 @@ def fused_experts(
     args = (x, *stacks, weights, ids, ACTIVATION_IDS[act], gated, H, inter)
     decode = ids.numel() <= E  # pairs rarely share an expert: each reads its own once
     gemvs = moe_gemv.serves(w_in[0], in_flags, H) and moe_gemv.serves(w_down[0], down_flags, inter)
-    out = moe_gemv.pair_gemvs(*args) if decode and gemvs else _sorted_experts(*args, E)
-    return out.view(T, k, H).sum(1).to(x.dtype)
+    if decode and gemvs:
+        return moe_gemv.pair_gemvs(*args)
+    return _sorted_experts(*args, E).view(T, k, H).sum(1).to(x.dtype)
 
 
 def _sorted_experts(x, w_in, in_flags, w_down, down_flags, weights, ids, act, gated, H, inter, E):

@@ -6,8 +6,9 @@ real, over wide column tiles: at one token, GLM-4.7-Flash's four pairs made 96-1
 H100). Here, as in kernels/gemv.py and kernels/fp8_gemv.py, a program owns BLOCK_N rows of one
 pair's expert and walks K in steps of CHUNKS chunks of 16 bytes; each thread loads a (row, chunk)
 in one 16-byte load, with its own copy of x's values, and sums it on its own. Two kernels: the
-in projection with the activation (act(gate) * up, or act(up) ungated), then the down projection
-times the pair's routing weight, in float32 for the sum over a token's pairs.
+in projection with the activation (act(gate) * up, or act(up) ungated) per pair, then per token
+the down projections of its pairs, each times its routing weight, summed in float32: the
+layer's output in x's dtype, with no separate sum or cast.
 
 The stacks are kernels/moe.py's: bf16/fp16/fp32 (E, N, K), FP8 values with a float32 scale per
 row per group of columns, MLX 4- or 8-bit int32 words with a scale and a bias per group. A chunk
@@ -44,10 +45,10 @@ def serves(w: torch.Tensor, flags: dict, K: int) -> bool:
 
 def pair_gemvs(x, w_in, in_flags, w_down, down_flags, weights, ids, act, gated, H, inter):
     """x (T, H) and the stacks' kernel arguments (W, scales, biases, groups per row; flags) ->
-    (P, H) float32: row p is pair p's down(act(in(x))) times its routing weight, for expert
-    ids (T, k), weights (T, k) and `act` an activation id (`activate`)."""
+    (T, H) in x's dtype: each token's sum over its pairs of weight * down(act(in(x))), for
+    expert ids (T, k), weights (T, k) and `act` an activation id (`activate`)."""
     flat = ids.reshape(-1)
-    P, k = flat.numel(), ids.shape[1]
+    (T, k), P = ids.shape, flat.numel()
     h = x.new_empty(P, inter)
     block_n, grid = _grid(inter, P)
     _gemv_in[grid](
@@ -55,21 +56,23 @@ def pair_gemvs(x, w_in, in_flags, w_down, down_flags, weights, ids, act, gated, 
         GATED=gated, ACT=act, QUANT=in_flags["QUANT"], BITS=in_flags["BITS"],
         BLOCK_N=block_n, CHUNKS=CHUNKS, SPAN=span(w_in[0], in_flags), num_warps=WARPS,
     )  # fmt: skip
-    out = torch.empty(P, H, device=x.device, dtype=torch.float32)
-    block_n, grid = _grid(H, P)
+    out = torch.empty(T, H, device=x.device, dtype=x.dtype)
+    block_n, grid = _grid(H, T)
     _gemv_down[grid](
-        h, *w_down, _shift(down_flags, inter), out, weights.reshape(-1).float(), flat, H, inter,
-        _steps(w_down[0], down_flags, inter), QUANT=down_flags["QUANT"], BITS=down_flags["BITS"],
-        BLOCK_N=block_n, CHUNKS=CHUNKS, SPAN=span(w_down[0], down_flags), num_warps=WARPS,
+        h, *w_down, _shift(down_flags, inter), out, weights.reshape(-1).float(), flat, k, H,
+        inter, _steps(w_down[0], down_flags, inter),
+        QUANT=down_flags["QUANT"], BITS=down_flags["BITS"], BLOCK_N=block_n, CHUNKS=CHUNKS,
+        SPAN=span(w_down[0], down_flags), num_warps=WARPS,
     )  # fmt: skip
     return out
 
 
-def _grid(N: int, pairs: int) -> tuple[int, tuple[int, int]]:
+def _grid(N: int, rows: int) -> tuple[int, tuple[int, int]]:
+    """Rows of W a program owns, and the grid, for N outputs of each of `rows` pairs or tokens."""
     block_n = BLOCK_N
-    while block_n > 1 and triton.cdiv(N, block_n) * pairs < MIN_PROGRAMS:
+    while block_n > 1 and triton.cdiv(N, block_n) * rows < MIN_PROGRAMS:
         block_n //= 2  # few pairs or narrow experts: more programs, fewer rows each
-    return block_n, (triton.cdiv(N, block_n), pairs)
+    return block_n, (triton.cdiv(N, block_n), rows)
 
 
 def _steps(w: torch.Tensor, flags: dict, K: int) -> int:
@@ -173,19 +176,25 @@ if triton is not None:
         h,  # (P, I)
         w, s, z, groups,  # the stack (E, H, I)
         shift,
-        out,  # (P, H) float32
+        out,  # (T, H)
         weights,  # (P,) float32 routing weights
-        ids, H, inter, steps,
+        ids, k, H, inter, steps,
         QUANT: tl.constexpr, BITS: tl.constexpr, BLOCK_N: tl.constexpr, CHUNKS: tl.constexpr,
         SPAN: tl.constexpr,
     ):  # fmt: skip
-        """Pair p = program_id(1): BLOCK_N columns of its down projection times its weight."""
-        p = tl.program_id(1).to(tl.int64)
+        """Token t = program_id(1): BLOCK_N columns of the sum over its k pairs of the pair's
+        down projection times its weight."""
+        t = tl.program_id(1).to(tl.int64)
         first = tl.program_id(0) * BLOCK_N
         n = tl.minimum(first + tl.arange(0, BLOCK_N), H - 1).to(tl.int64)[:, None]
-        rows = tl.load(ids + p).to(tl.int64) * H + n
-        y = _row_sums(
-            h, w, s, z, groups, shift, rows, p, inter, steps, QUANT, BITS, BLOCK_N, CHUNKS, SPAN
-        )
+        y = tl.zeros((BLOCK_N,), dtype=tl.float32)
+        for j in range(0, k):
+            p = t * k + j
+            rows = tl.load(ids + p).to(tl.int64) * H + n
+            part = _row_sums(
+                h, w, s, z, groups, shift, rows, p, inter, steps,
+                QUANT, BITS, BLOCK_N, CHUNKS, SPAN,
+            )  # fmt: skip
+            y += part * tl.load(weights + p)
         lanes = first + tl.arange(0, BLOCK_N)
-        tl.store(out + p * H + lanes, y * tl.load(weights + p), mask=lanes < H)
+        tl.store(out + t * H + lanes, y.to(out.dtype.element_ty), mask=lanes < H)
