@@ -4,13 +4,14 @@ kernels/moe.py's grouped GEMMs give a decode pair a 16-row tensor-core tile of w
 real, over wide column tiles: at one token, GLM-4.7-Flash's four pairs made 96-192 programs on
 132 SMs, too few loads in flight to stream the weights (FP8 experts read at about 1.1 TB/s on the
 H100). Here, as in kernels/gemv.py and kernels/fp8_gemv.py, a program owns BLOCK_N outputs and
-walks K in steps of CHUNKS chunks of 16 bytes; each thread loads a (row, chunk) in one 16-byte
-load, with its own copy of x's values, and sums it on its own. Two kernels: per pair, the in
-projection with the activation (act(gate) * up, or act(up) ungated), an output's gate and up rows
-read in the same steps; then per token, the down projections of all its pairs in the same steps,
-each times its routing weight, summed in float32: the layer's output in x's dtype, with no
-separate sum or cast. Reading a token's k experts together keeps k times the loads in flight
-that one expert at a time would (at one token the down projection has only H outputs to spread).
+walks K in steps of CHUNKS chunks of 16 bytes (LOADS chunks over all its rows); each thread
+loads a (row, chunk) in one 16-byte load, with its own copy of x's values, and sums it on its
+own. Two kernels: per pair, the in projection with the activation (act(gate) * up, or act(up)
+ungated), an output's gate and up rows read in the same steps; then per token, the down
+projections of all its pairs in the same steps, each times its routing weight, summed in
+float32: the layer's output in x's dtype, with no separate sum or cast. Reading a token's k
+experts together keeps k times the loads in flight that one expert at a time would (at one
+token the down projection has only H outputs to spread).
 
 The stacks are kernels/moe.py's: bf16/fp16/fp32 (E, N, K), FP8 values with a float32 scale per
 row per group of columns, MLX 4- or 8-bit int32 words with a scale and a bias per group. A chunk
@@ -28,7 +29,8 @@ except ImportError:  # CPU-only installs
     triton = None
 
 CHUNK_BYTES = 16  # a thread's load
-ROWS, CHUNKS, WARPS = 8, 32, 2  # rows of W a program reads at once, chunks per loop step, warps
+ROWS, WARPS = 8, 2  # rows of W a program reads at once (at most), warps
+LOADS = 128  # (row, chunk) loads a program issues per loop step: CHUNKS = LOADS / its rows
 MIN_PROGRAMS = 2048  # fewer rows a program until there are this many (15 per SM)
 
 
@@ -54,19 +56,21 @@ def pair_gemvs(x, w_in, in_flags, w_down, down_flags, weights, ids, act, gated, 
     h = x.new_empty(P, inter)
     parts = 2 if gated else 1  # rows of W per output: gate and up
     block_n, grid = _grid(inter, P, parts)
+    rows = parts * block_n
     _gemv_in[grid](
-        x, *w_in, _shift(in_flags, H), h, flat, k, H, inter, _steps(w_in[0], in_flags, H),
-        PARTS=parts, ACT=act, QUANT=in_flags["QUANT"], BITS=in_flags["BITS"],
-        BLOCK_N=block_n, CHUNKS=CHUNKS, SPAN=span(w_in[0], in_flags), num_warps=WARPS,
+        x, *w_in, _shift(in_flags, H), h, flat, k, H, inter, _steps(w_in[0], in_flags, H, rows),
+        PARTS=parts, ACT=act, QUANT=in_flags["QUANT"], BITS=in_flags["BITS"], BLOCK_N=block_n,
+        CHUNKS=_chunks(rows), SPAN=span(w_in[0], in_flags), num_warps=WARPS,
     )  # fmt: skip
     out = torch.empty(T, H, device=x.device, dtype=x.dtype)
     parts = triton.next_power_of_2(k)  # rows per output: one per pair of the token
     block_n, grid = _grid(H, T, parts)
+    rows = parts * block_n
     _gemv_down[grid](
         h, *w_down, _shift(down_flags, inter), out, weights.reshape(-1).float(), flat, k, H,
-        inter, _steps(w_down[0], down_flags, inter),
+        inter, _steps(w_down[0], down_flags, inter, rows),
         PAIRS=parts, QUANT=down_flags["QUANT"], BITS=down_flags["BITS"], BLOCK_N=block_n,
-        CHUNKS=CHUNKS, SPAN=span(w_down[0], down_flags), num_warps=WARPS,
+        CHUNKS=_chunks(rows), SPAN=span(w_down[0], down_flags), num_warps=WARPS,
     )  # fmt: skip
     return out
 
@@ -80,8 +84,14 @@ def _grid(N: int, count: int, parts: int) -> tuple[int, tuple[int, int]]:
     return block_n, (triton.cdiv(N, block_n), count)
 
 
-def _steps(w: torch.Tensor, flags: dict, K: int) -> int:
-    return triton.cdiv(K, CHUNKS * span(w, flags))
+def _chunks(rows: int) -> int:
+    """Chunks a loop step reads of each of a program's `rows` rows: the same loads in flight
+    (and registers) for any row count."""
+    return max(1, LOADS // rows)
+
+
+def _steps(w: torch.Tensor, flags: dict, K: int, rows: int) -> int:
+    return triton.cdiv(K, _chunks(rows) * span(w, flags))
 
 
 def _shift(flags: dict, K: int) -> int:
