@@ -25,11 +25,11 @@ SHAPES = {
     "glm-4.7-flash": (64, 4, 2048, 1536, "silu", True),
     "gemma4-26b-a4b": (128, 8, 2816, 704, "gelu_pytorch_tanh", True),
 }
-GEMV_KNOBS = ("ROWS", "LOADS", "WARPS", "MIN_PROGRAMS")
+GEMV_KNOBS = ("BLOCK_N", "CHUNKS", "WARPS", "MIN_PROGRAMS")
 SWEEP_GEMV = [
     dict(zip(GEMV_KNOBS, (n, c, w, p), strict=True))
-    for n in (4, 8, 16)
-    for c in (64, 128, 256)
+    for n in (1, 2, 4, 8)
+    for c in (16, 32, 64)
     for w in (1, 2, 4)
     for p in (512, 2048)
 ]

@@ -1,18 +1,19 @@
 """Fused mixture-of-experts: every routed (token, expert) pair in two Triton kernels.
 
-In the grouped GEMMs, the first multiplies each pair's token by its expert's gate and up rows
-and applies the activation in registers (act(gate) * up, or act(up) for ungated experts),
-writing one (P, I) intermediate; the second multiplies that by the expert's down rows and scales
-each pair by its routing weight, so a step of an MoE layer is two kernels plus the sum over each
-token's k pairs. Expert weights are read where they lie (no gathered copy); FP8 and MLX 4- and
-8-bit stacks (`QuantStack`) are read quantized, each tile dequantized in registers.
+In the grouped GEMMs, the first multiplies each pair's token by its expert's gate and up rows and applies the
+activation in registers (act(gate) * up, or act(up) for ungated experts), writing one (P, I)
+intermediate; the second multiplies that by the expert's down rows and scales each pair by its
+routing weight, so a step of an MoE layer is two kernels plus the sum over each token's k pairs.
+Expert weights are read where they lie (no gathered copy), so decode reads each chosen expert once;
+FP8 and MLX 4- and 8-bit stacks (`QuantStack`) are read quantized, each tile dequantized in
+registers.
 
 With few pairs (decode: no more pairs than experts, so they rarely share one) each pair is a GEMV
-of its own (kernels/moe_gemv.py), no sorting at all, and the second kernel also sums each
-token's pairs. With many (prefill, large batches) pairs reach an expert in blocks of BLOCK_M
-rows: they are sorted by expert and each expert's run is padded to whole blocks, with the block
-count bounded by the number of pairs so the grid is static (CUDA graphs) and nothing is read
-back to the host.
+of its own (kernels/moe_gemv.py), no sorting at all, and the second kernel also sums each token's
+pairs. With many (prefill, large batches) pairs
+reach an expert in blocks of BLOCK_M rows: they are sorted by expert and each expert's run is
+padded to whole blocks, with the block count bounded by the number of pairs so the grid is static
+(CUDA graphs) and nothing is read back to the host.
 
 The PyTorch path in models/layers/moe.py is the CPU path and these kernels' oracle in the GPU tests.
 This module imports nothing from kestrel outside kestrel.kernels: kernels are the bottom of the
