@@ -16,7 +16,7 @@ import os
 
 import torch
 
-from kestrel.kernels import moe, moe_gemv
+from kestrel.kernels import fp8_activations, moe, moe_gemv
 from kestrel.models.layers.moe import Experts, route_topk
 
 # (experts, top-k, hidden, expert width, activation, gated) from weights/shapes.py
@@ -61,11 +61,14 @@ def timed(fn, iters: int = 50) -> float:
 
 
 def fp8_stack(w: torch.Tensor) -> moe.QuantStack:
-    """w (E, N, K) as FP8 with a float32 scale per row per 128 columns."""
-    groups = w.float().unflatten(-1, (-1, 128))
-    scales = groups.abs().amax(-1).clamp(min=1e-12) / torch.finfo(torch.float8_e4m3fn).max
-    values = (groups / scales[..., None]).to(torch.float8_e4m3fn).flatten(-2)
-    return moe.QuantStack(values, scales, None, 0, 128)
+    """w (E, N, K) as FP8 with a float32 scale per row per 128 columns: each expert row
+    quantized as the FP8 GEMM quantizes an activation row (kernels/fp8_activations.py)."""
+    E, N, K = w.shape
+    if K % fp8_activations.GROUP:
+        raise ValueError(f"--fp8 takes whole 128-column groups; an expert stack is {K} wide")
+    values, scales = fp8_activations.quantize(w.reshape(E * N, K))
+    values, scales = values[: E * N].view(E, N, K), scales[: E * N].contiguous()
+    return moe.QuantStack(values, scales.view(E, N, K // 128), None, 0, 128)
 
 
 def measure(shape: str, tokens: int, fp8: bool, sweep: bool) -> dict:
