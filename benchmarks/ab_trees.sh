@@ -8,15 +8,17 @@
 set -uo pipefail
 base=$1; shift
 old=$(mktemp -d)
+trap 'rm -rf "$old"' EXIT
 git archive "$base" src | tar -x -C "$old" || exit 1
-new_commit=$(git rev-parse --short HEAD)$(git diff --quiet HEAD -- src || echo +)
+# each tree's src and the name its records get (+: this tree's src has uncommitted changes)
+trees=("$old" "$(git rev-parse --short "$base")"
+       . "$(git rev-parse --short HEAD)$(git diff --quiet HEAD -- src || echo +)")
 status=0
 for _ in $(seq "${REPEATS:-2}"); do
-  for tree in "$old" .; do
-    commit=$([[ $tree == . ]] && echo "$new_commit" || git rev-parse --short "$base")
+  for i in 0 2; do
+    src=${trees[i]}/src commit=${trees[i + 1]}
     echo "== $commit: $*"
-    KESTREL_COMMIT=$commit PYTHONPATH="$tree/src${PYTHONPATH:+:$PYTHONPATH}" "$@" || status=1
+    KESTREL_COMMIT=$commit PYTHONPATH="$src${PYTHONPATH:+:$PYTHONPATH}" "$@" || status=1
   done
 done
-rm -rf "$old"
 exit $status

@@ -63,12 +63,12 @@ def timed(fn, iters: int = 50) -> float:
 def fp8_stack(w: torch.Tensor) -> moe.QuantStack:
     """w (E, N, K) as FP8 with a float32 scale per row per 128 columns: each expert row
     quantized as the FP8 GEMM quantizes an activation row (kernels/fp8_activations.py)."""
-    E, N, K = w.shape
-    if K % fp8_activations.GROUP:
-        raise ValueError(f"--fp8 takes whole 128-column groups; an expert stack is {K} wide")
-    values, scales = fp8_activations.quantize(w.reshape(E * N, K))
+    (E, N, K), group = w.shape, fp8_activations.GROUP
+    if K % group:
+        raise ValueError(f"--fp8 takes whole {group}-column groups; an expert stack is {K} wide")
+    values, scales = fp8_activations.quantize(w.reshape(E * N, K))  # rows padded to 4
     values, scales = values[: E * N].view(E, N, K), scales[: E * N].contiguous()
-    return moe.QuantStack(values, scales.view(E, N, K // 128), None, 0, 128)
+    return moe.QuantStack(values, scales.view(E, N, K // group), None, 0, group)
 
 
 def measure(shape: str, tokens: int, fp8: bool, sweep: bool) -> dict:
