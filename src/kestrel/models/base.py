@@ -124,6 +124,12 @@ class CausalLM(nn.Module):
         architecture transformers cannot read (listed in `weights.gguf.FAMILY_CONFIGS`)."""
         raise NotImplementedError
 
+    @classmethod
+    def complete_gguf_config(cls, config, meta):
+        """Complete the config transformers read from a GGUF file with what llama.cpp's converter
+        writes but transformers drops, or leaves out because llama.cpp derives it."""
+        return config
+
     def gguf_tensor(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
         """Undo llama.cpp's conversion of one tensor (named with our parameter name). A weight kept
         packed on the CPU (GGUF blocks) takes only a reorder of its rows: the loader finds it by

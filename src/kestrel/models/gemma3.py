@@ -115,6 +115,17 @@ class Gemma3ForCausalLM(CausalLM):
             return None
         return name
 
+    @classmethod
+    def complete_gguf_config(cls, config, meta):
+        # llama.cpp's converter writes no query scale: llama.cpp takes 1/sqrt(hidden / heads) for
+        # the 62-layer Gemma-3-27B and 1/sqrt(head size) for every other size
+        layers, heads = config.num_hidden_layers, config.num_attention_heads
+        config.query_pre_attn_scalar = (
+            config.hidden_size // heads if layers == 62 else config.head_dim
+        )
+        config.final_logit_softcapping = meta.get("final_logit_softcapping")
+        return config
+
     def gguf_tensor(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
         # llama.cpp stores Gemma's RMSNorm weights as (1 + w)
         return tensor - 1 if name.endswith("norm.weight") else tensor

@@ -14,12 +14,13 @@ from kestrel.models.layers.mlp import GatedMLP
 from kestrel.models.layers.norm import RMSNorm
 from kestrel.models.layers.rope import RotaryEmbedding
 
-# model_type -> (bias on q/k/v, per-head q/k RMSNorm)
+# model_type -> (bias on q/k/v, per-head q/k RMSNorm, Q/K rows permuted in llama.cpp's files:
+# its converter permutes them for llama's interleaved RoPE, not for Qwen's rotate-half NEOX RoPE)
 FLAVORS = {
-    "llama": dict(qkv_bias=None, qk_norm=False),
-    "mistral": dict(qkv_bias=False, qk_norm=False),
-    "qwen2": dict(qkv_bias=True, qk_norm=False),
-    "qwen3": dict(qkv_bias=None, qk_norm=True),
+    "llama": dict(qkv_bias=None, qk_norm=False, gguf_permuted=True),
+    "mistral": dict(qkv_bias=False, qk_norm=False, gguf_permuted=True),
+    "qwen2": dict(qkv_bias=True, qk_norm=False, gguf_permuted=False),
+    "qwen3": dict(qkv_bias=None, qk_norm=True, gguf_permuted=False),
 }
 
 
@@ -69,7 +70,12 @@ class LlamaModel(nn.Module):
     def __init__(self, config):
         super().__init__()
         rope = rope_parameters(config)
-        self.rotary_emb = RotaryEmbedding(head_dim(config), rope["rope_theta"], rope)
+        self.rotary_emb = RotaryEmbedding(
+            head_dim(config),
+            rope["rope_theta"],
+            rope,
+            freq_factors=getattr(config, "rope_freq_factors", None),
+        )
         self.windows = layer_windows(config)
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(
@@ -91,9 +97,21 @@ class LlamaForCausalLM(CausalLM):
     def cache_specs(self) -> list[CacheSpec]:
         return [CacheSpec("sliding", w) if w else CacheSpec("full") for w in self.model.windows]
 
+    @classmethod
+    def complete_gguf_config(cls, config, meta):
+        # transformers reads no head size for llama and resets Qwen3's to 128
+        config.head_dim = meta.get("attention.key_length", head_dim(config))
+        # llama.cpp's converter writes Llama 3's RoPE scaling as per-frequency divisors
+        factors = meta.tensor("rope_freqs.weight")
+        if factors is not None:
+            config.rope_freq_factors = factors.float().tolist()
+        return config
+
     def gguf_tensor(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
         # llama.cpp permutes Q/K rows for its interleaved RoPE; restore HF's rotate-half layout.
         c = self.config
+        if not FLAVORS[c.model_type]["gguf_permuted"]:
+            return tensor
         if name.endswith("q_proj.weight"):
             return unpermute_rows(tensor, c.num_attention_heads)
         if name.endswith("k_proj.weight"):

@@ -76,6 +76,9 @@ def load_config(source: ModelSource):
             config = model_class(family).config_from_gguf(gguf_weights.GGUFMetadata(reader))
         else:
             config = AutoConfig.from_pretrained(source.path.parent, gguf_file=source.path.name)
+            if config.model_type in ARCHITECTURES:
+                family = model_class(config.model_type)
+                config = family.complete_gguf_config(config, gguf_weights.GGUFMetadata(reader))
         _save(config, cached)
         return config
     except ModelLoadError:
@@ -129,11 +132,17 @@ def load_tokenizer(source: ModelSource):
     return tokenizer
 
 
+# bumped when the conversion changes, so that a cached config converted before is not reused
+GGUF_CACHE_FORMAT = "v2"
+
+
 def _gguf_cache(source: ModelSource, kind: str) -> Path:
     """Where the converted config/tokenizer of one GGUF file (by name, size, mtime) is kept."""
     root = Path(os.environ.get("KESTREL_CACHE_DIR", Path.home() / ".cache" / "kestrel"))
     stat = source.path.stat()
-    return root / kind / f"{source.path.stem}-{stat.st_size}-{int(stat.st_mtime)}"
+    return (
+        root / kind / f"{source.path.stem}-{stat.st_size}-{int(stat.st_mtime)}-{GGUF_CACHE_FORMAT}"
+    )
 
 
 def _save(obj, folder: Path) -> None:

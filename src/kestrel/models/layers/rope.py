@@ -9,9 +9,14 @@ from torch import nn
 from kestrel.models.batch import ForwardBatch
 
 
-def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None = None) -> torch.Tensor:
-    """Inverse frequencies (head_dim/2,) for RoPE, with HF's `rope_type` scalings."""
+def rope_inv_freq(
+    head_dim: int, theta: float, scaling: dict | None = None, freq_factors: list | None = None
+) -> torch.Tensor:
+    """Inverse frequencies (head_dim/2,) for RoPE, with HF's `rope_type` scalings, or divided by
+    llama.cpp's per-frequency `freq_factors` (its `rope_freqs` tensor, which replaces them)."""
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
+    if freq_factors is not None:
+        inv_freq = inv_freq / torch.tensor(freq_factors, dtype=torch.float64)
     rope_type = (scaling or {}).get("rope_type", "default")
     if rope_type == "linear":
         inv_freq = inv_freq / scaling["factor"]
@@ -87,9 +92,11 @@ class RotaryEmbedding(nn.Module):
         theta: float,
         scaling: dict | None = None,
         attention_scaling: float = 1.0,
+        freq_factors: list | None = None,
     ):
         super().__init__()
-        self.register_buffer("inv_freq", rope_inv_freq(head_dim, theta, scaling), persistent=False)
+        inv_freq = rope_inv_freq(head_dim, theta, scaling, freq_factors)
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
         self.attention_scaling = attention_scaling
 
     def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
