@@ -9,12 +9,14 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import gguf
 import huggingface_hub
 import pytest
 import torch
 import transformers
+from huggingface_hub.errors import RepositoryNotFoundError
 from tests.reference import chunked_logits, save_tiny
 
 from kestrel.errors import ModelLoadError
@@ -241,6 +243,44 @@ def test_unreachable_hub_falls_back_to_the_cache_in_one_line(hf_cache, monkeypat
     assert "the Hub cannot be reached" in str(e.value) and "\n" not in str(e.value)
     snapshot = cache_repo(hf_cache, "org/cached-GGUF", {"m-Q4_1.gguf": resolve("smollm2").path})
     assert resolve("org/cached-GGUF").path == snapshot / "m-Q4_1.gguf"  # and no download tried
+
+
+def test_online_lists_on_the_hub_and_downloads_only_the_chosen_files(hf_cache, monkeypatch):
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)
+    listing = ["README.md", "m-Q4_K_M.gguf", "m-Q8_0.gguf", "mmproj-m-F16.gguf"]
+    monkeypatch.setattr(huggingface_hub, "list_repo_files", lambda repo_id, revision: listing)
+    asked = {}
+
+    def download(repo_id, **kwargs):  # snapshot_download, leaving what it was asked for
+        asked.update(kwargs, repo_id=repo_id)
+        folder = hf_cache / "snapshot"
+        for name in kwargs["allow_patterns"]:
+            (folder / name).parent.mkdir(parents=True, exist_ok=True)
+            (folder / name).write_bytes(b"GGUF")
+        return str(folder)
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", download)
+    assert resolve("org/m-GGUF:Q8_0").path == hf_cache / "snapshot" / "m-Q8_0.gguf"
+    assert asked == {
+        "repo_id": "org/m-GGUF",
+        "revision": None,
+        "allow_patterns": ["m-Q8_0.gguf"],
+        "local_files_only": False,
+    }
+
+
+def test_hub_refusals_are_one_line(hf_cache, monkeypatch):
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)
+    response = SimpleNamespace(headers={}, status_code=404, request=None)
+    error = RepositoryNotFoundError("404 Client Error.\n\nRepository Not Found", response=response)
+
+    def refuse(*args, **kwargs):
+        raise error
+
+    monkeypatch.setattr(huggingface_hub, "list_repo_files", refuse)
+    with pytest.raises(ModelLoadError) as e:
+        resolve("org/private")
+    assert "'org/private' not found" in str(e.value) and "\n" not in str(e.value)
 
 
 def test_cli_offline_missing_repo_is_one_line_without_traceback(tmp_path):
