@@ -235,7 +235,7 @@ def test_unreachable_hub_falls_back_to_the_cache_in_one_line(hf_cache, monkeypat
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)
 
     def unreachable(*args, **kwargs):  # what the Hub client raises without a network
-        raise hub._NETWORK_ERRORS[-1]("[Errno 101] Network is unreachable\nrequest details")
+        raise hub._HTTP_ERROR("[Errno 101] Network is unreachable\nrequest details")
 
     monkeypatch.setattr(huggingface_hub, "list_repo_files", unreachable)
     with pytest.raises(ModelLoadError) as e:

@@ -42,9 +42,10 @@ from kestrel.weights.gguf import SPLIT_NAME, shard_name
 
 # org/repo, optionally :TAG (llama-server's -hf); validate_repo_id has the final word on the repo
 _SPEC = re.compile(r"(?P<repo>[\w.-]+/[\w.-]+)(?::(?P<tag>[\w.-]+))?")
-# the Hub client's transport errors (connection, timeout) derive from its HTTP library's base
-# error, which HfHubHTTPError also derives from: httpx's or httpx2's, as the version has it
-_NETWORK_ERRORS = (OSError, *HfHubHTTPError.__bases__)
+# the Hub client's connection and timeout errors derive from its HTTP library's base error, the
+# first base of HfHubHTTPError (httpx's or httpx2's, as huggingface_hub's version has it)
+_HTTP_ERROR = HfHubHTTPError.__bases__[0]
+_NETWORK_ERRORS = (OSError, _HTTP_ERROR)
 _DEFAULT_QUANT = "Q4_K_M"  # llama-server's choice when no tag is given
 _SAFETENSORS_FILES = (".json", ".safetensors", ".model", ".tiktoken", ".txt", ".jinja")
 
