@@ -5,7 +5,7 @@ import json
 import os
 import sys
 
-from kestrel.flags import add_engine_args
+from kestrel.flags import MODEL_HELP, add_engine_args
 from kestrel.weights.embedded import DEFAULT_MODEL
 
 
@@ -76,7 +76,7 @@ def add_sampling_args(p: argparse.ArgumentParser) -> None:
 
 def _add_model_positional(p) -> None:
     """The model as a positional argument (`kestrel run MODEL`), beside -m where both exist."""
-    p.add_argument("model_arg", nargs="?", metavar="MODEL", help="alias, .gguf file or HF folder")
+    p.add_argument("model_arg", nargs="?", metavar="MODEL", help=MODEL_HELP)
 
 
 def _generate_parser(sub) -> None:

@@ -19,7 +19,7 @@ DRAFT_METHODS = ("draft", "mtp")
 class ModelConfig:
     """What to load, and where to run it."""
 
-    model: str = DEFAULT_MODEL  # an alias, a .gguf file or a Hugging Face folder
+    model: str = DEFAULT_MODEL  # an alias, a .gguf file, a Hugging Face folder or repo
     shape: str | None = None  # random weights of a named shape instead (benchmarks)
     dtype: str = "auto"  # auto: float32 on the CPU, bfloat16 on CUDA
     device: str = "auto"  # auto, cpu, cuda, cuda:N

@@ -5,10 +5,15 @@ import argparse
 
 from kestrel.weights.embedded import DEFAULT_MODEL
 
+MODEL_HELP = (
+    "alias, .gguf file (a split one's first shard), HF folder, or Hugging Face repo org/repo "
+    "(org/repo:Q4_K_M picks a GGUF quant; from the local HF cache, downloaded when missing)"
+)
+
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
     """Model and engine flags shared by generate, run, serve and bench."""
-    p.add_argument("-m", "--model", default=DEFAULT_MODEL, help="alias, .gguf file or HF folder")
+    p.add_argument("-m", "--model", default=DEFAULT_MODEL, help=MODEL_HELP)
     p.add_argument(
         "--dtype",
         default="auto",
@@ -147,8 +152,8 @@ def add_speculative_args(p: argparse.ArgumentParser) -> None:
     spec.add_argument(
         "--draft-model",
         default=None,
-        help="--speculative draft's model: an alias, a .gguf file or a folder (with --shape: a "
-        "shape name)",
+        help="--speculative draft's model: an alias, a .gguf file, a folder or a Hugging Face "
+        "repo (with --shape: a shape name)",
     )
     spec.add_argument(
         "--num-speculative-tokens", type=_count, default=5, help="most tokens proposed per step"

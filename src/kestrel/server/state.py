@@ -14,6 +14,7 @@ from kestrel.engine.client import (
     GenerateRequest,
     LatencyListener,
 )
+from kestrel.errors import ModelLoadError
 from kestrel.sampling import SamplingParams
 from kestrel.server.errors import model_not_found, unavailable
 from kestrel.server.generation import TokenText
@@ -69,6 +70,11 @@ class ServerState:
         self._load = load
         try:
             await self._start_engine()
+        except ModelLoadError as e:  # the user's to fix (a bad -m): the message says what
+            log.error("the model failed to load: %s", e)
+            self.status = "failed"
+            self.request_exit(1)
+            return
         except Exception:
             log.exception("the model failed to load")
             self.status = "failed"

@@ -4,8 +4,10 @@ blocks on the CPU and dequantizes the rest to float at load."""
 
 import math
 import mmap
+import re
 import struct
 from collections.abc import Callable
+from contextlib import ExitStack
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -14,6 +16,11 @@ import numpy as np
 import torch
 
 from kestrel.errors import ModelLoadError, UnsupportedModelError
+
+# llama.cpp's split checkpoints (gguf-split, convert_hf_to_gguf --split-max-*): shards named
+# <prefix>-00001-of-00003.gguf; the first holds all the metadata, every shard `split.no` (from 0),
+# `split.count` and `split.tensors.count` (all shards' tensors) and its own tensors
+SPLIT_NAME = re.compile(r"(?P<prefix>.+)-(?P<no>\d{5})-of-(?P<count>\d{5})\.gguf")
 
 FLOAT_TYPES = {gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16}
 
@@ -100,7 +107,8 @@ class Field(NamedTuple):
 
 class TensorRecord(NamedTuple):
     """One tensor as gguf-py's `ReaderTensor` describes it: `shape` in GGUF order (row length
-    first), `data_offset` from the file's start, `data` a view of its bytes in gguf-py's dtype."""
+    first), `data_offset` from the start of `file` (its shard, for a split checkpoint), `data` a
+    view of its bytes in gguf-py's dtype."""
 
     name: str
     tensor_type: gguf.GGMLQuantizationType
@@ -109,13 +117,16 @@ class TensorRecord(NamedTuple):
     n_bytes: int
     data_offset: int
     data: np.ndarray
+    file: Path
 
 
 class GGUFFile:
     """A GGUF file's metadata `fields` (key -> `Field`) and `tensors` (`TensorRecord`s), over one
-    memory map; every tensor record is checked (see `_check_record`)."""
+    memory map; every tensor record is checked (see `_check_record`). `open_gguf` adds the other
+    shards' tensors of a split checkpoint."""
 
     def __init__(self, path: Path):
+        self.path = path
         with open(path, "rb") as f:
             buf = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
         self.data = np.frombuffer(buf, dtype=np.uint8)
@@ -182,7 +193,9 @@ class GGUFFile:
             data = data.view(np.dtype(_ELEMENTS[qtype]).newbyteorder(self.walker.order))
         else:
             shape = gguf.quants.quant_shape_to_byte_shape(shape, qtype)
-        return TensorRecord(name, qtype, dims, n_elements, n_bytes, at, data.reshape(shape))
+        return TensorRecord(
+            name, qtype, dims, n_elements, n_bytes, at, data.reshape(shape), self.path
+        )
 
 
 def _byte_order(buf: mmap.mmap) -> str:
@@ -219,13 +232,83 @@ def _check_record(
 
 
 def open_gguf(path: Path) -> GGUFFile:
-    """Open and validate a GGUF file, turning read errors into one that names the file."""
+    """Open and validate a GGUF file, turning read errors into one that names the file; the first
+    shard of a split checkpoint reads as the whole model: its metadata, every shard's tensors."""
+    reader = _open_one(path)
+    count = _split_key(reader, "split.count", 1)
+    if count > 1:
+        _add_shards(reader, count)
+    return reader
+
+
+def _open_one(path: Path) -> GGUFFile:
     try:
         return GGUFFile(path)
     except ModelLoadError as e:
         raise type(e)(f"{path}: {e}") from e
     except (ValueError, IndexError, OSError, KeyError, struct.error) as e:
         raise ModelLoadError(f"{path}: truncated or corrupt GGUF file ({e})") from e
+
+
+def shard_name(prefix: str, no: int, count: int) -> str:
+    """llama.cpp's file name of shard `no` (from 1) of `count` (its llama_split_path)."""
+    return f"{prefix}-{no:05d}-of-{count:05d}.gguf"
+
+
+def first_shard(path: Path) -> Path:
+    """The shard holding a split checkpoint's metadata, for any of its shards; `path` when its
+    name is no shard's."""
+    m = SPLIT_NAME.fullmatch(path.name)
+    return path if m is None else path.with_name(shard_name(m["prefix"], 1, int(m["count"])))
+
+
+def _split_key(reader: GGUFFile, key: str, default: int) -> int:
+    field = reader.fields.get(key)
+    return default if field is None else int(field.contents())
+
+
+def _add_shards(reader: GGUFFile, count: int) -> None:
+    """The other shards' tensors join the first's (each record reads from its own file), found by
+    llama.cpp's naming and checked against the split keys as llama.cpp checks them."""
+    path = reader.path
+    m = SPLIT_NAME.fullmatch(path.name)
+    if m is None or _split_key(reader, "split.no", 0) != 0:
+        raise ModelLoadError(
+            f"{path}: a split GGUF checkpoint ({count} shards) loads from its first shard, "
+            f"named <prefix>-00001-of-{count:05d}.gguf"
+        )
+    names = {t.name for t in reader.tensors}
+    for no in range(1, count):
+        shard = path.with_name(shard_name(m["prefix"], no + 1, count))
+        if not shard.exists():
+            raise ModelLoadError(f"{path}: shard {no + 1} of {count} is missing: {shard}")
+        part = _open_one(shard)
+        if _split_key(part, "split.no", -1) != no or _split_key(part, "split.count", 0) != count:
+            raise ModelLoadError(f"{shard}: its split.no/split.count do not make it shard {no + 1}")
+        if names & {t.name for t in part.tensors}:
+            raise ModelLoadError(f"{shard}: holds tensors another shard holds")
+        names |= {t.name for t in part.tensors}
+        reader.tensors += part.tensors
+    expected = _split_key(reader, "split.tensors.count", len(reader.tensors))
+    if len(reader.tensors) != expected:
+        raise ModelLoadError(
+            f"{path}: the {count} shards hold {len(reader.tensors)} tensors; "
+            f"split.tensors.count says {expected}"
+        )
+
+
+class ShardFiles(ExitStack):
+    """The open files of a checkpoint's shards, opened as their tensors are read (`read_blocks`)
+    and closed together."""
+
+    def __init__(self):
+        super().__init__()
+        self.files: dict[Path, Any] = {}
+
+    def __getitem__(self, path: Path):
+        if path not in self.files:
+            self.files[path] = self.enter_context(open(path, "rb"))
+        return self.files[path]
 
 
 def architecture(reader: GGUFFile) -> str:
@@ -255,11 +338,12 @@ def dequantize(t) -> torch.Tensor:
     return torch.from_numpy(np.array(array, dtype=np.float32).reshape(torch_shape(t)))
 
 
-def read_blocks(f, t) -> torch.Tensor:
-    """A tensor's bytes, (rows, bytes per row) uint8, read from the open file `f` rather than
-    through the reader's memory map, whose pages would stay resident beside the copy."""
+def read_blocks(files: ShardFiles, t) -> torch.Tensor:
+    """A tensor's bytes, (rows, bytes per row) uint8, read from its open file in `files` rather
+    than through the reader's memory map, whose pages would stay resident beside the copy."""
     shape = torch_shape(t)
     out = torch.empty(t.n_bytes, dtype=torch.uint8)
+    f = files[t.file]
     f.seek(t.data_offset)
     if f.readinto(memoryview(out.numpy())) != t.n_bytes:
         raise ModelLoadError(f"truncated or corrupt GGUF file: tensor {t.name} ends early")

@@ -1,4 +1,4 @@
-"""Resolve a model argument (alias, .gguf file, HF folder) and build the model with its weights."""
+"""Resolve a model argument (alias, .gguf file, HF folder or repo) and build the model."""
 
 import copy
 import json
@@ -21,6 +21,7 @@ from kestrel.models.layers.moe import Experts, PackedStack
 from kestrel.models.layers.quant import DENSE_LINEARS, quantized
 from kestrel.models.registry import ARCHITECTURES, model_class
 from kestrel.weights import gguf as gguf_weights
+from kestrel.weights import hub
 from kestrel.weights import quantized as st_quant
 from kestrel.weights import safetensors as st_weights
 from kestrel.weights.embedded import EMBEDDED, embedded_path
@@ -30,7 +31,8 @@ log = logging.getLogger("kestrel.weights")
 
 @dataclass(frozen=True)
 class ModelSource:
-    """Where a model's files are: `path` is a .gguf file or a Hugging Face folder."""
+    """Where a model's files are: `path` is a .gguf file (a split checkpoint's first shard) or a
+    Hugging Face folder."""
 
     name: str
     path: Path
@@ -41,21 +43,33 @@ class ModelSource:
 
 
 def resolve(model: str) -> ModelSource:
-    """An embedded alias, a .gguf path or a folder with config.json; a clear error otherwise."""
+    """An embedded alias, a .gguf path (a split checkpoint's shard: its first), a folder with
+    config.json, or a Hugging Face repo `org/repo[:QUANT]` (weights/hub.py: from the local cache,
+    downloaded when missing); a clear error otherwise."""
     local = embedded_path(model)
     if local is not None:
         return ModelSource(model, local)
     path = Path(model).expanduser()
+    repo = None if path.exists() else hub.parse(model)
+    if repo is not None:
+        return ModelSource(model, hub.resolve_repo(*repo))
     if not path.exists():
         raise ModelLoadError(
-            f"model {model!r} not found: not a file, a folder or an embedded alias "
-            f"({', '.join(EMBEDDED)})"
+            f"model {model!r} not found: not a file, a folder, a Hugging Face repo "
+            f"(org/repo[:QUANT]) or an embedded alias ({', '.join(EMBEDDED)})"
         )
     if path.is_file() and path.suffix != ".gguf":
         raise ModelLoadError(f"model file {path} is not a .gguf file")
     if path.is_dir() and not (path / "config.json").exists():
         raise ModelLoadError(f"model folder {path} has no config.json")
-    return ModelSource(path.name, path.resolve())
+    first = gguf_weights.first_shard(path)
+    if not first.exists():
+        raise ModelLoadError(
+            f"model file {path} is a split GGUF shard; its first, {first}, is missing"
+        )
+    # absolute, links kept: a Hugging Face cache's files link to blobs without their names
+    path = Path(os.path.abspath(first))
+    return ModelSource(path.name, path)
 
 
 def load_config(source: ModelSource):
@@ -258,10 +272,10 @@ def _load_file(model, source: ModelSource, progress: bool, device, packed, skip)
             device, _dense_bytes(tensors, next(model.parameters()).dtype)
         )
     target = _Target(model, device, packed, skip)
-    with _progress(source, total, progress) as bar, _open(source) as f:
+    with _progress(source, total, progress) as bar, _open(source) as files:
         for name, tensor in tensors:
             if source.is_gguf:
-                _load_gguf(target, f, name, tensor, source)
+                _load_gguf(target, files, name, tensor, source)
                 bar.update(tensor.n_bytes)
             else:
                 _load_dense(target, name, model.checkpoint_tensor, tensor, source)
@@ -282,7 +296,7 @@ def _progress(source: ModelSource, total: int, progress: bool):
 
 
 def _open(source: ModelSource):
-    return open(source.path, "rb") if source.is_gguf else nullcontext()
+    return gguf_weights.ShardFiles() if source.is_gguf else nullcontext()
 
 
 class _Target:
@@ -433,13 +447,13 @@ def _load_dense(target: _Target, name: str, fix, tensor: torch.Tensor, source) -
         target.copy(slot, fix(slot.name, tensor), name, source)
 
 
-def _load_gguf(target: _Target, f, name: str, t, source: ModelSource) -> None:
+def _load_gguf(target: _Target, files, name: str, t, source: ModelSource) -> None:
     """One GGUF tensor: kept as its blocks where it can be, else dequantized to float."""
     slot = target.slot(name)
     if slot is None:
         return
     qtype = t.tensor_type.name
-    blocks = gguf_weights.read_blocks(f, t)
+    blocks = gguf_weights.read_blocks(files, t)
     reason = target.why_dense(slot, qtype)
     rows = None if reason else _packed_rows(target.model, slot.name, blocks)
     if rows is not None:
