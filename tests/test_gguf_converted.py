@@ -3,7 +3,7 @@ Hugging Face checkpoints: kestrel's logits from the file equal transformers' on 
 for the full prompt, chunked prefill and greedy decoding. These are the files users download,
 so a misread of llama.cpp's layout cannot hide behind a writer of our own."""
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import pytest
 import torch
@@ -11,8 +11,10 @@ import transformers
 from tests import (
     test_models_exaone_moe,
     test_models_gemma3,
+    test_models_gemma4,
     test_models_llama,
     test_models_mistral,
+    test_models_nemotron_h,
     test_models_qwen3,
 )
 from tests.family_suite import one_thread  # noqa: F401  (tiny tensors: one thread is faster)
@@ -25,15 +27,16 @@ from tests.reference import (
     save_tiny,
 )
 
-from kestrel.weights.loader import load_model, resolve
+from kestrel.weights.loader import load_model, load_tokenizer, resolve
 
 PROMPT = [(i * 37 + 11) % 128 for i in range(24)]
-# Every family is saved with SmolLM2's tokenizer, whose BPE pre-tokenizer the converter knows.
+# Every family is saved with SmolLM2's tokenizer, whose BPE pre-tokenizer the converter knows, or
+# Gemma 3's where the converter wants a SentencePiece-style vocabulary.
 # Not converted here (docs/models.md lists each, with what a user gets): qwen2 (transformers reads
 # any tokenizer in a qwen2 folder as Qwen's, whose hash the converter knows only with Qwen's
-# vocabulary), jamba and minicpm3 (the converter wants a SentencePiece model), glm4_moe_lite (GLM's
-# special tokens), and the families kestrel reads only from Hugging Face folders.
+# vocabulary), jamba, minicpm3 and glm4_moe_lite (kestrel reads them only from Hugging Face folders).
 S, F = "sliding_attention", "full_attention"
+GEMMA3_VOCAB = 262_144
 
 
 @dataclass
@@ -41,7 +44,7 @@ class Case:
     model_cls: type
     config: transformers.PretrainedConfig
     tweak: object = None
-    notes: dict = field(default_factory=dict)
+    tokenizer: str = "smollm2"  # the embedded model whose tokenizer the checkpoint is saved with
 
 
 def _gemma3(**changes):
@@ -50,6 +53,13 @@ def _gemma3(**changes):
     types = [S if (i + 1) % 6 else F for i in range(layers)]
     text = {**test_models_gemma3.TEXT, "num_hidden_layers": 6, "layer_types": types}
     return transformers.Gemma3TextConfig(**{**text, **changes})
+
+
+def _gemma4(variant: str) -> dict:
+    config = {**test_models_gemma4.COMMON, **test_models_gemma4.VARIANTS[variant]}
+    if config.get("vocab_size_per_layer_input"):
+        config["vocab_size_per_layer_input"] = GEMMA3_VOCAB  # per-layer inputs span the vocabulary
+    return config
 
 
 CASES = {
@@ -80,6 +90,29 @@ CASES = {
             query_pre_attn_scalar=24,
         ),
     ),
+    # transformers' config always holds MoE fields, so the converter writes "nemotron_h_moe"
+    "nemotron_h": Case(
+        transformers.NemotronHForCausalLM,
+        transformers.NemotronHConfig(**test_models_nemotron_h.CONFIG),
+        test_models_nemotron_h.perturb,
+    ),
+    "nemotron_h-dense": Case(
+        transformers.NemotronHForCausalLM,
+        transformers.NemotronHConfig(
+            **{**test_models_nemotron_h.CONFIG, "hybrid_override_pattern": "M*-M-*M"}
+        ),
+        test_models_nemotron_h.perturb,
+    ),
+    # Gemma 4's converter wants a SentencePiece-style BPE (byte fallback): Gemma 3's
+    **{
+        f"gemma4-{variant}": Case(
+            transformers.Gemma4ForCausalLM,
+            transformers.Gemma4TextConfig(**_gemma4(variant)),
+            test_models_gemma4._randomize_scalars,
+            tokenizer="gemma3-270m",
+        )
+        for variant in sorted(test_models_gemma4.VARIANTS)
+    },
     "exaone_moe": Case(
         transformers.ExaoneMoeForCausalLM,
         transformers.ExaoneMoeConfig(
@@ -98,15 +131,27 @@ def cache_dir(tmp_path, monkeypatch):
     monkeypatch.setenv("KESTREL_CACHE_DIR", str(tmp_path / "cache"))
 
 
+@pytest.fixture(scope="module")
+def tokenizers():
+    """The embedded models' tokenizers by alias, each loaded once."""
+    cache = {}
+
+    def of(alias: str):
+        if alias not in cache:
+            cache[alias] = load_tokenizer(resolve(alias))
+        return cache[alias]
+
+    return of
+
+
 @pytest.fixture(scope="module", params=sorted(CASES))
-def converted(request, tmp_path_factory, smollm2_tokenizer):
+def converted(request, tmp_path_factory, tokenizers):
     """(checkpoint folder, F32 GGUF converted by llama.cpp, transformers' prompt logits)."""
     case = CASES[request.param]
-    case.config.vocab_size = len(smollm2_tokenizer)  # the converter checks the vocabulary
+    tokenizer = tokenizers(case.tokenizer)
+    case.config.vocab_size = len(tokenizer)  # the converter checks the vocabulary
     root = tmp_path_factory.mktemp(request.param)
-    folder = save_tiny(
-        case.model_cls, case.config, root / "hf", smollm2_tokenizer, tweak=case.tweak
-    )
+    folder = save_tiny(case.model_cls, case.config, root / "hf", tokenizer, tweak=case.tweak)
     path = convert(folder, root / "model-f32.gguf")
     return folder, path, reference_logits(folder, case.model_cls, PROMPT), case.model_cls
 

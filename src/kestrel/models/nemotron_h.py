@@ -10,6 +10,7 @@ nothing. Checkpoints name the model `backbone` and store one tensor per expert.
 
 import torch
 from torch import nn
+from transformers import NemotronHConfig
 
 from kestrel.cache.sequence import CacheSpec
 from kestrel.kernels.fused import ACTIVATIONS
@@ -21,6 +22,45 @@ from kestrel.models.layers.moe import Experts, SparseMoE, expert_slot
 from kestrel.models.layers.norm import RMSNorm
 
 CACHE_SPECS = {"linear_attention": CacheSpec("recurrent"), "full_attention": CacheSpec("full")}
+
+# llama.cpp's tensors (its converter writes both "nemotron_h" and "nemotron_h_moe" files) -> ours
+GGUF_NAMES = {
+    "token_embd.weight": "model.embeddings.weight",
+    "output_norm.weight": "model.norm_f.weight",
+    "output.weight": "lm_head.weight",
+}
+GGUF_LAYER_NAMES = {  # under blk.{i}. -> under model.layers.{i}.
+    "attn_norm.weight": "norm.weight",
+    "ssm_in.weight": "mixer.in_proj.weight",
+    "ssm_conv1d.weight": "mixer.conv1d.weight",
+    "ssm_conv1d.bias": "mixer.conv1d.bias",
+    "ssm_dt.bias": "mixer.dt_bias",
+    "ssm_a": "mixer.A_log",
+    "ssm_d": "mixer.D",
+    "ssm_norm.weight": "mixer.norm.weight",
+    "ssm_out.weight": "mixer.out_proj.weight",
+    "attn_q.weight": "mixer.q_proj.weight",
+    "attn_k.weight": "mixer.k_proj.weight",
+    "attn_v.weight": "mixer.v_proj.weight",
+    "attn_output.weight": "mixer.o_proj.weight",
+    "ffn_up.weight": "mixer.up_proj.weight",
+    "ffn_down.weight": "mixer.down_proj.weight",
+    "ffn_gate_inp.weight": "mixer.gate.weight",
+    "exp_probs_b.bias": "mixer.gate.e_score_correction_bias",
+    "ffn_up_exps.weight": "mixer.experts.up_proj",
+    "ffn_down_exps.weight": "mixer.experts.down_proj",
+    "ffn_latent_down.weight": "mixer.fc1_latent_proj.weight",
+    "ffn_latent_up.weight": "mixer.fc2_latent_proj.weight",
+    "ffn_up_shexp.weight": "mixer.shared_experts.up_proj.weight",
+    "ffn_down_shexp.weight": "mixer.shared_experts.down_proj.weight",
+}
+# a layer's kind, by the tensor only that kind has
+GGUF_LAYER_KINDS = {
+    "ssm_in.weight": "linear_attention",
+    "attn_q.weight": "full_attention",
+    "ffn_gate_inp.weight": "moe",
+    "ffn_up.weight": "mlp",
+}
 
 
 class NemotronHMLP(nn.Module):
@@ -157,3 +197,64 @@ class NemotronHForCausalLM(CausalLM):
             return None  # multi-token-prediction heads: speculative decoding, not served
         name = name.replace("backbone.", "model.", 1)
         return expert_slot(name, self.config.moe_intermediate_size, gate=None) or name
+
+    def gguf_names(self, table) -> dict[str, str]:
+        names = dict(GGUF_NAMES)
+        for i in range(len(self.model.layers)):
+            for theirs, ours in GGUF_LAYER_NAMES.items():
+                names[f"blk.{i}.{theirs}"] = f"model.layers.{i}.{ours}"
+        return names
+
+    def gguf_tensor(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
+        # llama.cpp stores A = -exp(A_log) and D as (heads, 1), the conv kernel without its
+        # channel axis and the gated norm's weight per group
+        if name.endswith("mixer.A_log"):
+            return torch.log(-tensor).reshape(-1)
+        if name.endswith(("mixer.D", "mixer.norm.weight")):
+            return tensor.reshape(-1)
+        if name.endswith("mixer.conv1d.weight"):
+            return tensor.unsqueeze(1)
+        return tensor
+
+    @classmethod
+    def config_from_gguf(cls, meta) -> NemotronHConfig:
+        """llama.cpp's "nemotron_h" and "nemotron_h_moe" metadata; each layer's kind comes from
+        the tensors it has (the converter writes zero sizes for the kinds a file has not)."""
+        n = meta["block_count"] - meta.get("nextn_predict_layers", 0)
+        kinds = [
+            next(k for t, k in GGUF_LAYER_KINDS.items() if f"blk.{i}.{t}" in meta.shapes)
+            for i in range(n)
+        ]
+        mlp = next((i for i, k in enumerate(kinds) if k == "mlp"), None)
+        ssm = next((i for i, k in enumerate(kinds) if k == "linear_attention"), None)
+        ssm_heads = meta.shapes[f"blk.{ssm}.ssm_a"][0] if ssm is not None else 1
+        heads = meta["attention.head_count"]
+        return NemotronHConfig(
+            vocab_size=meta.shapes["token_embd.weight"][0],
+            hidden_size=meta["embedding_length"],
+            layers_block_type=kinds,
+            num_attention_heads=heads,
+            num_key_value_heads=max(meta.per_layer("attention.head_count_kv", n)) or heads,
+            head_dim=meta.get("attention.key_length"),
+            max_position_embeddings=meta.get("context_length", 4096),
+            intermediate_size=meta.shapes[f"blk.{mlp}.ffn_up.weight"][0] if mlp is not None else 1,
+            ssm_state_size=meta.get("ssm.state_size", 128),
+            mamba_num_heads=ssm_heads,
+            mamba_head_dim=meta.get("ssm.inner_size", 0) // ssm_heads,
+            n_groups=meta.get("ssm.group_count", 1),
+            conv_kernel=meta.get("ssm.conv_kernel", 4),
+            n_routed_experts=meta.get("expert_count", 1),
+            num_experts_per_tok=meta.get("expert_used_count", 1),
+            moe_intermediate_size=meta.get("expert_feed_forward_length", 1),
+            moe_shared_expert_intermediate_size=meta.get("expert_shared_feed_forward_length", 1),
+            n_shared_experts=meta.get("expert_shared_count", 1),
+            moe_latent_size=meta.get("moe_latent_size"),
+            n_group=meta.get("expert_group_count", 1),
+            topk_group=meta.get("expert_group_used_count", 1),
+            norm_topk_prob=meta.get("expert_weights_norm", True),
+            routed_scaling_factor=meta.get("expert_weights_scale", 1.0),
+            layer_norm_epsilon=meta["attention.layer_norm_epsilon"],
+            tie_word_embeddings="output.weight" not in meta.shapes,
+            bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
+            eos_token_id=meta.get("tokenizer.ggml.eos_token_id"),
+        )

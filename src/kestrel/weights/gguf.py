@@ -359,7 +359,13 @@ def dequantize_blocks(blocks: torch.Tensor, t) -> torch.Tensor:
 
 # llama.cpp architecture -> model_type of the family that builds its config from the file's metadata
 # (`CausalLM.config_from_gguf`): transformers reads these archs' configs incompletely or not at all
-FAMILY_CONFIGS = {"gemma4": "gemma4", "exaone-moe": "exaone_moe", "deci": "nemotron-nas"}
+FAMILY_CONFIGS = {
+    "gemma4": "gemma4",
+    "exaone-moe": "exaone_moe",
+    "deci": "nemotron-nas",
+    "nemotron_h": "nemotron_h",
+    "nemotron_h_moe": "nemotron_h",
+}
 # vocabulary arrays: large, and the tokenizer loader reads them itself
 _SKIPPED_KEYS = {
     "tokenizer.ggml.tokens",
