@@ -11,7 +11,7 @@ LLAMA_CFLAGS := $(if $(filter x86_64,$(shell uname -m)),-mno-amx-tile -mno-amx-i
 # make bench BENCH_ARGS='--out benchmarks/results/cpu_generate.jsonl --plot FILE.svg'
 BENCH_ARGS ?=
 
-.PHONY: setup serve test lint bench-env bench clean
+.PHONY: setup serve test lint docs bench-env bench clean
 
 $(BIN)/kestrel: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -32,7 +32,16 @@ test: setup
 	$(BIN)/python -m pytest -q
 
 lint: setup
-	$(BIN)/ruff check src tests benchmarks && $(BIN)/ruff format --check src tests benchmarks
+	$(BIN)/ruff check src tests benchmarks docs/hooks && $(BIN)/ruff format --check src tests benchmarks docs/hooks
+
+# The documentation site (mkdocs.yml, docs/) into site/; warnings are errors. The flag reference is
+# generated from kestrel's parser by docs/hooks/flags.py, the Python API from the docstrings.
+$(VENV)/.docs-extra: $(BIN)/kestrel
+	$(BIN)/pip install -q -e '.[docs]'
+	touch $@
+
+docs: $(VENV)/.docs-extra
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict
 
 # The benchmark's own environment: kestrel plus llama-cpp-python built from source (minutes);
 # --no-cache-dir, so that pip does not reuse a wheel it cached from a build with other flags.
