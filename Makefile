@@ -5,8 +5,8 @@ BIN := $(VENV)/bin
 TORCH_CPU := torch==2.13.0
 BENCH_VENV := benchmarks/.venv
 BENCH_BIN := $(BENCH_VENV)/bin
-# llama.cpp's AMX matmul segfaults on some AMX CPUs, the 2-core dev VM's among them (llama.cpp issue
-# 20824, unfixed): build llama-cpp-python without it; AVX-512 VNNI still runs its quantized matmuls
+# llama.cpp's AMX matmul segfaults on some AMX CPUs, the 2-core dev VM's among them (an open
+# upstream bug): build llama-cpp-python without it; AVX-512 VNNI still runs its quantized matmuls
 LLAMA_CFLAGS := $(if $(filter x86_64,$(shell uname -m)),-mno-amx-tile -mno-amx-int8 -mno-amx-bf16)
 # make bench BENCH_ARGS='--out benchmarks/results/cpu_generate.jsonl --plot FILE.svg'
 BENCH_ARGS ?=
