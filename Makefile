@@ -5,8 +5,8 @@ BIN := $(VENV)/bin
 TORCH_CPU := torch==2.13.0
 BENCH_VENV := benchmarks/.venv
 BENCH_BIN := $(BENCH_VENV)/bin
-# llama.cpp's AMX matmul segfaults on some AMX CPUs, the 2-core dev VM's among them (llama.cpp issue
-# 20824, unfixed): build llama-cpp-python without it; AVX-512 VNNI still runs its quantized matmuls
+# llama.cpp's AMX matmul segfaults on some AMX CPUs, the 2-core dev VM's among them (an open
+# upstream bug): build llama-cpp-python without it; AVX-512 VNNI still runs its quantized matmuls
 LLAMA_CFLAGS := $(if $(filter x86_64,$(shell uname -m)),-mno-amx-tile -mno-amx-int8 -mno-amx-bf16)
 # make bench BENCH_ARGS='--out benchmarks/results/cpu_generate.jsonl --plot FILE.svg'
 BENCH_ARGS ?=
@@ -16,7 +16,7 @@ BENCH_ARGS ?=
 LLAMA_CPP_SDIST := llama-cpp-python==0.3.36
 CONVERTER := $(VENV)/llama.cpp/convert_hf_to_gguf.py
 
-.PHONY: setup serve test lint bench-env bench clean
+.PHONY: setup serve test lint docs bench-env bench clean
 
 $(BIN)/kestrel: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -45,7 +45,16 @@ test: setup
 	$(BIN)/python -m pytest -q
 
 lint: setup
-	$(BIN)/ruff check src tests benchmarks && $(BIN)/ruff format --check src tests benchmarks
+	$(BIN)/ruff check src tests benchmarks docs/hooks && $(BIN)/ruff format --check src tests benchmarks docs/hooks
+
+# The documentation site (mkdocs.yml, docs/) into site/; warnings are errors. The flag reference is
+# generated from kestrel's parser by docs/hooks/flags.py, the Python API from the docstrings.
+$(VENV)/.docs-extra: $(BIN)/kestrel
+	$(BIN)/pip install -q -e '.[docs]'
+	touch $@
+
+docs: $(VENV)/.docs-extra
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict
 
 # The benchmark's own environment: kestrel plus llama-cpp-python built from source (minutes);
 # --no-cache-dir, so that pip does not reuse a wheel it cached from a build with other flags.

@@ -5,7 +5,7 @@ microseconds per all-reduce, and whether both sums are equal.
 
     python benchmarks/allreduce_latency.py     # needs two GPUs
 
-Why: `-tp 2` decodes Llama-3.1-8B only 1.21x faster than one GPU (benchmarks/README.md); its step
+Why: `-tp 2` decodes Llama-3.1-8B only 1.21x faster than one GPU (docs/performance/h200.md); its step
 does 64 of these all-reduces. Not yet run: written for the next session with two GPUs.
 """
 

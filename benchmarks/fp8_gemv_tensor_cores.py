@@ -8,7 +8,7 @@ warps), and its error against x @ dequantized W. One JSON line per (shape, rows 
 
     python benchmarks/fp8_gemv_tensor_cores.py 1 4 > results.jsonl
 
-Measured (benchmarks/README.md): one row of x, it is slower than the CUDA-core GEMV (the x
+Measured (docs/performance/h200.md): one row of x, it is slower than the CUDA-core GEMV (the x
 quantization and the padded accumulator cost more than the instructions it saves) and 15x less
 exact (FP8 x); at 4 rows it is 2-3.5x faster, since the CUDA-core GEMV reads W once per row."""
 

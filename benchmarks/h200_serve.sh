@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Through the HTTP server vs offline, in one call on the H200 (issue 4): `kestrel bench throughput`
+# Through the HTTP server vs offline, in one call on the H200: `kestrel bench throughput`
 # at the same concurrency, then `kestrel serve` on the same random-weight shape and
 # `kestrel bench serve` against it; between them `kestrel bench engine` (offline through the
 # Engine). All drive 256 requests of 512 prompt + 256 output tokens.

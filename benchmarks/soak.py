@@ -1,4 +1,4 @@
-"""Soak test (issue 9): a bounded mixed load on a real `kestrel serve`, reported per window.
+"""Soak test: a bounded mixed load on a real `kestrel serve`, reported per window.
 
     .venv/bin/python benchmarks/soak.py                      # 10 minutes on smollm2
     .venv/bin/python benchmarks/soak.py --duration 240 --out benchmarks/results/soak.json

@@ -3,7 +3,7 @@
 A model load takes seconds, so servers are started once per distinct (args, env) and reused:
 `shared_server(args, env)` returns the running one or starts it; all are killed at exit (and by
 the kernel if pytest dies: PR_SET_PDEATHSIG). `start_server` gives a private one to tests that
-kill or break it (issue 9's engine-death and shutdown tests). `step_seconds` measures how fast the
+kill or break it (the engine-death and shutdown tests). `step_seconds` measures how fast the
 machine is now, the unit of the tests' wall-clock budgets.
 """
 

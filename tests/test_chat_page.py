@@ -3,7 +3,7 @@ driven by Selenium) against a real `kestrel serve` that needs an API key: the pa
 key, streams the answer, and shows what the openai client gets for the same greedy request.
 
 Without chromium the test skips, unless CI=1 (or true) or KESTREL_REQUIRE_BROWSER=1: then it fails.
-KESTREL_CHAT_SCREENSHOT=path saves a screenshot of the finished conversation (README's picture).
+KESTREL_CHAT_SCREENSHOT=path saves a screenshot of the finished conversation (docs/chat-page.png).
 """
 
 import os

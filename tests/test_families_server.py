@@ -1,4 +1,4 @@
-"""Every seeded family (issues 5, 6 and 8) through a real `kestrel serve` process and the CLI.
+"""Every seeded family through a real `kestrel serve` process and the CLI.
 
 Each family gets a tiny random-weight checkpoint saved with SmolLM2's real tokenizer (so the
 server can tokenize and apply the chat template). Through the `openai` client at temperature 0:

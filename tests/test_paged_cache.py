@@ -440,7 +440,7 @@ def test_seeded_sampling_continues_exactly_across_preemption(paged):
 def test_pool_sized_by_a_probe_step_then_generates_as_reference():
     """With no fixed `num_blocks` the runner sizes its pool: on CUDA from the memory it measures
     around a probe of the largest step, on the CPU for every running sequence's whole context.
-    A probe that the runner cannot run breaks every GPU user at start (issue 13), so CI runs it
+    A probe that the runner cannot run breaks every GPU user at start, so CI runs it
     too."""
     model, cpu = tiny_model("llama"), torch.device("cpu")
     seqs = prompts(5, 8)

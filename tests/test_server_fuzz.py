@@ -1,4 +1,4 @@
-"""Schema fuzzing (issue 9, item 1): schemathesis generates requests from the server's own OpenAPI
+"""Schema fuzzing: schemathesis generates requests from the server's own OpenAPI
 schema, both fitting it (positive) and violating it (negative), and sends them to a real
 `kestrel serve` process on a tiny random-weight model. No response may be a 5xx, every response
 must match the schema (errors included), negative data must be rejected with a 4xx, and the

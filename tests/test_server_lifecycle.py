@@ -1,5 +1,6 @@
 """Engine death and shutdown on private server processes: never alive-but-dead, exit codes a
-supervisor can act on. (Issue 9 extends these; the hook is the test-only "loop" fault.)"""
+supervisor can act on. (The reliability and overload tests extend these; the hook is the test-only
+"loop" fault.)"""
 
 import signal
 import time

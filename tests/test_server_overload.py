@@ -1,4 +1,4 @@
-"""Issue 9 under load, each on a private `kestrel serve` process (tiny random-weight model): KV
+"""The server under load, each on a private `kestrel serve` process (tiny random-weight model): KV
 exhaustion (`--kv-cache-tokens`), backpressure (503 + Retry-After for the overflow only), engine
 death with requests in flight, and SIGTERM under load (503 first, in-flight requests finish,
 exit 0, no child left). Tests wait for states (/metrics), and size what must be prompt in engine

@@ -1,4 +1,4 @@
-"""Issue 9 against a real `kestrel serve` process on a tiny random-weight model (SmolLM2's
+"""Reliability against a real `kestrel serve` process on a tiny random-weight model (SmolLM2's
 tokenizer): malformed bodies, sampling bounds, encoding, size and time limits, auth over the whole
 route table, a disconnect storm, poison requests, and the secure defaults. What must be prompt is
 timed in engine steps measured on this machine (`step_seconds`), so a busy machine fails none."""

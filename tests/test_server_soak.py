@@ -1,4 +1,4 @@
-"""The soak benchmark's fast version (issue 9, item 14): benchmarks/soak.py for 20 seconds (and at
+"""The soak benchmark's fast version: benchmarks/soak.py for 20 seconds (and at
 least 30 requests) on the tiny model. Its accounting must hold (no unexpected outcome, every
 request classified, the server idle and healthy afterwards, exit 0), whatever the machine's speed;
 the drift limits need the long run (the committed result)."""

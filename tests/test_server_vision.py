@@ -1,4 +1,4 @@
-"""Image input end to end (issue 7): OpenAI `image_url` content parts through a real `kestrel serve`
+"""Image input end to end: OpenAI `image_url` content parts through a real `kestrel serve`
 on a tiny random-weight qwen2_vl checkpoint (saved with its image processor and a chat template
 that places the vision tokens), the LLM API on the same checkpoint, and the engine underneath.
 

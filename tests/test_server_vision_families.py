@@ -1,4 +1,4 @@
-"""Every vision-language family through a real `kestrel serve` (issue 7): an image chat through the
+"""Every vision-language family through a real `kestrel serve`: an image chat through the
 `openai` client, and requests of different lengths (images of two sizes, and text) sent together
 give the greedy text each gives alone."""
 

@@ -34,6 +34,18 @@ def load_engine(config: Config, progress: bool = True, exit_with_workers: bool =
 
 @dataclass
 class CompletionOutput:
+    """One completion of a prompt.
+
+    Attributes:
+        index: which of the prompt's `n` completions this is.
+        text: the generated text.
+        token_ids: the generated token ids.
+        finish_reason: "stop" (end-of-sequence, a stop string or a stop id), "length"
+            (max_tokens or the context) or "error".
+        logprobs: with SamplingParams(logprobs=k), one {token id: log-prob} dict per generated
+            token: the sampled token's and the k likeliest, from the model's raw distribution.
+    """
+
     index: int
     text: str = ""
     token_ids: list[int] = field(default_factory=list)
@@ -43,6 +55,8 @@ class CompletionOutput:
 
 @dataclass
 class GenerationResult:
+    """The result of one prompt: its token ids and its `n` completions, in order."""
+
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput]
 

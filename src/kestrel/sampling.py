@@ -21,6 +21,33 @@ MAX_STOP_CHARS = 1024  # per stop string
 
 @dataclass
 class SamplingParams:
+    """How to sample one request, with vLLM's names and defaults. Values out of range raise
+    InvalidRequestError naming the parameter.
+
+    Attributes:
+        n: completions per prompt.
+        max_tokens: most tokens to generate (None: until the context is full).
+        temperature: 0 (or below 1e-5) samples greedily.
+        top_p: nucleus sampling's probability mass (1: off).
+        top_k: keep the k likeliest tokens (0: off).
+        min_p: drop tokens below this fraction of the likeliest one's probability (0: off).
+        repetition_penalty: divides the positive logits (multiplies the negative ones) of tokens
+            seen in the prompt or output (1: off).
+        presence_penalty: subtracted once from the logits of tokens already generated.
+        frequency_penalty: subtracted per occurrence from the logits of tokens already generated.
+        logit_bias: token id -> a bias added to its logit (-100 bans it).
+        seed: makes sampling reproducible for this request.
+        stop: strings that end the output (left out of it unless include_stop_str_in_output).
+        stop_token_ids: token ids that end the output, beside the model's end-of-sequence ids.
+        ignore_eos: keep generating past end-of-sequence tokens.
+        logprobs: also return the log-probs of the sampled token and the k likeliest, from the
+            model's raw distribution.
+        skip_special_tokens: leave special tokens out of the text.
+        include_stop_str_in_output: keep the stop string that ended the output in its text.
+        structured_output: a constraint every token must follow (kestrel.structured).
+        cache_prompt: False recomputes the prompt instead of reusing cached prefix KV.
+    """
+
     n: int = 1
     max_tokens: int | None = 16
     temperature: float = 1.0

@@ -19,7 +19,7 @@ def groups(paths):
     for path in paths:
         for line in open(path):
             r = json.loads(line)
-            if r["mode"] not in METRIC:  # engine / serve lines: see the README's server table
+            if r["mode"] not in METRIC:  # engine / serve lines: see the docs' server table
                 continue
             value, ceiling = METRIC[r["mode"]]
             g = out.setdefault((r["model"], r["mode"]), {})

@@ -90,8 +90,8 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
         dest="kv_capacity",
         type=int,
         default=0,
-        help="KV tokens all running sequences may hold (0 = unlimited); beyond it requests wait "
-        "or are preempted and recomputed",
+        help="KV tokens all running sequences may hold (0 = as many as the KV pool holds: on the "
+        "CPU at most a quarter of RAM); beyond it requests wait or are preempted and recomputed",
     )
     p.add_argument(
         "--shutdown-timeout",

@@ -22,7 +22,7 @@ from kestrel.structured import StructuredOutput
 # -- not supported ----------------------------------------------------------------------------
 # Named fields (OpenAI's, vLLM's and llama-server's) kestrel does not implement yet: field -> (its
 # "off" values, why). Set to anything else, the request gets 400 naming the field; unknown fields
-# in no table are ignored. README.md's "Request fields" lists what is supported.
+# in no table are ignored. docs/server.md's "Request fields" lists what is supported.
 
 # chat and completions
 SAMPLING_UNSUPPORTED = {
