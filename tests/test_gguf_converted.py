@@ -3,6 +3,7 @@ Hugging Face checkpoints: kestrel's logits from the file equal transformers' on 
 for the full prompt, chunked prefill and greedy decoding. These are the files users download,
 so a misread of llama.cpp's layout cannot hide behind a writer of our own."""
 
+import copy
 from dataclasses import dataclass
 
 import pytest
@@ -12,6 +13,7 @@ from tests import (
     test_models_exaone_moe,
     test_models_gemma3,
     test_models_gemma4,
+    test_models_glm4_moe_lite,
     test_models_llama,
     test_models_mistral,
     test_models_nemotron_h,
@@ -34,7 +36,7 @@ PROMPT = [(i * 37 + 11) % 128 for i in range(24)]
 # Gemma 3's where the converter wants a SentencePiece-style vocabulary.
 # Not converted here (docs/models.md lists each, with what a user gets): qwen2 (transformers reads
 # any tokenizer in a qwen2 folder as Qwen's, whose hash the converter knows only with Qwen's
-# vocabulary), jamba, minicpm3 and glm4_moe_lite (kestrel reads them only from Hugging Face folders).
+# vocabulary), jamba and minicpm3 (kestrel reads them only from Hugging Face folders).
 S, F = "sliding_attention", "full_attention"
 GEMMA3_VOCAB = 262_144
 
@@ -45,6 +47,7 @@ class Case:
     config: transformers.PretrainedConfig
     tweak: object = None
     tokenizer: str = "smollm2"  # the embedded model whose tokenizer the checkpoint is saved with
+    special_tokens: tuple[str, ...] = ()  # added to it, where the converter looks some up
 
 
 def _gemma3(**changes):
@@ -113,6 +116,13 @@ CASES = {
         )
         for variant in sorted(test_models_gemma4.VARIANTS)
     },
+    # GLM-4.7-Flash: llama.cpp writes it as "deepseek2", kv_b_proj split per head
+    "glm4_moe_lite": Case(
+        transformers.Glm4MoeLiteForCausalLM,
+        transformers.Glm4MoeLiteConfig(**test_models_glm4_moe_lite.CONFIG),
+        test_models_glm4_moe_lite.randomize_correction_bias,
+        special_tokens=("[gMASK]", "<sop>", "<|user|>", "<|observation|>", "<|endoftext|>"),
+    ),
     "exaone_moe": Case(
         transformers.ExaoneMoeForCausalLM,
         transformers.ExaoneMoeConfig(
@@ -148,7 +158,8 @@ def tokenizers():
 def converted(request, tmp_path_factory, tokenizers):
     """(checkpoint folder, F32 GGUF converted by llama.cpp, transformers' prompt logits)."""
     case = CASES[request.param]
-    tokenizer = tokenizers(case.tokenizer)
+    tokenizer = copy.deepcopy(tokenizers(case.tokenizer))
+    tokenizer.add_special_tokens({"additional_special_tokens": list(case.special_tokens)})
     case.config.vocab_size = len(tokenizer)  # the converter checks the vocabulary
     root = tmp_path_factory.mktemp(request.param)
     folder = save_tiny(case.model_cls, case.config, root / "hf", tokenizer, tweak=case.tweak)

@@ -13,7 +13,9 @@ skipped otherwise.
 import copy
 
 from torch import nn
+from transformers import Glm4MoeLiteConfig
 
+from kestrel.errors import UnsupportedModelError
 from kestrel.models.base import Slot
 from kestrel.models.layers.mla import LatentCausalLM, MLADecoder, latent_cache_specs, mla_block
 from kestrel.models.layers.mlp import GatedMLP
@@ -40,6 +42,10 @@ def feed_forward(config, layer_idx: int) -> nn.Module:
     )
 
 
+# llama.cpp's expert_gating_func: 1 softmax, 2 sigmoid
+GATING_SIGMOID = 2
+
+
 class Glm4MoeLiteModel(MLADecoder):
     def __init__(self, config):
         super().__init__(config, feed_forward)
@@ -62,6 +68,67 @@ class Glm4MoeLiteForCausalLM(LatentCausalLM):
             if not name:
                 return None
         return expert_slot(name, self.config.moe_intermediate_size) or super().checkpoint_name(name)
+
+    def gguf_names(self, table) -> dict[str, str]:
+        names = super().gguf_names(table)
+        for i in range(len(self.model.layers)):
+            prefix = f"model.layers.{i}"
+            # llama.cpp splits kv_b_proj per head as mlx-lm does (embed_q, unembed_out)
+            names[f"blk.{i}.attn_k_b.weight"] = f"{prefix}.self_attn.embed_q.weight"
+            names[f"blk.{i}.attn_v_b.weight"] = f"{prefix}.self_attn.unembed_out.weight"
+            # every expert's projection in one (E, out, in) tensor, as mlx-lm's switch_mlp
+            for proj in ("gate", "up", "down"):
+                names[f"blk.{i}.ffn_{proj}_exps.weight"] = (
+                    f"{prefix}.mlp.switch_mlp.{proj}_proj.weight"
+                )
+            names[f"blk.{i}.exp_probs_b.bias"] = f"{prefix}.mlp.gate.e_score_correction_bias"
+        return names
+
+    @classmethod
+    def config_from_gguf(cls, meta) -> Glm4MoeLiteConfig:
+        """llama.cpp's "deepseek2" metadata, as its converter writes GLM-4.7-Flash: a layer is
+        sparse when it has a router (the leading dense count is not always written); the heads
+        share one latent, so head_count_kv is 1 there and the query heads count here."""
+        if meta.get("expert_gating_func", GATING_SIGMOID) != GATING_SIGMOID:
+            raise UnsupportedModelError(
+                "deepseek2 GGUF with softmax expert routing (DeepSeek-V2): not served; "
+                "GLM-4.7-Flash-style sigmoid routing is"
+            )
+        if meta.get("rope.scaling.type", "none") != "none":
+            raise UnsupportedModelError("deepseek2 GGUF with RoPE scaling: not served")
+        n = meta["block_count"] - meta.get("nextn_predict_layers", 0)
+        sparse = [f"blk.{i}.ffn_gate_inp.weight" in meta.shapes for i in range(n)]
+        heads, rope_dim = meta["attention.head_count"], meta["rope.dimension_count"]
+        return Glm4MoeLiteConfig(
+            vocab_size=meta.shapes["token_embd.weight"][0],
+            hidden_size=meta["embedding_length"],
+            intermediate_size=meta["feed_forward_length"],
+            num_hidden_layers=n,
+            mlp_layer_types=["sparse" if s else "dense" for s in sparse],
+            num_attention_heads=heads,
+            num_key_value_heads=heads,
+            q_lora_rank=meta.get("attention.q_lora_rank"),
+            kv_lora_rank=meta["attention.kv_lora_rank"],
+            qk_rope_head_dim=rope_dim,
+            qk_nope_head_dim=meta["attention.key_length_mla"] - rope_dim,
+            v_head_dim=meta["attention.value_length_mla"],
+            rope_interleave=True,  # llama.cpp's deepseek2 graph rotates adjacent pairs
+            rope_parameters={"rope_type": "default", "rope_theta": meta["rope.freq_base"]},
+            moe_intermediate_size=meta["expert_feed_forward_length"],
+            n_routed_experts=meta["expert_count"],
+            num_experts_per_tok=meta["expert_used_count"],
+            n_shared_experts=meta.get("expert_shared_count", 1),
+            n_group=meta.get("expert_group_count", 1),
+            topk_group=meta.get("expert_group_used_count", 1),
+            routed_scaling_factor=meta.get("expert_weights_scale", 1.0),
+            norm_topk_prob=meta.get("expert_weights_norm", False),
+            rms_norm_eps=meta["attention.layer_norm_rms_epsilon"],
+            max_position_embeddings=meta.get("context_length", 4096),
+            num_nextn_predict_layers=meta.get("nextn_predict_layers", 0),
+            tie_word_embeddings="output.weight" not in meta.shapes,
+            bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
+            eos_token_id=meta.get("tokenizer.ggml.eos_token_id"),
+        )
 
 
 # the MTP layer's own tensors; its copies of the embeddings and head are the model's

@@ -365,6 +365,7 @@ FAMILY_CONFIGS = {
     "deci": "nemotron-nas",
     "nemotron_h": "nemotron_h",
     "nemotron_h_moe": "nemotron_h",
+    "deepseek2": "glm4_moe_lite",
 }
 # vocabulary arrays: large, and the tokenizer loader reads them itself
 _SKIPPED_KEYS = {
