@@ -4,7 +4,9 @@ for the full prompt, chunked prefill and greedy decoding. These are the files us
 so a misread of llama.cpp's layout cannot hide behind a writer of our own."""
 
 import copy
+import os
 from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 import torch
@@ -28,6 +30,7 @@ from tests.reference import (
     reference_logits,
     save_tiny,
 )
+from transformers import AutoTokenizer
 
 from kestrel.weights.loader import load_model, load_tokenizer, resolve
 
@@ -143,12 +146,18 @@ def cache_dir(tmp_path, monkeypatch):
 
 @pytest.fixture(scope="module")
 def tokenizers():
-    """The embedded models' tokenizers by alias, each loaded once."""
-    cache = {}
+    """The embedded models' tokenizers by alias, each loaded once; from `KESTREL_TEST_TOKENIZERS`
+    (a folder of them saved with `save_pretrained`, one `<alias>/` each) where it is set, for a
+    GPU machine that cannot install the embedded models' packages."""
+    cache, saved = {}, os.environ.get("KESTREL_TEST_TOKENIZERS")
 
     def of(alias: str):
         if alias not in cache:
-            cache[alias] = load_tokenizer(resolve(alias))
+            cache[alias] = (
+                AutoTokenizer.from_pretrained(Path(saved) / alias)
+                if saved
+                else load_tokenizer(resolve(alias))
+            )
         return cache[alias]
 
     return of

@@ -5,7 +5,12 @@ in chunks and decoded token by token."""
 import pytest
 import torch
 from tests.reference import assert_close, chunked_logits, decode_logits
-from tests.test_gguf_converted import PROMPT, cache_dir, converted  # noqa: F401  (fixtures)
+from tests.test_gguf_converted import (  # noqa: F401  (fixtures)
+    PROMPT,
+    cache_dir,
+    converted,
+    tokenizers,
+)
 
 from kestrel.weights.loader import load_model, resolve
 
