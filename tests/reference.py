@@ -44,10 +44,14 @@ def load_kestrel(folder: Path):
     return load_model(resolve(str(folder)), torch.float32, torch.device("cpu"), progress=False)
 
 
+def model_device(model) -> torch.device:
+    return next(iter(model.state_dict().values())).device
+
+
 def chunked_logits(model, ids: list[int], chunk: int, max_kv_size=None, keep=0) -> torch.Tensor:
     """Prefill `ids` in chunks of `chunk` tokens; (len(ids), V) logits for every position."""
     cache = SequenceCache(model.cache_specs())
-    device = next(iter(model.state_dict().values())).device
+    device = model_device(model)
     out = []
     with torch.no_grad():
         for start in range(0, len(ids), chunk):
@@ -61,10 +65,11 @@ def chunked_logits(model, ids: list[int], chunk: int, max_kv_size=None, keep=0) 
 def decode_logits(model, ids: list[int], prefill: int) -> torch.Tensor:
     """Prefill the first `prefill` tokens at once, then feed the rest one token at a time."""
     cache = SequenceCache(model.cache_specs())
+    device = model_device(model)
     out = []
     with torch.no_grad():
         for piece in [ids[:prefill]] + [[t] for t in ids[prefill:]]:
-            out.append(model(ForwardBatch.single(cache, torch.tensor(piece))))
+            out.append(model(ForwardBatch.single(cache, torch.tensor(piece, device=device))))
             cache.advance(len(piece))
     return torch.cat(out)
 
