@@ -23,6 +23,7 @@ from kestrel.models.registry import ARCHITECTURES, model_class
 from kestrel.weights import gguf as gguf_weights
 from kestrel.weights import quantized as st_quant
 from kestrel.weights import safetensors as st_weights
+from kestrel.weights.download import cache_dir
 from kestrel.weights.embedded import EMBEDDED, embedded_path
 
 log = logging.getLogger("kestrel.weights")
@@ -131,7 +132,7 @@ def load_tokenizer(source: ModelSource):
 
 def _gguf_cache(source: ModelSource, kind: str) -> Path:
     """Where the converted config/tokenizer of one GGUF file (by name, size, mtime) is kept."""
-    root = Path(os.environ.get("KESTREL_CACHE_DIR", Path.home() / ".cache" / "kestrel"))
+    root = cache_dir()
     stat = source.path.stat()
     return root / kind / f"{source.path.stem}-{stat.st_size}-{int(stat.st_mtime)}"
 
