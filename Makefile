@@ -11,7 +11,7 @@ LLAMA_CFLAGS := $(if $(filter x86_64,$(shell uname -m)),-mno-amx-tile -mno-amx-i
 # make bench BENCH_ARGS='--out benchmarks/results/cpu_generate.jsonl --plot FILE.svg'
 BENCH_ARGS ?=
 
-.PHONY: setup serve test lint bench-env bench clean
+.PHONY: setup serve test lint wheel-smoke bench-env bench clean
 
 $(BIN)/kestrel: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -32,7 +32,11 @@ test: setup
 	$(BIN)/python -m pytest -q
 
 lint: setup
-	$(BIN)/ruff check src tests benchmarks && $(BIN)/ruff format --check src tests benchmarks
+	$(BIN)/ruff check src tests benchmarks examples && $(BIN)/ruff format --check src tests benchmarks examples
+
+# the pip user's route: the built wheel in a fresh venv, no clone (a few minutes)
+wheel-smoke: setup
+	TORCH=$(TORCH_CPU) .ci/wheel-smoke $(BIN)/python
 
 # The benchmark's own environment: kestrel plus llama-cpp-python built from source (minutes);
 # --no-cache-dir, so that pip does not reuse a wheel it cached from a build with other flags.
