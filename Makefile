@@ -16,7 +16,7 @@ BENCH_ARGS ?=
 LLAMA_CPP_SDIST := llama-cpp-python==0.3.36
 CONVERTER := $(VENV)/llama.cpp/convert_hf_to_gguf.py
 
-.PHONY: setup serve test lint docs bench-env bench clean
+.PHONY: setup serve test lint docs wheel-smoke bench-env bench clean
 
 $(BIN)/kestrel: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -45,7 +45,8 @@ test: setup
 	$(BIN)/python -m pytest -q
 
 lint: setup
-	$(BIN)/ruff check src tests benchmarks docs/hooks && $(BIN)/ruff format --check src tests benchmarks docs/hooks
+	$(BIN)/ruff check src tests benchmarks docs/hooks examples
+	$(BIN)/ruff format --check src tests benchmarks docs/hooks examples
 
 # The documentation site (mkdocs.yml, docs/) into site/; warnings are errors. The flag reference is
 # generated from kestrel's parser by docs/hooks/flags.py, the Python API from the docstrings.
@@ -55,6 +56,10 @@ $(VENV)/.docs-extra: $(BIN)/kestrel
 
 docs: $(VENV)/.docs-extra
 	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict
+
+# the pip user's route: the built wheel in a fresh venv, no clone (a few minutes)
+wheel-smoke: setup
+	TORCH=$(TORCH_CPU) .ci/wheel-smoke $(BIN)/python
 
 # The benchmark's own environment: kestrel plus llama-cpp-python built from source (minutes);
 # --no-cache-dir, so that pip does not reuse a wheel it cached from a build with other flags.

@@ -45,8 +45,22 @@ def serve_main() -> int:
     return main(["serve", *sys.argv[1:]])
 
 
+def version() -> str:
+    """The installed distribution's version (the source's where kestrel runs uninstalled)."""
+    from importlib.metadata import PackageNotFoundError
+    from importlib.metadata import version as installed
+
+    try:
+        return installed("kestrel")
+    except PackageNotFoundError:
+        from kestrel import __version__
+
+        return __version__
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kestrel", description=__doc__)
+    parser.add_argument("-V", "--version", action="version", version=f"kestrel {version()}")
     sub = parser.add_subparsers(dest="command")
     _generate_parser(sub)
     _run_parser(sub)

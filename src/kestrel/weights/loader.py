@@ -24,6 +24,7 @@ from kestrel.weights import gguf as gguf_weights
 from kestrel.weights import hub
 from kestrel.weights import quantized as st_quant
 from kestrel.weights import safetensors as st_weights
+from kestrel.weights.download import cache_dir
 from kestrel.weights.embedded import EMBEDDED, embedded_path
 
 log = logging.getLogger("kestrel.weights")
@@ -152,7 +153,7 @@ GGUF_CACHE_FORMAT = "v2"
 
 def _gguf_cache(source: ModelSource, kind: str) -> Path:
     """Where the converted config/tokenizer of one GGUF file (by name, size, mtime) is kept."""
-    root = Path(os.environ.get("KESTREL_CACHE_DIR", Path.home() / ".cache" / "kestrel"))
+    root = cache_dir()
     stat = source.path.stat()
     return (
         root / kind / f"{source.path.stem}-{stat.st_size}-{int(stat.st_mtime)}-{GGUF_CACHE_FORMAT}"
