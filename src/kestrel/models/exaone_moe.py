@@ -143,7 +143,6 @@ class ExaoneMoeForCausalLM(CausalLM):
         sparse = [f"blk.{i}.ffn_gate_inp.weight" in meta.shapes for i in range(n)]
         heads = meta["attention.head_count"]
         return ExaoneMoeConfig(
-            vocab_size=meta.shapes["token_embd.weight"][0],
             hidden_size=meta["embedding_length"],
             intermediate_size=meta["feed_forward_length"],
             num_hidden_layers=n,
@@ -164,9 +163,7 @@ class ExaoneMoeForCausalLM(CausalLM):
             num_shared_experts=meta.get("expert_shared_count", 0),
             routed_scaling_factor=meta.get("expert_weights_scale", 1.0),
             norm_topk_prob=meta.get("expert_weights_norm", True),
-            tie_word_embeddings="output.weight" not in meta.shapes,
-            bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
-            eos_token_id=meta.get("tokenizer.ggml.eos_token_id"),
+            **meta.vocabulary_fields(),
         )
 
 

@@ -322,7 +322,6 @@ class Gemma4ForCausalLM(CausalLM):
         if rotary_swa != head_dim:
             swa_rope["partial_rotary_factor"] = rotary_swa / head_dim
         return Gemma4TextConfig(
-            vocab_size=vocab,
             hidden_size=meta["embedding_length"],
             intermediate_size=min(widths),
             use_double_wide_mlp=max(widths) != min(widths),
@@ -355,9 +354,7 @@ class Gemma4ForCausalLM(CausalLM):
             num_experts=experts or None,
             top_k_experts=meta.get("expert_used_count"),
             moe_intermediate_size=meta.get("expert_feed_forward_length"),
-            tie_word_embeddings="output.weight" not in meta.shapes,
-            bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
-            eos_token_id=meta.get("tokenizer.ggml.eos_token_id"),
+            **meta.vocabulary_fields(),
             pad_token_id=meta.get("tokenizer.ggml.padding_token_id"),
         )
 

@@ -100,7 +100,6 @@ class Glm4MoeLiteForCausalLM(LatentCausalLM):
         sparse = [f"blk.{i}.ffn_gate_inp.weight" in meta.shapes for i in range(n)]
         heads, rope_dim = meta["attention.head_count"], meta["rope.dimension_count"]
         return Glm4MoeLiteConfig(
-            vocab_size=meta.shapes["token_embd.weight"][0],
             hidden_size=meta["embedding_length"],
             intermediate_size=meta["feed_forward_length"],
             num_hidden_layers=n,
@@ -125,9 +124,7 @@ class Glm4MoeLiteForCausalLM(LatentCausalLM):
             rms_norm_eps=meta["attention.layer_norm_rms_epsilon"],
             max_position_embeddings=meta.get("context_length", 4096),
             num_nextn_predict_layers=meta.get("nextn_predict_layers", 0),
-            tie_word_embeddings="output.weight" not in meta.shapes,
-            bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
-            eos_token_id=meta.get("tokenizer.ggml.eos_token_id"),
+            **meta.vocabulary_fields(),
         )
 
 

@@ -230,7 +230,6 @@ class NemotronHForCausalLM(CausalLM):
         ssm_heads = meta.shapes[f"blk.{ssm}.ssm_a"][0] if ssm is not None else 1
         heads = meta["attention.head_count"]
         return NemotronHConfig(
-            vocab_size=meta.shapes["token_embd.weight"][0],
             hidden_size=meta["embedding_length"],
             layers_block_type=kinds,
             num_attention_heads=heads,
@@ -254,7 +253,5 @@ class NemotronHForCausalLM(CausalLM):
             norm_topk_prob=meta.get("expert_weights_norm", True),
             routed_scaling_factor=meta.get("expert_weights_scale", 1.0),
             layer_norm_epsilon=meta["attention.layer_norm_epsilon"],
-            tie_word_embeddings="output.weight" not in meta.shapes,
-            bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
-            eos_token_id=meta.get("tokenizer.ggml.eos_token_id"),
+            **meta.vocabulary_fields(),
         )

@@ -140,9 +140,9 @@ class NemotronNasModel(nn.Module):
     def __init__(self, config):
         super().__init__()
         rope = rope_parameters(config)
-        self.rotary_emb = RotaryEmbedding(head_dim(config), rope["rope_theta"], rope)
-        if config.rope_freq_factors:
-            self.rotary_emb.inv_freq /= torch.tensor(config.rope_freq_factors)
+        self.rotary_emb = RotaryEmbedding(
+            head_dim(config), rope["rope_theta"], rope, freq_factors=config.rope_freq_factors
+        )
         self.blocks = [parse_block(config, raw) for raw in config.block_configs]
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(
@@ -184,7 +184,6 @@ class NemotronNasForCausalLM(CausalLM):
         widths = meta.per_layer("feed_forward_length", n)
         freqs = meta.tensor("rope_freqs.weight")
         return NemotronNasConfig(
-            vocab_size=meta.shapes["token_embd.weight"][0],
             hidden_size=hidden,
             num_hidden_layers=n,
             num_attention_heads=max(heads),
@@ -196,9 +195,7 @@ class NemotronNasForCausalLM(CausalLM):
             rms_norm_eps=meta["attention.layer_norm_rms_epsilon"],
             rope_parameters={"rope_type": "default", "rope_theta": meta.get("rope.freq_base", 1e4)},
             rope_freq_factors=None if freqs is None else freqs.tolist(),
-            tie_word_embeddings="output.weight" not in meta.shapes,
-            bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
-            eos_token_id=meta.get("tokenizer.ggml.eos_token_id"),
+            **meta.vocabulary_fields(),
         )
 
     def gguf_tensor(self, name: str, tensor: torch.Tensor) -> torch.Tensor:

@@ -401,6 +401,15 @@ class GGUFMetadata:
         value = self.get(key, default)
         return list(value) if isinstance(value, list) else [value] * n_layers
 
+    def vocabulary_fields(self) -> dict:
+        """The config fields every family reads alike: vocabulary, tied head, BOS and EOS."""
+        return dict(
+            vocab_size=self.shapes["token_embd.weight"][0],
+            tie_word_embeddings="output.weight" not in self.shapes,
+            bos_token_id=self.get("tokenizer.ggml.bos_token_id"),
+            eos_token_id=self.get("tokenizer.ggml.eos_token_id"),
+        )
+
     def tensor(self, name: str) -> torch.Tensor | None:
         t = next((t for t in self.reader.tensors if t.name == name), None)
         return None if t is None else dequantize(t)
