@@ -16,7 +16,7 @@ from kestrel.kernels.fused import ACTIVATIONS
 from kestrel.models.base import CausalLM, Slot, head_dim
 from kestrel.models.batch import ForwardBatch
 from kestrel.models.layers.attention import Attention
-from kestrel.models.layers.mamba import Mamba2Mixer, sequence_groups
+from kestrel.models.layers.mamba import Mamba2Mixer, conv_weight, sequence_groups
 from kestrel.models.layers.moe import Experts, SparseMoE, expert_slot
 from kestrel.models.layers.norm import RMSNorm
 
@@ -157,3 +157,6 @@ class NemotronHForCausalLM(CausalLM):
             return None  # multi-token-prediction heads: speculative decoding, not served
         name = name.replace("backbone.", "model.", 1)
         return expert_slot(name, self.config.moe_intermediate_size, gate=None) or name
+
+    def checkpoint_tensor(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
+        return conv_weight(name, tensor)
