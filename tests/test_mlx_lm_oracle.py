@@ -59,9 +59,9 @@ def _specs() -> dict[str, Spec]:
     llama, mistral, qwen2, qwen3 = (_tests(f) for f in ("llama", "mistral", "qwen2", "qwen3"))
     gemma3, minicpm3, glm = _tests("gemma3"), _tests("minicpm3"), _tests("glm4_moe_lite")
     exaone, nemotron_h, jamba = _tests("exaone_moe"), _tests("nemotron_h"), _tests("jamba")
-    mistral4 = _tests("mistral4")
+    mistral4, gemma4 = _tests("mistral4"), _tests("gemma4")
     mla = dict(kv_lora_rank=64, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16)
-    return {
+    specs = {
         "llama": Spec(
             transformers.LlamaForCausalLM,
             transformers.LlamaConfig,
@@ -179,6 +179,34 @@ def _specs() -> dict[str, Spec]:
             jamba.perturb,
         ),
     }
+    for variant in ("dense", "moe", "kv_shared_ple"):
+        config = {
+            **gemma4.COMMON,
+            **gemma4.VARIANTS[variant],
+            "hidden_size": 128,
+            "intermediate_size": 128,
+            "head_dim": 32,
+            "global_head_dim": 64,
+            "sliding_window": 64,
+        }
+        if variant == "moe":
+            config["moe_intermediate_size"] = 64
+        if variant == "kv_shared_ple":
+            config["hidden_size_per_layer_input"] = 64
+            config["vocab_size_per_layer_input"] = None  # the tokenizer's vocabulary
+        # transformers keeps the full layers' head size and KV heads as per-layer overrides;
+        # mlx-lm reads them from these keys
+        extra = {"global_head_dim": 64}
+        if config.get("num_global_key_value_heads"):
+            extra["num_global_key_value_heads"] = config["num_global_key_value_heads"]
+        specs[f"gemma4_text-{variant}"] = Spec(
+            gemma4.MODEL_CLS,
+            transformers.Gemma4TextConfig,
+            config,
+            gemma4._randomize_scalars,
+            extra=extra,
+        )
+    return specs
 
 
 SPECS = _specs()
@@ -246,7 +274,10 @@ def float_folder(tmp_path_factory, smollm2_tokenizer):
     def build(family: str) -> Path:
         if family not in made:
             spec = SPECS[family]
-            config = spec.config_cls(**{**spec.config, "vocab_size": len(smollm2_tokenizer)})
+            vocab = {"vocab_size": len(smollm2_tokenizer)}
+            if "vocab_size_per_layer_input" in spec.config:
+                vocab["vocab_size_per_layer_input"] = len(smollm2_tokenizer)
+            config = spec.config_cls(**{**spec.config, **vocab})
             folder = save_tiny(
                 spec.model_cls, config, root / family, smollm2_tokenizer, tweak=spec.tweak
             )
