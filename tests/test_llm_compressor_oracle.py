@@ -1,16 +1,19 @@
-"""FP8 and NVFP4 checkpoints written by llm-compressor itself, read as compressed-tensors reads
-them: tiny random checkpoints of a dense family (llama) and MoE families (exaone_moe;
+"""FP8 and NVFP4 checkpoints written by llm-compressor and by NVIDIA ModelOpt, read as
+compressed-tensors and ModelOpt read them. llm-compressor: tiny random checkpoints of a dense family (llama) and MoE families (exaone_moe;
 glm4_moe_lite, whose MLA kv_b_proj kestrel dequantizes at load) go through llm-compressor's
 `oneshot` with the presets FP8 (per-tensor weights, static activations), FP8_DYNAMIC (per-row
 weights), FP8_BLOCK (128 x 128 tiles), NVFP4A16 and NVFP4 (W4A4), and kestrel's float32 logits
 of each folder equal transformers' float32 forward of the weights compressed-tensors decompresses
 from it. tests/test_quant_formats.py checks the formats with kestrel's own writer; here
 llm-compressor quantizes, packs and names (its per-expert Linear layers, its scale layouts and
-global scales) and compressed-tensors decodes.
+global scales) and compressed-tensors decodes. ModelOpt (FP8_DEFAULT_CFG, NVFP4_DEFAULT_CFG, on
+llama and exaone_moe) quantizes and exports on the CPU, but runs its quantized forward on CUDA
+only: its oracle is its own decoding (FP8QTensor / NVFP4QTensor) of the exported tensors, run by
+transformers in float32.
 
 llm-compressor pins transformers <= 5.17, kestrel needs >= 5.24: the checkpoints are written by
-tests/llm_compressor_writer.py in a virtual environment of its own (`make oracles-env`; its python
-is $KESTREL_LLMC_PYTHON, else .venv-llmcompressor/bin/python), and the tests skip without it.
+tests/quant_oracle_writer.py in a virtual environment of its own (`make oracles-env`; its python
+is $KESTREL_LLMC_PYTHON, else .venv-oracles/bin/python), and the tests skip without it.
 compressed-tensors (in the `oracles` extra) decompresses in kestrel's environment.
 
 Activations: on the CPU kestrel multiplies float activations by the dequantized weights, also
@@ -54,7 +57,7 @@ from kestrel.models.layers.moe import PackedStack
 from kestrel.models.layers.quant import QuantLinear
 
 ROOT = Path(__file__).resolve().parent.parent
-WRITER = ROOT / "tests" / "llm_compressor_writer.py"
+WRITER = ROOT / "tests" / "quant_oracle_writer.py"
 TEXT = "The quick brown fox jumps over the lazy dog, again and again, and then once more."
 ATOL = 1e-4  # measured <= 1e-5 at logits of magnitude ~6
 SCHEMES = ("FP8", "FP8_DYNAMIC", "FP8_BLOCK", "NVFP4A16", "NVFP4")
@@ -108,12 +111,20 @@ FAMILIES = {
         ("FP8_BLOCK", "NVFP4"),
     ),
 }
-CASES = [(f, s) for f, spec in FAMILIES.items() for s in spec[4]]
+# a family's first case runs the writer's process for all its cases (20-35 s on two cores)
+CASES = [
+    pytest.param(f, s, marks=[pytest.mark.slow] if s == spec[4][0] else [])
+    for f, spec in FAMILIES.items()
+    for s in spec[4]
+]
+# ModelOpt's configs -> kestrel's layer type, for the dense and one MoE family
+MODELOPT = {"FP8_DEFAULT_CFG": "FP8_E4M3_TENSOR", "NVFP4_DEFAULT_CFG": "NVFP4"}
+MODELOPT_CASES = [(f, c) for f in ("llama", "exaone_moe") for c in MODELOPT]
 
 
 def writer_python() -> str | None:
     """The python of llm-compressor's own environment, if there is one."""
-    python = os.environ.get("KESTREL_LLMC_PYTHON") or str(ROOT / ".venv-llmcompressor/bin/python")
+    python = os.environ.get("KESTREL_LLMC_PYTHON") or str(ROOT / ".venv-oracles/bin/python")
     return python if Path(python).exists() else None
 
 
@@ -131,8 +142,9 @@ def prompt(smollm2_tokenizer) -> list[int]:
 
 @pytest.fixture(scope="session")
 def written(tmp_path_factory, smollm2_tokenizer):
-    """family -> {scheme: folder}: the float checkpoint and llm-compressor's folders of it,
-    written once per family (one writer process for all its schemes)."""
+    """family -> {scheme: folder}: the float checkpoint, llm-compressor's and ModelOpt's folders
+    of it (and ModelOpt's decoding, `<folder>-dequantized`), written once per family (one writer
+    process for all its schemes)."""
     python = writer_python()
     if python is None:
         pytest.skip("no llm-compressor environment: make oracles-env (or KESTREL_LLMC_PYTHON)")
@@ -145,6 +157,10 @@ def written(tmp_path_factory, smollm2_tokenizer):
             source = save_tiny(model_cls, config, root / family, smollm2_tokenizer, tweak=tweak)
             folders = {s: root / f"{family}-{s}" for s in schemes}
             pairs = [f"{folder}:{s}" for s, folder in folders.items()]
+            if family in {f for f, _ in MODELOPT_CASES}:
+                for c in MODELOPT:
+                    folders[c] = root / f"{family}-modelopt-{c}"
+                    pairs.append(f"{folders[c]}:modelopt:{c}")
             env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
             run = subprocess.run(
                 [python, str(WRITER), str(source), *pairs], capture_output=True, text=True, env=env
@@ -235,3 +251,27 @@ def test_nvfp4_weights_round_to_compressed_tensors_bfloat16(
         ref = stock[f"{name}.weight"]
         step = ref.abs().clamp(min=1e-30) * 2**-7  # one bfloat16 step
         assert ((weight.bfloat16().float() - ref).abs() <= step).all(), name
+
+
+@pytest.mark.parametrize(("family", "config"), MODELOPT_CASES)
+def test_modelopt_logits_equal_modelopt_decoding(family, config, written, prompt):
+    """ModelOpt's export (hf_quant_config.json; FP8 per tensor, NVFP4 in groups of 16 with a
+    second scale) against its own FP8QTensor / NVFP4QTensor decoding of the same tensors."""
+    folder = written(family)[config]
+    quant = json.loads((folder / "hf_quant_config.json").read_text())["quantization"]
+    assert quant["quant_algo"] == config.split("_")[0]
+    model = load_kestrel(folder)
+    assert {m.qtype for m in model.modules() if isinstance(m, QuantLinear)} == {MODELOPT[config]}
+    if family != "llama":
+        assert any(isinstance(m, PackedStack) for m in model.modules())
+    decoded = Path(f"{folder}-dequantized")
+    expected = reference_logits(decoded, transformers.AutoModelForCausalLM, prompt)
+    assert expected.abs().max() > 1
+    gap = 0.0
+    for chunk in (len(prompt), 5):
+        actual = chunked_logits(model, prompt, chunk)
+        gap = max(gap, (actual - expected).abs().max().item())
+        torch.testing.assert_close(actual, expected, rtol=0, atol=ATOL)
+    print(
+        f"{folder.name}: max |kestrel - oracle| {gap:.2e}, max |logit| {expected.abs().max():.2f}"
+    )
