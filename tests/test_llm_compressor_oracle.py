@@ -13,7 +13,7 @@ transformers in float32.
 
 llm-compressor pins transformers <= 5.17, kestrel needs >= 5.24: the checkpoints are written by
 tests/quant_oracle_writer.py in a virtual environment of its own (`make oracles-env`; its python
-is $KESTREL_LLMC_PYTHON, else .venv-oracles/bin/python), and the tests skip without it.
+is $KESTREL_ORACLE_PYTHON, else .venv-oracles/bin/python), and the tests skip without it.
 compressed-tensors (in the `oracles` extra) decompresses in kestrel's environment.
 
 Activations: on the CPU kestrel multiplies float activations by the dequantized weights, also
@@ -124,7 +124,7 @@ MODELOPT_CASES = [(f, c) for f in ("llama", "exaone_moe") for c in MODELOPT]
 
 def writer_python() -> str | None:
     """The python of llm-compressor's own environment, if there is one."""
-    python = os.environ.get("KESTREL_LLMC_PYTHON") or str(ROOT / ".venv-oracles/bin/python")
+    python = os.environ.get("KESTREL_ORACLE_PYTHON") or str(ROOT / ".venv-oracles/bin/python")
     return python if Path(python).exists() else None
 
 
@@ -147,7 +147,7 @@ def written(tmp_path_factory, smollm2_tokenizer):
     process for all its schemes)."""
     python = writer_python()
     if python is None:
-        pytest.skip("no llm-compressor environment: make oracles-env (or KESTREL_LLMC_PYTHON)")
+        pytest.skip("no llm-compressor environment: make oracles-env (or KESTREL_ORACLE_PYTHON)")
     root, made = tmp_path_factory.mktemp("llm-compressor"), {}
 
     def build(family: str) -> dict[str, Path]:
