@@ -413,3 +413,28 @@ def test_mlx_conv_weight_layout_loads_as_transformers_layout():
     assert torch.equal(conv_weight(name, mlx_layout), hf)
     assert conv_weight(name, hf) is hf
     assert conv_weight("model.layers.0.mamba.in_proj.weight", mlx_layout) is mlx_layout
+
+
+def test_nemotron_nas_equals_mlx_lm(mlx, tmp_path):
+    """DeciLM blocks of their own KV grouping and MLP width, and no-op attention or MLP, through
+    mlx-lm's quantize_model and save (its `convert` loads a tokenizer through transformers, which
+    needs the remote code a nemotron-nas config names). No linear-replacement blocks: mlx-lm names
+    their weight `linear`, published checkpoints `linear_attn` / `linear_mlp`, so mlx-lm cannot
+    load those. The test file's hidden size 32 is one group of 32."""
+    from mlx_lm.utils import load_model, quantize_model, save_config, save_model
+    from tests.test_models_nemotron_nas import PROMPT, block, nas_config, random_checkpoint
+
+    blocks = [
+        block("gqa", group=1, mult=1.0),
+        block("gqa", group=4, ffn="none"),
+        block("none", ffn="mlp", mult=13.0),
+        block("gqa", group=2, mult=1.0),
+    ]
+    random_checkpoint(nas_config(blocks), tmp_path)
+    model, config = quantize_model(*load_model(tmp_path), group_size=32, bits=4)
+    folder = tmp_path / "nemotron-nas-q4-g32"
+    save_model(folder, model)
+    save_config(config, folder / "config.json")
+    model = load_model(folder)[0]
+    expected = torch.from_numpy(np.array(model(mlx[0].array([PROMPT]))[0].astype(mlx[0].float32)))
+    check(folder, expected, PROMPT, ATOL)
