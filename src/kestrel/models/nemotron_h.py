@@ -17,7 +17,7 @@ from kestrel.kernels.fused import ACTIVATIONS
 from kestrel.models.base import CausalLM, Slot, head_dim
 from kestrel.models.batch import ForwardBatch
 from kestrel.models.layers.attention import Attention
-from kestrel.models.layers.mamba import Mamba2Mixer, sequence_groups
+from kestrel.models.layers.mamba import Mamba2Mixer, conv_weight, sequence_groups
 from kestrel.models.layers.moe import Experts, SparseMoE, expert_slot
 from kestrel.models.layers.norm import RMSNorm
 
@@ -255,3 +255,6 @@ class NemotronHForCausalLM(CausalLM):
             layer_norm_epsilon=meta["attention.layer_norm_epsilon"],
             **meta.vocabulary_fields(),
         )
+
+    def checkpoint_tensor(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
+        return conv_weight(name, tensor)

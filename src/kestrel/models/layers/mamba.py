@@ -20,6 +20,15 @@ from kestrel.kernels.fused import ACTIVATIONS
 from kestrel.models.batch import ForwardBatch
 from kestrel.models.layers.norm import RMSNorm
 
+
+def conv_weight(name: str, tensor: torch.Tensor) -> torch.Tensor:
+    """A depthwise `conv1d.weight` as nn.Conv1d holds it, (channels, 1, kernel): mlx-lm saves it
+    channels-last, (channels, kernel, 1), as MLX's conv takes it (its sanitize moves the axis)."""
+    if name.endswith("conv1d.weight") and tensor.dim() == 3 and tensor.shape[1] > 1:
+        return tensor.transpose(1, 2) if tensor.shape[2] == 1 else tensor
+    return tensor
+
+
 # rows (b, m) of the packed batch and the states of those b sequences (CacheStates, or the paged
 # runner's PoolStates: `read(layer_idx, attr, zeros)` -> (b, ...), `write(layer_idx, attr, new)`)
 Group = tuple[torch.Tensor, object]
