@@ -19,12 +19,13 @@ llama.cpp runs with an F32 KV cache and flash attention off (`--llama-kv f16` fo
 cache), `n_threads` = `--threads`. One JSON line per measurement, each naming the command,
 machine, kestrel commit and library versions:
 
-    python benchmarks/llama_cpp_agreement.py --convert-script PATH/TO/convert_hf_to_gguf.py \\
-        --convert-python PATH/TO/python --out benchmarks/results/llama-cpp-agreement.jsonl
+    LLAMA_CPP_CONVERT=PATH/TO/llama.cpp/convert_hf_to_gguf.py LLAMA_CPP_PYTHON=PATH/TO/python \\
+        python benchmarks/llama_cpp_agreement.py --out benchmarks/results/llama-cpp-agreement.jsonl
     python benchmarks/llama_cpp_agreement.py --parts real          # no converter needed
 
-(`--convert-python`: an interpreter with the converter's requirements; the converter runs from its
-own folder so it finds llama.cpp's gguf-py beside it.)
+(`LLAMA_CPP_CONVERT` / `--convert-script`: llama.cpp's converter, run from its own folder so it
+finds llama.cpp's gguf-py beside it; `LLAMA_CPP_PYTHON` / `--convert-python`: an interpreter with
+its requirements, default this one.)
 """
 
 import argparse
@@ -451,6 +452,11 @@ def real_models(args, lines: Lines) -> None:
             record["oracle_unmapped_linears"] = oracle.unmapped
         lines.emit(record)
         bound = record["kestrel_vs_llama_cpp"]["max_abs_dlogprob_all_positions"]
+        if args.dequantized:  # the same weights in float32: what is left besides the rounding
+            lines.emit(
+                {**base, "measurement": "logprobs_dequantized_f32"}
+                | dequantized(source.path, ids, args)
+            )
 
         # greedy: kestrel's engine and llama.cpp's repeated eval/argmax on the same ids
         engine = LLM(str(source.path), progress=False, dtype="float32")
@@ -501,6 +507,25 @@ def real_models(args, lines: Lines) -> None:
         del model, llm, oracle
 
 
+def dequantized(path: Path, ids: list[int], args) -> dict:
+    """kestrel vs llama.cpp on the file requantized to all-F32 by llama.cpp's quantizer (each
+    weight exactly its quantized value, in float32): llama.cpp's dot products then round nothing,
+    so any gap left is in the rest of the forward pass (norms, RoPE, attention, the family)."""
+    work = Path(tempfile.mkdtemp(prefix="llama-cpp-agreement-", dir=args.work))
+    out, why = quantize(path, "F32", work, args, allow_requantize=True)
+    if out is None:
+        return {"refused_by": "llama_model_quantize", "why": why}
+    try:
+        llm = llama(out, len(ids) + 8, args)
+        lc = llama_logits(llm, ids)
+        llm.close()
+        k = kestrel_logits(kestrel_model(out), ids)
+        return {"kestrel_vs_llama_cpp": compare(k, lc), "file_bytes": out.stat().st_size}
+    finally:
+        out.unlink()
+        work.rmdir()
+
+
 # --- part 2: every GGUF type on a tiny checkpoint -----------------------------------------------
 
 
@@ -534,15 +559,21 @@ def convert(folder: Path, outtype: str, work: Path, args) -> tuple[Path | None, 
     return (out if run.returncode == 0 else None), run.stderr[-600:]
 
 
-def quantize(source: Path, name: str, work: Path, args) -> tuple[Path | None, str]:
+def quantize(
+    source: Path, name: str, work: Path, args, allow_requantize: bool = False
+) -> tuple[Path | None, str]:
+    """`source` through `llama_model_quantize` to type `name` (LLAMA_FTYPE_MOSTLY_<name>, or
+    ALL_F32): the new file, or None and the quantizer's last error lines."""
     import llama_cpp
 
     ftype = getattr(llama_cpp, f"LLAMA_FTYPE_MOSTLY_{name}", None)
+    ftype = llama_cpp.LLAMA_FTYPE_ALL_F32 if name == "F32" else ftype
     if ftype is None:
         return None, f"llama_cpp has no LLAMA_FTYPE_MOSTLY_{name}"
-    out = work / f"tiny-{name}-quantize.gguf"
+    out = work / f"{source.stem}-{name}-quantize.gguf"
     params = llama_cpp.llama_model_quantize_default_params()
     params.ftype, params.nthread = ftype, args.threads
+    params.allow_requantize = allow_requantize
     log: list[str] = []
     with quiet_stderr(log):
         rc = llama_cpp.llama_model_quantize(
@@ -603,8 +634,7 @@ def all_types(args, lines: Lines) -> None:
     tokenizer = load_tokenizer(resolve("smollm2"))
     prompt = [{"role": "user", "content": REAL["smollm2"][0]}]
     ids = apply_chat_template(tokenizer, prompt)
-    work = Path(args.work or tempfile.mkdtemp(prefix="llama-cpp-agreement-"))
-    work.mkdir(parents=True, exist_ok=True)
+    work = Path(args.work)
     folder = tiny_checkpoint(work, tokenizer)
     reference = reference_logits(folder, transformers.LlamaForCausalLM, ids)
     files: list[tuple[str, str, Path | None, str]] = []
@@ -688,12 +718,22 @@ def main() -> None:
         "--no-oracle", dest="oracle", action="store_false", help="part real: skip transformers"
     )
     parser.add_argument("--convert-script", default=os.environ.get("LLAMA_CPP_CONVERT"))
-    parser.add_argument("--convert-python", default=sys.executable)
+    parser.add_argument(
+        "--convert-python", default=os.environ.get("LLAMA_CPP_PYTHON", sys.executable)
+    )
+    parser.add_argument(
+        "--no-dequantized",
+        dest="dequantized",
+        action="store_false",
+        help="part real: skip the all-F32 requantized file",
+    )
     parser.add_argument("--work", help="folder for the tiny checkpoint and its GGUF files")
     parser.add_argument("--out", help="also write the JSON lines to this file")
     args = parser.parse_args()
     if "types" in args.parts and not args.convert_script:
         parser.error("part types needs --convert-script (or LLAMA_CPP_CONVERT)")
+    args.work = args.work or tempfile.mkdtemp(prefix="llama-cpp-agreement-")
+    Path(args.work).mkdir(parents=True, exist_ok=True)
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     lines = Lines(args)
