@@ -191,3 +191,23 @@ def test_converted_gguf_decodes_like_transformers(converted):
     folder, path, expected, _ = converted
     model = load_gguf(path)
     assert_close(decode_logits(model, PROMPT, 9), expected)
+
+
+@pytest.mark.parametrize("outtype", ["f16", "bf16", "q8_0"])
+def test_half_and_q8_0_files_match_transformers_reading_the_same_file(
+    outtype, tmp_path, tokenizers
+):
+    """The converter's other out types (Q8_0 blocks made by its gguf-py): kestrel equals
+    transformers' own GGUF loader on the same file, a second reading of the tensors and their
+    dequantization. Mistral: transformers' loader drops Llama 3's rope_freqs."""
+    case = CASES["mistral"]
+    tokenizer = tokenizers(case.tokenizer)
+    case.config.vocab_size = len(tokenizer)
+    folder = save_tiny(case.model_cls, case.config, tmp_path / "hf", tokenizer)
+    path = convert(folder, tmp_path / f"model-{outtype}.gguf", outtype)
+    oracle = transformers.AutoModelForCausalLM.from_pretrained(
+        tmp_path, gguf_file=path.name, dtype=torch.float32
+    ).eval()
+    with torch.no_grad():
+        expected = oracle(torch.tensor([PROMPT])).logits[0]
+    assert_close(chunked_logits(load_gguf(path), PROMPT, 5), expected)
