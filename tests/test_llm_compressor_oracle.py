@@ -43,7 +43,8 @@ import torch
 import transformers
 from safetensors.torch import load_file, save_file
 from tests.family_suite import one_thread  # noqa: F401  (tiny tensors: one thread is faster)
-from tests.reference import chunked_logits, load_kestrel, reference_logits, save_tiny
+from tests.oracle_checks import assert_logits_match
+from tests.reference import load_kestrel, reference_logits, save_tiny
 from tests.test_models_exaone_moe import CONFIG as EXAONE
 from tests.test_models_exaone_moe import MODEL_CLS as EXAONE_CLS
 from tests.test_models_exaone_moe import _randomize_correction_bias
@@ -228,14 +229,7 @@ def test_logits_equal_compressed_tensors_decompression(
         decompress(folder, tmp_path / "decompressed"), transformers.AutoModelForCausalLM, prompt
     )
     assert expected.abs().max() > 1
-    gap = 0.0
-    for chunk in (len(prompt), 5):
-        actual = chunked_logits(model, prompt, chunk)
-        gap = max(gap, (actual - expected).abs().max().item())
-        torch.testing.assert_close(actual, expected, rtol=0, atol=ATOL)
-    print(
-        f"{folder.name}: max |kestrel - oracle| {gap:.2e}, max |logit| {expected.abs().max():.2f}"
-    )
+    assert_logits_match(model, folder.name, expected, prompt, ATOL)
 
 
 @pytest.mark.parametrize("scheme", ["NVFP4A16", "NVFP4"])
@@ -267,11 +261,4 @@ def test_modelopt_logits_equal_modelopt_decoding(family, config, written, prompt
     decoded = Path(f"{folder}-dequantized")
     expected = reference_logits(decoded, transformers.AutoModelForCausalLM, prompt)
     assert expected.abs().max() > 1
-    gap = 0.0
-    for chunk in (len(prompt), 5):
-        actual = chunked_logits(model, prompt, chunk)
-        gap = max(gap, (actual - expected).abs().max().item())
-        torch.testing.assert_close(actual, expected, rtol=0, atol=ATOL)
-    print(
-        f"{folder.name}: max |kestrel - oracle| {gap:.2e}, max |logit| {expected.abs().max():.2f}"
-    )
+    assert_logits_match(model, folder.name, expected, prompt, ATOL)

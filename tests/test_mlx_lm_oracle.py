@@ -29,7 +29,8 @@ import pytest
 import torch
 import transformers
 from tests.family_suite import one_thread  # noqa: F401  (tiny tensors: one thread is faster)
-from tests.reference import chunked_logits, load_kestrel, save_tiny
+from tests.oracle_checks import assert_logits_match
+from tests.reference import load_kestrel, save_tiny
 
 from kestrel.models.layers.quant import QuantLinear
 
@@ -344,15 +345,7 @@ def check(folder: Path, expected: torch.Tensor, prompt: list[int], atol: float) 
     model = load_kestrel(folder)
     assert any(isinstance(m, QuantLinear) for m in model.modules())
     assert expected.abs().max() > 0.5
-    gap = 0.0
-    for chunk in (len(prompt), 5):
-        actual = chunked_logits(model, prompt, chunk)
-        gap = max(gap, (actual - expected).abs().max().item())
-        torch.testing.assert_close(actual, expected, rtol=0, atol=atol)
-    print(
-        f"{folder.name}: max |kestrel - oracle| {gap:.2e}, max |logit| {expected.abs().max():.2f}"
-    )
-    return gap
+    return assert_logits_match(model, folder.name, expected, prompt, atol)
 
 
 def quantized_config(folder: Path) -> dict:
