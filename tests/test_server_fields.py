@@ -79,6 +79,14 @@ def test_unsupported_completion_fields_are_400_naming_them(client, kwargs, param
     assert error.value.param == param
 
 
+@pytest.mark.parametrize("echo", [False, True])
+def test_prompt_token_ids_outside_the_vocabulary_are_400(client, echo):
+    # found by the schema fuzzer: echo decoded a negative id before the engine refused it
+    with pytest.raises(openai.BadRequestError) as error:
+        client.completions.create(model="smollm2", prompt=[[1, -271]], max_tokens=1, echo=echo)
+    assert "token ids must be in [0, " in error.value.message
+
+
 def test_fields_at_their_default_values_are_accepted(client):
     """What a client sends when it means "off" is honoured trivially: no 400, same answer."""
     plain = client.chat.completions.create(

@@ -26,8 +26,8 @@ async def completions(body: CompletionRequest, http: Request):
     engine = state.ready_engine()
     prompts = [encode(state.tokenizer, p) for p in body.prompts()]
     generation = Generation(engine, new_id("cmpl"), prompts, params, body.check_kv_size())
+    await generation.start()  # validates the prompts' token ids before echo decodes them
     echoes = [_echo(state, body, p) for p in body.prompts() for _ in range(params.n)]
-    await generation.start()
     if body.stream:
         return sse_response(_chunks(state, body, generation, echoes), generation)
     await generation.collect(http)
