@@ -367,14 +367,19 @@ def commit() -> str:
         return "unknown"
 
 
-def machine(threads: int) -> str:
-    cpu = platform.processor() or platform.machine()
+def cpu_name() -> str:
+    """The CPU's model name (Linux), else what `platform` knows."""
     try:
         with open("/proc/cpuinfo") as f:
-            cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+            return next(
+                line.split(":", 1)[1].strip() for line in f if line.startswith("model name")
+            )
     except (OSError, StopIteration):
-        pass
-    return f"{cpu}, {os.cpu_count()} CPUs, {threads} threads, torch {torch.__version__}"
+        return platform.processor() or platform.machine()
+
+
+def machine(threads: int) -> str:
+    return f"{cpu_name()}, {os.cpu_count()} CPUs, {threads} threads, torch {torch.__version__}"
 
 
 def parse_args() -> argparse.Namespace:

@@ -46,6 +46,8 @@ import torch.nn.functional as F
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT), str(ROOT / "src")]  # tests.reference and kestrel from this tree
+from cpu_generate import cpu_name  # noqa: E402  (this folder: the script's own)
+from gpu_gate import commit  # noqa: E402  (KESTREL_COMMIT, else git's)
 
 REAL = {  # alias -> (prompt, chat-templated?)
     "smollm2": ("What is the capital of France?", True),
@@ -73,25 +75,8 @@ VEC_DOT = {
 # --- the record ---------------------------------------------------------------------------------
 
 
-def kestrel_commit() -> str:
-    """KESTREL_COMMIT when set (a copy of the tree may carry stale git metadata), else git's."""
-    if os.environ.get("KESTREL_COMMIT"):
-        return os.environ["KESTREL_COMMIT"]
-    try:
-        command = ["git", "-C", str(ROOT), "rev-parse", "HEAD"]
-        return subprocess.check_output(command, text=True, stderr=subprocess.DEVNULL).strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
-
-
 def machine(threads: int) -> str:
-    cpu = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo") as f:
-            cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
-    return f"{platform.platform()}, {cpu}, {os.cpu_count()} CPUs, {threads} threads"
+    return f"{platform.platform()}, {cpu_name()}, {os.cpu_count()} CPUs, {threads} threads"
 
 
 class Lines:
@@ -105,7 +90,7 @@ class Lines:
         self.common = {
             "command": " ".join(["python", *sys.argv]),
             "machine": machine(args.threads),
-            "kestrel_commit": kestrel_commit(),
+            "kestrel_commit": commit() or "unknown",
             "llama_cpp_python": llama_cpp.__version__,
             "gguf": _version("gguf", gguf),
             "torch": torch.__version__,
