@@ -40,6 +40,7 @@ class CacheConfig:
     num_blocks: int | None = None  # a fixed pool size (tests); None: sized from free memory
     prefix_caching: bool = True  # full KV blocks are kept and reused by later prompts
     mamba_ssm_cache_dtype: str = "float32"  # the hybrids' SSM state (bfloat16: half the traffic)
+    kv_cache_dtype: str = "auto"  # the KV pool's: auto (the model's), bfloat16, float16, fp8
 
 
 @dataclass

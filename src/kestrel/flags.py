@@ -109,6 +109,13 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     )
     gpu.add_argument("--block-size", type=int, default=64, help="KV pool block size in tokens")
     p.add_argument(
+        "--kv-cache-dtype",
+        choices=["auto", "bfloat16", "float16", "float32", "fp8", "fp8_e4m3"],
+        default="auto",
+        help="dtype of the KV cache pool: auto (the model's) or fp8 (e4m3 with a scale per layer "
+        "and KV head from the first prompt chunk: twice the tokens in the same memory)",
+    )
+    p.add_argument(
         "--mamba-ssm-cache-dtype",
         choices=["float32", "bfloat16", "float16"],
         default="float32",

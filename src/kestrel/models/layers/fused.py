@@ -192,9 +192,11 @@ def _attention_forward(self, x, batch, rope_cos_sin=None):
     cos, sin = rope_cos_sin if rope_cos_sin is not None else self.rope(batch.positions)
     meta, norms = getattr(batch, "attention", None), _qk_norms(self)
     if meta is not None:  # paged pool: k/v stored by the RoPE kernel, one launch for all three
-        kc, vc = meta.pool.k[self.layer_idx], meta.pool.v[self.layer_idx]
-        q = rope_store(qkv, cos, sin, hq, hkv, d, kc, vc, meta.slot_mapping, norms)
-        out = paged_attention(q, kc, vc, meta, self.scale, self.window, meta.use_triton)
+        store, slots = meta.pool.store(self.layer_idx), meta.slot_mapping
+        q = rope_store(
+            qkv, cos, sin, hq, hkv, d, store, slots, norms, calibrate_first=meta.calibrate
+        )
+        out = paged_attention(q, store, meta, self.scale, self.window, meta.use_triton)
         return self.o_proj(out.reshape(t, -1))
     q, k = rope_qk(qkv, cos, sin, hq, hkv, d, norms)
     v = qkv[:, (hq + hkv) * d :].view(t, hkv, d)
