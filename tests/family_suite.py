@@ -387,7 +387,8 @@ def steps_served(model, prompt, kv_cache_dtype: str, device="cpu", steps=8) -> l
     from kestrel.engine.runner import run_step
     from kestrel.engine.scheduler import Scheduler
 
-    cache = CacheConfig(block_size=4, num_blocks=64, kv_cache_dtype=kv_cache_dtype)
+    block_size = 16 if device == "cuda" else 4  # the Triton kernel's smallest block
+    cache = CacheConfig(block_size=block_size, num_blocks=64, kv_cache_dtype=kv_cache_dtype)
     graphs = device == "cuda"
     runner = PagedRunner(model, torch.device(device), 4, 12, 256, cache, cuda_graphs=graphs)
     config = SchedulerConfig(max_num_seqs=4, prefill_chunk_size=8)

@@ -11,6 +11,7 @@ from tests.kernel_checks import check_fused, check_paged_attention
 from tests.quant_writer import fp8_quantize, mlx_quantize
 
 from kestrel.kernels import attention, fused, gemv
+from kestrel.kernels.attention import FP8
 from kestrel.kernels.moe import QuantStack, fused_experts, route
 from kestrel.kernels.quant import Format, by_row
 from kestrel.models.layers.moe import Experts, grouped_matmul, route_topk
@@ -34,6 +35,27 @@ def test_paged_attention_kernel_head_shapes(hq, hkv, d):
     check_paged_attention(
         attention.paged_attention_triton, "cuda", torch.bfloat16, 5, None, hq, hkv, d
     )
+
+
+@pytest.mark.parametrize("window", [None, 16])
+@pytest.mark.parametrize(
+    "hq,hkv,d,bs,value_dim,tile_tokens,lengths",
+    [
+        (8, 2, 64, 16, None, 4, (37, 90, 70)),  # GQA on small blocks
+        (8, 2, 512, 64, None, 4, (37, 90, 70)),  # gemma4's wide heads
+        (32, 8, 128, 64, None, 4, (1500, 3100, 2200)),  # long contexts: split keys in decode
+        (20, 1, 576, 64, 512, 1, (37, 900, 70)),  # GLM-4.7-Flash's latent
+    ],
+)
+def test_paged_attention_kernel_reads_an_fp8_pool(
+    hq, hkv, d, bs, value_dim, tile_tokens, lengths, window
+):
+    # e4m3 keys and values with per-head scales, widened in the kernel: prefill and decode
+    for chunk in (1, 7):
+        check_paged_attention(
+            attention.paged_attention_triton, "cuda", torch.bfloat16, chunk, window, hq, hkv, d,
+            bs, value_dim, tile_tokens, lengths, kv_dtype=FP8,
+        )  # fmt: skip
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
