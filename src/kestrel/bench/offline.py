@@ -493,6 +493,7 @@ def run_bench(args) -> int:
     args.vocab = decoder_config(config).vocab_size
     kv_per_token = model.kv_bytes_per_token(dtype)
     base = {"engine": "kestrel", "model": label, "dtype": str(dtype).removeprefix("torch."), **env}
+    base["kv_cache_dtype"] = args.kv_cache_dtype
     base["tensor_parallel_size"] = args.tensor_parallel_size
     base["pipeline_parallel_size"] = args.pipeline_parallel_size
     for mode in modes:
@@ -524,6 +525,7 @@ def run_bench(args) -> int:
                 **_workload(work, seqs),
                 **numbers,
                 "cuda_graphs": bool(getattr(runner, "graphs", None)),
+                "kv_pool_blocks": getattr(getattr(runner, "pool", None), "num_blocks", None),
             },
             out,
         )
