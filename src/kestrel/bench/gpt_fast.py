@@ -5,9 +5,10 @@ generate.py sets inductor's global options when imported, and its CUDA graphs ke
 pool until the process ends): it imports gpt-fast's own `model.py` (the dense `Transformer`) or
 `mixtral-moe/model.py` (the MoE one) and `generate.py` from a checkout (`--gpt-fast DIR`, placed by
 `make gpt-fast`), builds the model at the shape's dimensions with random bf16 weights, compiles
-`decode_one_token` (mode="reduce-overhead", fullgraph=True) and `prefill` (dynamic=True) as its
-`main(compile=True, compile_prefill=True)` does, and times its `generate()` after one warm-up
-call, as `main()` does. It prints one JSON line; the parent adds the ceilings.
+`decode_one_token` (mode="reduce-overhead", fullgraph=True) as its `main(compile=True)` does
+(prefill stays eager, its default: the decode rate is measured apart from the prefill), and times
+its `generate()` after one warm-up call, as `main()` does. It prints one JSON line; the parent
+adds the ceilings.
 
 gpt-fast expresses Llama-like decoders and Mixtral's MoE only; `PEER_SHAPES` maps each shape to
 the nearest model it can build and says what differs (a wider or narrower attention, no QK-norm,
@@ -271,11 +272,10 @@ def active_bytes(model, args: dict) -> dict:
 
 
 def compile_like_main(generate) -> None:
-    """What gpt-fast's `main(compile=True, compile_prefill=True)` does before generating."""
+    """What gpt-fast's `main(compile=True)` does before generating (no speculative draft)."""
     generate.decode_one_token = torch.compile(
         generate.decode_one_token, mode="reduce-overhead", fullgraph=True
     )
-    generate.prefill = torch.compile(generate.prefill, fullgraph=True, dynamic=True)
 
 
 def measure(generate, model, prompt: torch.Tensor, output_tokens: int, sampling: dict) -> dict:

@@ -634,13 +634,7 @@ def _run_gpt_fast(args, device, work: Workload, env, out) -> dict:
     from kestrel.bench.gpt_fast import child_command
 
     command = child_command(args.shape, work, args.seed, device, args.temperature, args.gpt_fast)
-    done = subprocess.run(command, capture_output=True, text=True)
-    if done.returncode == 0:
-        numbers = json.loads(done.stdout.strip().splitlines()[-1])
-    else:
-        sys.stderr.write(done.stderr[-4000:])
-        last = (done.stderr.strip().splitlines() or ["no output"])[-1]
-        numbers = {"error": f"gpt-fast exited with status {done.returncode}: {last}"[:300]}
+    numbers = _child_numbers(command, args.peer_time_limit)
     if args.bandwidth and "active_weight_bytes" in numbers:
         step = numbers["active_weight_bytes"] + numbers["kv_bytes_per_token"] * work.prompt_tokens
         numbers["ceiling_decode_tok_s"] = args.bandwidth / step
@@ -649,6 +643,19 @@ def _run_gpt_fast(args, device, work: Workload, env, out) -> dict:
     record = {"engine": engine, "model": args.shape, "dtype": "bfloat16", **env}
     emit({**record, "mode": "latency", **_workload(work, 1), **numbers}, out)
     return {engine: numbers["decode_tok_s"]} if "decode_tok_s" in numbers else {}
+
+
+def _child_numbers(command: list[str], time_limit: float | None) -> dict:
+    """The JSON line a child process prints last, or its failure as the record's error."""
+    try:
+        done = subprocess.run(command, capture_output=True, text=True, timeout=time_limit)
+    except subprocess.TimeoutExpired:
+        return {"error": f"gpt-fast ran past --peer-time-limit {time_limit:g} s (compiling)"}
+    if done.returncode == 0:
+        return json.loads(done.stdout.strip().splitlines()[-1])
+    sys.stderr.write(done.stderr[-4000:])
+    last = (done.stderr.strip().splitlines() or ["no output"])[-1]
+    return {"error": f"gpt-fast exited with status {done.returncode}: {last}"[:300]}
 
 
 def _versus(rate: float, peer_rates: dict) -> dict:
@@ -718,8 +725,9 @@ def add_bench_args(p) -> None:
     )  # fmt: skip
     p.add_argument(
         "--peer-time-limit", type=float, default=300.0, metavar="S",
-        help="where the peer falls back to generate() batches, start none after S seconds; its "
-        "rate is over the batches that ran (peer_requests in the record)",
+        help="where the transformers peer falls back to generate() batches, start none after S "
+        "seconds (its rate is over the batches that ran: peer_requests in the record); the "
+        "gpt-fast peer is stopped after S seconds, compiling included",
     )  # fmt: skip
     p.add_argument(
         "--bandwidth", type=float, default=None,
