@@ -20,6 +20,7 @@ import argparse
 import importlib.util
 import inspect
 import json
+import statistics
 import sys
 import time
 import types
@@ -187,19 +188,23 @@ def load(root: Path, model_file: str) -> tuple[types.ModuleType, types.ModuleTyp
     loaded under a private name with the imports it makes bound while it runs; the tokenizers it
     imports (sentencepiece, tiktoken) stand aside: a benchmark on token ids never calls them."""
     folder = (root / model_file).parent
-    model = _exec(folder / "model.py", f"gpt_fast_{folder.name}_model", {})
+    kind = "moe" if model_file == MOE else "dense"
+    model = _exec(folder / "model.py", f"gpt_fast_{kind}_model", {})
     provides = {"model": model, "tokenizer": _unused("tokenizer", "get_tokenizer")}
     if not _importable("sentencepiece"):
         provides["sentencepiece"] = _unused("sentencepiece", "SentencePieceProcessor")
-    if (folder / "tp.py").is_file() and folder != root:  # mixtral-moe/generate.py imports its tp
-        provides["tp"] = _exec(folder / "tp.py", f"gpt_fast_{folder.name}_tp", {"model": model})
-    generate = _exec(folder / "generate.py", f"gpt_fast_{folder.name}_generate", provides)
+    if kind == "moe":  # mixtral-moe/generate.py imports its own tp.py, which imports its model
+        provides["tp"] = _exec(folder / "tp.py", f"gpt_fast_{kind}_tp", {"model": model})
+    generate = _exec(folder / "generate.py", f"gpt_fast_{kind}_generate", provides)
     return model, generate
 
 
 def _exec(path: Path, name: str, provides: dict) -> types.ModuleType:
+    """The file at `path` run as module `name` (registered, as an import would: torch.compile
+    looks functions' modules up by name)."""
     spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
     with _modules(provides, path.parent):
         spec.loader.exec_module(module)
     return module
@@ -281,7 +286,8 @@ def compile_like_main(generate) -> None:
 def measure(generate, model, prompt: torch.Tensor, output_tokens: int, sampling: dict) -> dict:
     """gpt-fast's `main()` loop: one warm-up `generate()` (compiles), then NUM_SAMPLES timed
     ones; tokens/s as it prints them (new tokens over the whole call, mean of the samples), the
-    prefill alone, and decode's rate from the two (comparable with kestrel's decode_tok_s)."""
+    prefill alone, and decode's rate from the medians of the two (comparable with kestrel's
+    decode_tok_s)."""
     dense = "batch_size" in inspect.signature(generate.generate).parameters
     extra = dict(batch_size=1, draft_model=None) if dense else {}
     device = prompt.device
@@ -305,8 +311,8 @@ def measure(generate, model, prompt: torch.Tensor, output_tokens: int, sampling:
         _sync(device)
         return time.perf_counter() - start
 
-    ttft = sum(prefill() for _ in range(NUM_SAMPLES)) / NUM_SAMPLES
-    total = sum(totals) / len(totals)
+    ttft = statistics.median(prefill() for _ in range(NUM_SAMPLES))
+    total = statistics.median(totals)
     return {
         "ttft_s": ttft,
         "decode_tok_s": (output_tokens - 1) / max(total - ttft, 1e-9),
