@@ -7,7 +7,7 @@
 #   without it the pinned commit is cloned from GitHub.
 set -euo pipefail
 commit=${GPT_FAST_COMMIT:-32971d3129541c5bfb4f715abc33d1c5f408d204}
-src=${1:-}; dest=${2:-benchmarks/.peers/gpt-fast}
+src=${1:-}; dest=$(realpath -m "${2:-benchmarks/.peers/gpt-fast}")
 files=(LICENSE model.py generate.py tokenizer.py tp.py mixtral-moe/model.py mixtral-moe/generate.py mixtral-moe/tp.py)
 if [[ -z $src ]]; then
   src=$(mktemp -d)
@@ -20,8 +20,8 @@ if git --git-dir="$src/.git" rev-parse -q --verify "$commit^{commit}" >/dev/null
 elif git --git-dir="$src" rev-parse -q --verify "$commit^{commit}" >/dev/null 2>&1; then
   git --git-dir="$src" archive "$commit" "${files[@]}" | tar -x -C "$dest"
 elif [[ -f $src/model.py && -f $src/mixtral-moe/model.py ]]; then  # files, not a repository
-  (cd "$src" && cp --parents "${files[@]}" "$OLDPWD/$dest")
-  commit="$(git -C "$src" rev-parse HEAD 2>/dev/null || echo unknown) (copied files)"
+  (cd "$src" && cp --parents "${files[@]}" "$dest")
+  commit=unknown  # plain files name no commit
 else
   echo "place_gpt_fast: $src has neither commit $commit nor gpt-fast's files" >&2; exit 1
 fi

@@ -2,6 +2,7 @@
 JSON line per measurement with the fields the results table reads."""
 
 import json
+import os
 
 from kestrel.cli import main
 
@@ -456,3 +457,56 @@ def test_gpt_fast_compiles_its_decode_on_cuda():
                      prompt_tokens=16, output_tokens=8, temperature=0.0)  # fmt: skip
     numbers = gpt_fast.run(opts)
     assert numbers["compiled"] is True and numbers["decode_tok_s"] > 0
+
+
+def test_place_gpt_fast_extracts_the_pinned_commit_of_a_checkout(tmp_path):
+    """`make gpt-fast GPT_FAST=CHECKOUT`: the files of the pinned commit (not the work tree's),
+    and COMMIT naming it."""
+    import subprocess
+
+    repo = tmp_path / "gpt-fast"
+    files = ["LICENSE", "model.py", "generate.py", "tokenizer.py", "tp.py"]
+    files += [f"mixtral-moe/{name}" for name in ("model.py", "generate.py", "tp.py")]
+    for name in files:
+        (repo / name).parent.mkdir(parents=True, exist_ok=True)
+        (repo / name).write_text(f"# {name} at the pinned commit\n")
+    git = ["git", "-C", str(repo), "-c", "user.name=t", "-c", "user.email=t@t"]
+    subprocess.run(["git", "init", "-q", str(repo)], check=True)
+    subprocess.run([*git, "add", "."], check=True)
+    subprocess.run([*git, "commit", "-qm", "pinned"], check=True)
+    pinned = subprocess.run([*git, "rev-parse", "HEAD"], capture_output=True, text=True).stdout
+    (repo / "model.py").write_text("# a later edit\n")
+    dest = tmp_path / "placed"
+    script = Path(__file__).resolve().parent.parent / "benchmarks" / "place_gpt_fast.sh"
+    env = {**os.environ, "GPT_FAST_COMMIT": pinned.strip()}
+    subprocess.run([str(script), str(repo), str(dest)], check=True, env=env, capture_output=True)
+    assert (dest / "model.py").read_text() == "# model.py at the pinned commit\n"
+    assert (dest / "mixtral-moe" / "tp.py").is_file()
+    assert (dest / "COMMIT").read_text() == pinned
+
+
+@needs_gpt_fast
+def test_roofline_peers_script_on_the_cpu(tmp_path):
+    """benchmarks/roofline_peers.sh end to end on a tiny shape: the card's record, kestrel and
+    the gpt-fast peer's records, and the table printed from them."""
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parent.parent
+    env = {
+        **os.environ,
+        "PYTHON": sys.executable,
+        "DEVICE": "cpu",
+        "EXTRA": "--latency-prompt-tokens 6 --latency-output-tokens 3",
+        "PYTHONPATH": str(root / "src"),
+    }
+    script = [str(root / "benchmarks" / "roofline_peers.sh"), str(tmp_path), "tiny"]
+    done = subprocess.run(script, cwd=root, env=env, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-2000:]
+    (card,) = [json.loads(line) for line in (tmp_path / "card.jsonl").read_text().splitlines()]
+    assert card["mode"] == "card" and card["bandwidth"] > 0 and card["flops"] > 0
+    records = (tmp_path / "roofline-peers.jsonl").read_text().splitlines()
+    engines = [json.loads(line)["engine"] for line in records]
+    assert engines == ["gpt-fast eager", "kestrel"]
+    (row,) = [line for line in done.stdout.splitlines() if line.startswith("| tiny |")]
+    assert "gpt-fast eager" in row

@@ -35,7 +35,8 @@ NOT_PER_TOKEN = ("visual",)
 @functools.cache
 def card_rates(device: torch.device) -> dict:
     """{"bandwidth": bytes/s, "flops": FLOP/s} measured on `device` (once per process)."""
-    return {"bandwidth": copy_bandwidth(device), "flops": matmul_flops(device)}
+    n = MATMUL_SIZE if device.type == "cuda" else 1024  # a CPU takes seconds for one of 8192
+    return {"bandwidth": copy_bandwidth(device), "flops": matmul_flops(device, n)}
 
 
 def copy_bandwidth(device: torch.device, nbytes: int = COPY_BYTES) -> float:
