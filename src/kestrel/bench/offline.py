@@ -493,7 +493,9 @@ def run_bench(args) -> int:
     else:
         model, config, label = load_model(args, device, dtype)
     args.vocab = decoder_config(config).vocab_size
-    kv_per_token = model.kv_bytes_per_token(dtype)
+    from kestrel.cache.paged import kv_cache_dtype
+
+    kv_per_token = model.kv_bytes_per_token(kv_cache_dtype(args.kv_cache_dtype, dtype))
     base = {"engine": "kestrel", "model": label, "dtype": str(dtype).removeprefix("torch."), **env}
     base["kv_cache_dtype"] = args.kv_cache_dtype
     base["tensor_parallel_size"] = args.tensor_parallel_size
