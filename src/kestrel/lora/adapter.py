@@ -9,6 +9,7 @@ Every problem is an `InvalidRequestError` naming it (the server answers 400 and 
 
 import json
 import math
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -23,7 +24,6 @@ PREFIX = "base_model.model."
 UNSUPPORTED = {
     "use_dora": (False, None),
     "modules_to_save": (None, []),
-    "alpha_pattern": ({}, None),
     "bias": ("none", None),
 }
 
@@ -46,15 +46,28 @@ def read_adapter(name: str, path: str, shapes: dict[str, tuple[int, int]], max_r
     weights, rank = {}, 0
     for module, (a, b) in _pairs(folder).items():
         target = rename(module)
+        if target not in shapes and ".experts" in module:
+            raise InvalidRequestError(
+                f"adapter {name!r} adapts the routed MoE experts ({module!r}); kestrel serves "
+                "adapters on attention, dense and shared-expert projections only",
+                param="lora_path",
+            )
+        leaves = {n.rsplit(".", 1)[-1] for n in shapes}
+        if target not in shapes and module.rsplit(".", 1)[-1] in leaves:
+            raise InvalidRequestError(
+                f"adapter {name!r} does not fit this base model: it adapts {module!r}, which "
+                "the model does not have",
+                param="lora_path",
+            )
         if target not in shapes:
-            supported = ", ".join(sorted({n.rsplit(".", 1)[-1] for n in shapes})) or "none"
+            supported = ", ".join(sorted(leaves)) or "none"
             raise InvalidRequestError(
                 f"adapter {name!r} adapts {module!r}, which kestrel cannot adapt in this model "
                 f"(LoRA projections here: {supported})",
                 param="lora_path",
             )
         _check_shapes(name, module, a, b, shapes[target], max_rank)
-        scaling = _scaling(config, a.shape[0])
+        scaling = _scaling(config, module, a.shape[0])
         weights[target] = (a.float(), b.float() * scaling)
         rank = max(rank, a.shape[0])
     if not weights:
@@ -134,7 +147,12 @@ def _check_shapes(name, module, a, b, shape: tuple[int, int], max_rank: int) -> 
         )
 
 
-def _scaling(config: dict, r: int) -> float:
-    """PEFT's scaling for a module of rank r (rank_pattern may give modules their own r)."""
+def _scaling(config: dict, module: str, r: int) -> float:
+    """PEFT's scaling of a module of rank r (its own, when rank_pattern gave it one): its
+    alpha_pattern entry's alpha, else lora_alpha; over r, or sqrt(r) with use_rslora."""
     alpha = config.get("lora_alpha", 8)
+    for pattern, value in (config.get("alpha_pattern") or {}).items():
+        if re.match(rf"(.*\.)?({pattern})$", module):  # peft's own matching of pattern keys
+            alpha = value
+            break
     return alpha / math.sqrt(r) if config.get("use_rslora") else alpha / r
