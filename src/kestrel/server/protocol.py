@@ -875,6 +875,21 @@ class ModelCard(_Response):
     created: int = 0
     owned_by: str = "kestrel"
     aliases: list[str] = Field(default_factory=list)  # other names `model` may use (llama-server)
+    parent: str | None = None  # a LoRA adapter's base model (vLLM's)
+    root: str | None = None  # a LoRA adapter's folder (vLLM's)
+
+
+class LoadLoRARequest(_Request):
+    """POST /v1/load_lora_adapter (vLLM's body)."""
+
+    lora_name: str
+    lora_path: str
+
+
+class UnloadLoRARequest(_Request):
+    """POST /v1/unload_lora_adapter (vLLM's body)."""
+
+    lora_name: str
 
 
 class ModelList(_Response):
