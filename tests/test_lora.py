@@ -4,9 +4,13 @@ family; a batch mixing three adapters and the base gives each request its tokens
 adapters are refused with the problem named, and the engine keeps serving."""
 
 import json
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
+from tests.family_suite import one_thread  # noqa: F401  (tiny tensors: one thread is faster)
 from tests.lora_checks import (
     FAMILIES,
     MLP,
@@ -24,14 +28,6 @@ from kestrel.kernels.lora import grouped_lora
 from kestrel.lora.manager import LoRAManager
 
 CPU = torch.device("cpu")
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module", params=sorted(FAMILIES))
@@ -254,3 +250,32 @@ def test_unknown_adapters_are_refused_by_name(served):
     with pytest.raises(InvalidRequestError, match="no adapter 'nope'"):
         llm.generate([1, 2, 3], SamplingParams(max_tokens=1), lora="nope")
     assert llm.generate([1, 2, 3], SamplingParams(max_tokens=1), lora="a1")[0].outputs[0].token_ids
+
+
+INTERPRETED = """
+import torch
+from kestrel.kernels import lora as L
+for seed, (tokens, parts, k) in enumerate([(1, [64], 128), (7, [32, 16, 16], 600), (70, [32, 32], 1100)]):
+    torch.manual_seed(seed)
+    a, b = torch.randn(4, len(parts) * 16, k) * 0.05, torch.randn(4, sum(parts), 16) * 0.05
+    a[0], b[0] = 0, 0
+    x, slots = torch.randn(tokens, k), torch.randint(1, 4, (tokens,), dtype=torch.int32)
+    slots[::3] = 0
+    y = torch.randn(tokens, sum(parts))
+    want = y.clone()
+    L._triton_lora(y, x, a, b, slots, parts, L.part_blocks(parts))
+    host = slots.tolist()
+    groups = [(s, torch.tensor([i for i, t in enumerate(host) if t == s])) for s in set(host) - {0}]
+    L.grouped_lora(want, x, a, b, groups, parts)
+    torch.testing.assert_close(y, want, rtol=1e-5, atol=1e-5)
+"""
+
+
+def test_triton_kernels_in_the_interpreter_equal_the_grouped_path():
+    # the CUDA kernels' logic on the CPU (Triton's interpreter), where Triton is installed
+    pytest.importorskip("triton")
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    run = subprocess.run(
+        [sys.executable, "-c", INTERPRETED], env=env, capture_output=True, text=True
+    )
+    assert run.returncode == 0, run.stderr[-3000:]

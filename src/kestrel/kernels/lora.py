@@ -23,7 +23,9 @@ except ImportError:  # CPU-only installs
     triton = None
 
 BLOCK_K = 64
-TARGET_PROGRAMS = 256  # shrink programs a step aims for (split-K fills the GPU at decode)
+# input columns per shrink program: a decode step's few tokens still spread over K / SPLIT_K
+# programs, and the expand kernel sums the K / SPLIT_K partial sums in one unrolled pass
+SPLIT_K = 512
 
 
 def add_lora(y, x, a, b, slots, parts: list[int], groups=None, part_of=None) -> None:
@@ -91,44 +93,53 @@ def _triton_lora(y, x, a, b, slots, parts: list[int], part_of: torch.Tensor) -> 
     r_total, r = a.shape[1], b.shape[-1]
     block_m = 16 if t <= 64 else 64
     m_blocks = triton.cdiv(t, block_m)
-    k_blocks = triton.cdiv(k, BLOCK_K)
-    split = max(1, min(k_blocks, TARGET_PROGRAMS // m_blocks))
-    split_k = triton.cdiv(k_blocks, split) * BLOCK_K  # columns per split
-    split = triton.cdiv(k, split_k)
+    split = triton.cdiv(k, SPLIT_K)
     partial = torch.empty(split, t, r_total, dtype=torch.float32, device=x.device)
+    ieee = x.dtype == torch.float32  # float32 models: no TF32 rounding in the dots
     _shrink[(m_blocks, split)](
         x, a, slots, partial, t, k, r_total, x.stride(0), a.stride(0), a.stride(1),
-        a.shape[0], split_k, block_m, BLOCK_K, max(16, triton.next_power_of_2(r_total)),
+        a.shape[0], SPLIT_K, block_m, BLOCK_K, max(16, triton.next_power_of_2(r_total)), ieee,
     )  # fmt: skip
     block_n = _block_n(parts)
-    n = y.shape[1]
-    _expand[(m_blocks, n // block_n)](
-        partial, b, slots, y, part_of, t, r, r_total, split, b.stride(0), b.stride(1),
-        y.stride(0), b.shape[0], block_m, block_n, max(16, triton.next_power_of_2(r)),
+    _expand[(m_blocks, y.shape[1] // block_n)](
+        partial, b, slots, y, part_of, t, r, r_total, b.stride(0), b.stride(1), y.stride(0),
+        b.shape[0], split, block_m, block_n, max(16, triton.next_power_of_2(r)), ieee,
     )  # fmt: skip
 
 
 if triton is not None:
 
     @triton.jit
+    def _token_rows(slot_ptr, T, BLOCK_M: tl.constexpr):
+        """This program's token rows, which of them exist, and their slots (0 past T)."""
+        rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+        row_ok = rows < T
+        return rows, row_ok, tl.load(slot_ptr + rows, mask=row_ok, other=0)
+
+    @triton.jit
+    def _dot(a, b, IEEE: tl.constexpr):
+        if IEEE:
+            return tl.dot(a, b, input_precision="ieee")
+        return tl.dot(a, b)
+
+    @triton.jit
     def _shrink(
         x_ptr, a_ptr, slot_ptr, out_ptr, T, K, R_TOTAL, stride_x, stride_as, stride_ar,
-        NUM_SLOTS, SPLIT_K, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr,
+        NUM_SLOTS, SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
+        BLOCK_R: tl.constexpr, IEEE: tl.constexpr,
     ):  # fmt: skip
-        # out[split, rows] = x[rows, split's K] @ A[slot of the row]^T (float32 partial sums)
-        pid_m, pid_k = tl.program_id(0), tl.program_id(1)
-        rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-        row_ok = rows < T
-        slots = tl.load(slot_ptr + rows, mask=row_ok, other=0)
+        # out[split, rows] = x[rows, split's K] @ A[slot of the row]^T (float32 partial sums);
+        # rows of other slots load as zeros, so each slot's pass adds only its own rows
+        rows, row_ok, slots = _token_rows(slot_ptr, T, BLOCK_M)
         r = tl.arange(0, BLOCK_R)
         r_ok = r < R_TOTAL
         acc = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
-        k_start = pid_k * SPLIT_K
+        k_start = tl.program_id(1) * SPLIT_K
         for s in range(1, NUM_SLOTS):
             mine = (slots == s) & row_ok
             if tl.max(mine.to(tl.int32), axis=0) > 0:
-                for k0 in range(k_start, k_start + SPLIT_K, BLOCK_K):
-                    ks = k0 + tl.arange(0, BLOCK_K)
+                for k0 in tl.static_range(0, SPLIT_K, BLOCK_K):
+                    ks = k_start + k0 + tl.arange(0, BLOCK_K)
                     k_ok = ks < K
                     xb = tl.load(
                         x_ptr + rows[:, None] * stride_x + ks[None, :],
@@ -140,28 +151,26 @@ if triton is not None:
                         mask=r_ok[None, :] & k_ok[:, None],
                         other=0.0,
                     )
-                    acc += tl.dot(xb, ab)
-        out = out_ptr + pid_k * T * R_TOTAL + rows[:, None] * R_TOTAL + r[None, :]
+                    acc += _dot(xb, ab, IEEE)
+        out = out_ptr + tl.program_id(1) * T * R_TOTAL + rows[:, None] * R_TOTAL + r[None, :]
         tl.store(out, acc, mask=row_ok[:, None] & r_ok[None, :])
 
     @triton.jit
     def _expand(
-        s_ptr, b_ptr, slot_ptr, y_ptr, part_ptr, T, R, R_TOTAL, SPLIT, stride_bs, stride_bn,
-        stride_y, NUM_SLOTS, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
+        s_ptr, b_ptr, slot_ptr, y_ptr, part_ptr, T, R, R_TOTAL, stride_bs, stride_bn, stride_y,
+        NUM_SLOTS, SPLIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+        BLOCK_R: tl.constexpr, IEEE: tl.constexpr,
     ):  # fmt: skip
-        # y[rows, cols] += sum over splits of s[rows, part's R] @ B[slot, cols]^T
-        pid_m, pid_n = tl.program_id(0), tl.program_id(1)
-        rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-        row_ok = rows < T
-        slots = tl.load(slot_ptr + rows, mask=row_ok, other=0)
-        if tl.max(slots, axis=0) > 0:
-            cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        # y[rows, cols] += (the splits' sum of s[rows, the part's R]) @ B[slot, cols]^T
+        rows, row_ok, slots = _token_rows(slot_ptr, T, BLOCK_M)
+        if tl.max(slots, axis=0) > 0:  # a block of base-model tokens adds nothing
+            cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
             r = tl.arange(0, BLOCK_R)
             r_ok = r < R
-            part = tl.load(part_ptr + pid_n)
+            part = tl.load(part_ptr + tl.program_id(1))
             s_rows = s_ptr + rows[:, None] * R_TOTAL + part * R + r[None, :]
             sv = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
-            for i in range(SPLIT):
+            for i in tl.static_range(SPLIT):  # unrolled: the loads go out together
                 sv += tl.load(s_rows + i * T * R_TOTAL, mask=row_ok[:, None] & r_ok[None, :])
             acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
             for s in range(1, NUM_SLOTS):
@@ -173,7 +182,7 @@ if triton is not None:
                         other=0.0,
                     )
                     sm = tl.where(mine[:, None], sv, 0.0).to(bb.dtype)
-                    acc += tl.dot(sm, bb)
+                    acc += _dot(sm, bb, IEEE)
             y = y_ptr + rows[:, None] * stride_y + cols[None, :]
             old = tl.load(y, mask=row_ok[:, None])
             tl.store(y, (old.to(tl.float32) + acc).to(old.dtype), mask=row_ok[:, None])

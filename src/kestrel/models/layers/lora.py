@@ -53,8 +53,9 @@ class TokenSlots:
 
     def apply(self, site: "LoRAProjection", x: torch.Tensor, y: torch.Tensor, part=None) -> None:
         """y += the adapters' deltas of x, for the whole projection or one of its parts."""
-        capturing = self.kernels and torch.cuda.is_current_stream_capturing()
-        if not (self.active or capturing):
+        # CUDA: the kernels always run (a block of base-model tokens costs them a branch), so
+        # the graphs' warm-up compiles them and the graphs serve any later mix of adapters
+        if not (self.active or self.kernels):
             return
         x2, y2 = x.reshape(-1, x.shape[-1]), y.view(-1, y.shape[-1])
         a, b, parts, part_of = site.views(part)
