@@ -10,6 +10,7 @@ import sys
 
 import pytest
 import torch
+import transformers
 from tests.family_suite import one_thread  # noqa: F401  (tiny tensors: one thread is faster)
 from tests.lora_checks import (
     FAMILIES,
@@ -21,11 +22,14 @@ from tests.lora_checks import (
     write_adapter,
 )
 from tests.reference import assert_close, assert_differ, load_kestrel
+from tests.test_gguf_quantized import CONFIG as GGUF_CONFIG
+from tests.test_gguf_quantized import load, tiny_llama_gguf
 
 from kestrel import LLM, SamplingParams
 from kestrel.errors import InvalidRequestError
 from kestrel.kernels.lora import grouped_lora
 from kestrel.lora.manager import LoRAManager
+from kestrel.models.layers.quant import QuantLinear
 
 CPU = torch.device("cpu")
 
@@ -279,3 +283,23 @@ def test_triton_kernels_in_the_interpreter_equal_the_grouped_path():
         [sys.executable, "-c", INTERPRETED], env=env, capture_output=True, text=True
     )
     assert run.returncode == 0, run.stderr[-3000:]
+
+
+@pytest.mark.parametrize("quant", ["Q8_0", "Q4_K"])
+def test_quantized_bases_take_adapters(quant, tmp_path):
+    # the base's projections stay in GGUF blocks (QuantLinear); the adapter adds to their output
+    # as it does to the same file dequantized at load (whose plain Linears equal peft above)
+    path = tiny_llama_gguf(tmp_path / f"{quant}.gguf", quant)
+    hf = tmp_path / "hf"
+    transformers.LlamaForCausalLM(transformers.LlamaConfig(**GGUF_CONFIG)).save_pretrained(hf)
+    write_adapter(hf, tmp_path / "adapter", "llama", seed=3)
+    logits = []
+    for packed in (True, False):
+        model = load(path, packed=packed)
+        assert any(isinstance(m, QuantLinear) for m in model.modules()) == packed
+        manager = LoRAManager(model, 1, 8, 64, CPU, torch.float32)
+        manager.load("a", str(tmp_path / "adapter"))
+        logits.append(kestrel_logits(model, manager, "a", PROMPT))
+        base = kestrel_logits(model, manager, None, PROMPT)
+    assert_close(logits[0], logits[1])
+    assert_differ(logits[1], base)
