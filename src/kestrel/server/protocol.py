@@ -88,7 +88,11 @@ LLAMA_UNSUPPORTED = {
     "id_slot": ((-1,), "kestrel schedules requests itself: there are no slots to pick"),
     "post_sampling_probs": ((False,), "post-sampling probabilities are not supported"),
     "return_progress": ((False,), "prompt progress events are not supported"),
-    "lora": (([],), "LoRA adapters are not supported"),
+    "lora": (
+        ([],),
+        "per-request adapter scales are not supported: name a LoRA adapter as `model` on "
+        "/v1/completions or /v1/chat/completions",
+    ),
     "multimodal_data": ((), "multimodal prompts on /completion are not supported"),
 }
 
