@@ -119,3 +119,19 @@ def test_bad_adapters_are_400s_naming_the_problem(server, tmp_path):
     with pytest.raises(Exception, match="404|does not exist"):
         _tokens(server.client(), "nope", "hello")
     assert _tokens(server.client(), "a1", PROMPTS["a1"])  # everyone else is still served
+
+
+def test_chat_and_responses_run_the_adapter_that_model_names(server):
+    client = server.client()
+
+    def chat(model: str) -> str:
+        messages = [{"role": "user", "content": "hello there"}]
+        out = client.chat.completions.create(
+            model=model, messages=messages, max_tokens=8, temperature=0
+        )
+        return out.choices[0].message.content
+
+    response = client.responses.create(
+        model="a2", input="hello there", max_output_tokens=8, temperature=0
+    )
+    assert response.output_text == chat("a2") != chat("tiny")
