@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -32,6 +33,7 @@ from kestrel.lora.manager import LoRAManager
 from kestrel.models.layers.quant import QuantLinear
 
 CPU = torch.device("cpu")
+ROOT = Path(__file__).resolve().parent.parent
 
 
 @pytest.fixture(scope="module", params=sorted(FAMILIES))
@@ -257,31 +259,44 @@ def test_unknown_adapters_are_refused_by_name(served):
 
 
 INTERPRETED = """
-import torch
-from kestrel.kernels import lora as L
-for seed, (tokens, parts, k) in enumerate([(1, [64], 128), (7, [32, 16, 16], 600), (70, [32, 32], 1100)]):
-    torch.manual_seed(seed)
-    a, b = torch.randn(4, len(parts) * 16, k) * 0.05, torch.randn(4, sum(parts), 16) * 0.05
-    a[0], b[0] = 0, 0
-    x, slots = torch.randn(tokens, k), torch.randint(1, 4, (tokens,), dtype=torch.int32)
-    slots[::3] = 0
-    y = torch.randn(tokens, sum(parts))
-    want = y.clone()
-    L._triton_lora(y, x, a, b, slots, parts, L.part_blocks(parts))
-    host = slots.tolist()
-    groups = [(s, torch.tensor([i for i, t in enumerate(host) if t == s])) for s in set(host) - {0}]
-    L.grouped_lora(want, x, a, b, groups, parts)
-    torch.testing.assert_close(y, want, rtol=1e-5, atol=1e-5)
+import sys, torch
+from pathlib import Path
+from tests.lora_checks import PROMPT, base_checkpoint, oracle_logits, write_adapter
+from tests.reference import load_kestrel
+from kestrel.cache.sequence import SequenceCache
+from kestrel.lora.manager import LoRAManager
+from kestrel.models.batch import ForwardBatch, SeqChunk
+from kestrel.models.layers.fused import fuse_model
+
+root = Path(sys.argv[1])
+base = base_checkpoint("llama", root / "base")
+merged = [write_adapter(base, root / f"a{i}", "llama", seed=i) for i in range(2)]
+model = load_kestrel(base)
+manager = LoRAManager(model, 2, 8, 64, torch.device("cpu"), torch.float32)
+assert manager.tokens.kernels
+fuse_model(model)  # q/k/v and gate/up as one matmul each: one kernel pair per group
+for i in range(2):
+    manager.load(f"a{i}", str(root / f"a{i}"))
+ids, n = PROMPT[:10], 10
+slots = [manager.slot_for(f"r{i}", manager.key(f"a{i}")) for i in range(2)]
+caches = [SequenceCache(model.cache_specs()) for _ in range(3)]
+chunks = [SeqChunk(cache, i * n, n) for i, cache in enumerate(caches)]
+batch = ForwardBatch(torch.tensor(ids * 3), torch.arange(n).repeat(3), chunks, torch.arange(3 * n))
+manager.set_step([slots[0]] * n + [slots[1]] * n + [0] * n)  # a0, a1 and the base, packed
+with torch.no_grad():
+    out = model(batch)
+for i in range(2):
+    torch.testing.assert_close(out[i * n : (i + 1) * n], oracle_logits(merged[i], ids), rtol=1e-4, atol=1e-4)
 """
 
 
-def test_triton_kernels_in_the_interpreter_equal_the_grouped_path():
-    # the CUDA kernels' logic on the CPU (Triton's interpreter), where Triton is installed
+def test_triton_kernels_in_the_interpreter_equal_peft_merged(tmp_path):
+    # the CUDA kernels (Triton's interpreter on the CPU, where Triton is installed) over a batch
+    # packing two adapters and the base, through the fused q/k/v and gate/up projections
     pytest.importorskip("triton")
     env = {**os.environ, "TRITON_INTERPRET": "1"}
-    run = subprocess.run(
-        [sys.executable, "-c", INTERPRETED], env=env, capture_output=True, text=True
-    )
+    command = [sys.executable, "-c", INTERPRETED, str(tmp_path)]
+    run = subprocess.run(command, env=env, capture_output=True, text=True, cwd=ROOT)
     assert run.returncode == 0, run.stderr[-3000:]
 
 

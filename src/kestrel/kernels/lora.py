@@ -13,6 +13,7 @@ that part), slot 0 all zeros (the base model). `slots` (T,) is each token's slot
 """
 
 import math
+import os
 
 import torch
 
@@ -22,6 +23,9 @@ try:
 except ImportError:  # CPU-only installs
     triton = None
 
+# Triton's interpreter (TRITON_INTERPRET=1) runs the kernels on the CPU: how they are tested
+# without a GPU (slowly)
+INTERPRETED = triton is not None and os.environ.get("TRITON_INTERPRET") == "1"
 BLOCK_K = 64
 # input columns per shrink program: a decode step's few tokens still spread over K / SPLIT_K
 # programs, and the expand kernel sums the K / SPLIT_K partial sums in one unrolled pass
@@ -73,7 +77,8 @@ def _masked_lora(y, x, a, b, slots, parts: list[int]) -> None:
 
 def serves(y: torch.Tensor, parts: list[int]) -> bool:
     """Whether the Triton kernels take this projection: CUDA, parts in blocks of 16 rows."""
-    return triton is not None and y.is_cuda and y.stride(1) == 1 and _block_n(parts) >= 16
+    on_device = y.is_cuda or INTERPRETED
+    return triton is not None and on_device and y.stride(1) == 1 and _block_n(parts) >= 16
 
 
 def part_blocks(parts: list[int]) -> torch.Tensor:

@@ -26,11 +26,10 @@ class LoRAManager:
             raise InvalidRequestError("--max-loras and --max-lora-rank must be >= 1", "max_loras")
         self.model, self.max_loras, self.max_rank = model, max_loras, max_rank
         self.tokens = TokenSlots(max_tokens, device)
-        self.sites = {}
-        skip = (*getattr(model, "replicated", ()), "mtp", "lm_head")
-        for name, child in model.named_children():
-            if name not in skip:
-                self.sites |= attach(child, name, self.tokens, max_loras + 1, max_rank, dtype)
+        # the decoder's projections: not a vision tower's (other rows), nor an MTP layer's
+        skip = tuple(f"{prefix}." for prefix in (*getattr(model, "replicated", ()), "mtp"))
+        modules = [(n, m) for n, m in model.named_modules() if not f"{n}.".startswith(skip)]
+        self.sites = attach(modules, self.tokens, max_loras + 1, max_rank, dtype)
         self.shapes = {n: (site.a.shape[-1], site.parts[p]) for n, (site, p) in self.sites.items()}
         self.names: dict[str, bytes] = {}  # loaded name -> its key
         self.adapters: dict[bytes, LoRAAdapter] = {}  # key -> adapter (also unloaded, in use)

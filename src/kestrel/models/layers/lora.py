@@ -13,7 +13,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from kestrel.kernels.lora import add_lora, part_blocks, serves
+from kestrel.kernels.lora import INTERPRETED, add_lora, part_blocks, serves
 from kestrel.models.layers.quant import QuantLinear
 
 # the projections an adapter may adapt (attention, MLA, dense and shared-expert MLPs)
@@ -35,7 +35,7 @@ class TokenSlots:
 
     def __init__(self, max_tokens: int, device: torch.device):
         self.column = torch.zeros(max_tokens, dtype=torch.int32, device=device)
-        self.kernels = device.type == "cuda"
+        self.kernels = device.type == "cuda" or INTERPRETED
         self.groups: list = []
         self.active = False
 
@@ -80,7 +80,7 @@ class LoRAProjection:
         )
         self.b = torch.zeros(slots, sum(self.parts), rank, dtype=dtype, device=device)
         self.offsets = [sum(self.parts[:p]) for p in range(len(self.parts))]
-        kernels = serves(self.b[0], self.parts) if device.type == "cuda" else False
+        kernels = tokens.kernels and serves(self.b[0], self.parts)
         self.part_of = part_blocks(self.parts).to(device) if kernels else None
         self.part_of_one = [
             part_blocks([w]).to(device) if kernels and serves(self.b[0], [w]) else None
@@ -128,11 +128,12 @@ def is_projection(module) -> bool:
     return type(module) is nn.Linear or isinstance(module, QuantLinear)
 
 
-def attach(root: nn.Module, prefix: str, tokens: TokenSlots, slots: int, rank: int, dtype) -> dict:
-    """Slot buffers (of the model's `dtype`) for every TARGETS projection under `root` (named
-    `prefix`...), forward hooks on their Linears; returns module name -> (LoRAProjection, part)."""
+def attach(modules, tokens: TokenSlots, slots: int, rank: int, dtype) -> dict:
+    """Slot buffers (of the model's `dtype`) for every TARGETS projection among the children of
+    `modules` ((name, module) pairs), forward hooks on their Linears; returns module name ->
+    (LoRAProjection, part)."""
     table: dict[str, tuple[LoRAProjection, int]] = {}
-    for name, module in root.named_modules(prefix=prefix):
+    for name, module in modules:
         children = {n: c for n, c in module.named_children() if n in TARGETS and is_projection(c)}
         for group in _groups(children):
             names = [f"{name}.{n}" for n in group]
