@@ -11,6 +11,7 @@ batch >= 0.8x, single stream >= 0.9x.
 import argparse
 import json
 import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -70,6 +71,20 @@ def measure(llm: LLM, names: list[str | None], args) -> dict[str, float]:
     }
 
 
+def run_one(args) -> dict[str, float]:
+    """One side's tokens/s, in a process of its own (each LLM sizes its KV pool from free
+    memory): the base model with LoRA off, or LoRA on with `--adapters` random adapters."""
+    common = dict(shape=args.shape, max_num_seqs=args.batch, progress=False)
+    if args.run == "base":
+        return measure(LLM(**common), [None], args)
+    llm = LLM(**common, enable_lora=True, max_loras=args.adapters, max_lora_rank=args.rank)
+    with tempfile.TemporaryDirectory() as tmp:
+        adapters = write_adapters(llm, Path(tmp), args.adapters, args.rank)
+        for name, path in adapters.items():
+            llm.load_lora(name, path)
+    return measure(llm, list(adapters), args)
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--shape", default="llama3-8b")
@@ -77,25 +92,18 @@ def main() -> None:
     p.add_argument("--rank", type=int, default=16)
     p.add_argument("--batch", type=int, default=64)
     p.add_argument("--tokens", type=int, default=128)
+    p.add_argument("--run", choices=["base", "lora"], help=argparse.SUPPRESS)  # one side
     args = p.parse_args()
-    common = dict(shape=args.shape, max_num_seqs=args.batch, progress=False)
-    base = LLM(**common)
-    results = {"base": measure(base, [None], args)}
-    with tempfile.TemporaryDirectory() as tmp:
-        adapters = write_adapters(base, Path(tmp), args.adapters, args.rank)
-        del base
-        torch.cuda.empty_cache() if torch.cuda.is_available() else None
-        lora = LLM(
-            **common, lora_modules=adapters, max_loras=args.adapters, max_lora_rank=args.rank
-        )
-        results["lora"] = measure(lora, list(adapters), args)
-    commit = subprocess.run(
-        ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True
-    ).stdout.strip()
+    if args.run:
+        print(json.dumps(run_one(args)), flush=True)
+        return
+    results = {side: _side(side) for side in ("base", "lora")}
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
     for kind in ("batch", "single"):
         line = {
             "measurement": f"lora_{kind}",
+            "command": " ".join(["python", *sys.argv]),
             "shape": args.shape,
             "adapters": args.adapters if kind == "batch" else 1,
             "rank": args.rank,
@@ -104,9 +112,16 @@ def main() -> None:
             "lora_tok_s": round(results["lora"][kind], 1),
             "ratio": round(results["lora"][kind] / results["base"][kind], 3),
             "device": device,
-            "commit": commit,
+            "commit": commit.stdout.strip(),
         }
         print(json.dumps(line), flush=True)
+
+
+def _side(side: str) -> dict[str, float]:
+    run = subprocess.run(
+        [sys.executable, *sys.argv, "--run", side], capture_output=True, text=True, check=True
+    )
+    return json.loads(run.stdout.strip().splitlines()[-1])
 
 
 if __name__ == "__main__":
