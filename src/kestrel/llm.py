@@ -107,12 +107,15 @@ class LLM:
     def unload_lora(self, name: str) -> None:
         self.engine.unload_lora(name)
 
-    def chat(self, messages, params: SamplingParams | None = None) -> list[GenerationResult]:
+    def chat(
+        self, messages, params: SamplingParams | None = None, lora: str | None = None
+    ) -> list[GenerationResult]:
         """One conversation (a list of {"role", "content"}) or a list of conversations. Content
-        may be OpenAI parts, images among them (`image_url`) for models that take images."""
+        may be OpenAI parts, images among them (`image_url`) for models that take images.
+        `lora`: as `generate`'s."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         prompts = [self._chat_prompt(c) for c in conversations]
-        return self._run(prompts, params or SamplingParams())
+        return self._run(prompts, params or SamplingParams(), lora)
 
     def _chat_prompt(self, conversation: list[dict]) -> list[int] | MultimodalPrompt:
         if image_part_params(conversation):
