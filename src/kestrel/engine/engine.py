@@ -142,10 +142,10 @@ class Engine:
         """name -> path of every loaded adapter."""
         return {} if self.lora is None else self.lora.loaded()
 
-    def _lora(self) -> LoRAManager:
+    def _lora(self, param: str = "lora_name") -> LoRAManager:
         if self.lora is None:
             raise InvalidRequestError(
-                "LoRA adapters are off: start with --enable-lora or --lora-modules", "lora_name"
+                "LoRA adapters are off: start with --enable-lora or --lora-modules", param
             )
         return self.lora
 
@@ -177,7 +177,7 @@ class Engine:
         if request.request_id in self.requests:
             raise InvalidRequestError(f"duplicate request id {request.request_id!r}")
         if request.lora is not None:  # adapters are loaded here: the server checked the name
-            request.lora_key = self._lora().key(request.lora)
+            request.lora_key = self._lora("model").key(request.lora)
         self.scheduler.add(request)
         self.requests[request.request_id] = request
         self.text[request.request_id] = _TextState(self.tokenizer, request)
