@@ -318,3 +318,13 @@ def test_quantized_bases_take_adapters(quant, tmp_path):
         base = kestrel_logits(model, manager, None, PROMPT)
     assert_close(logits[0], logits[1])
     assert_differ(logits[1], base)
+
+
+def test_an_engine_without_lora_refuses_adapters_by_name(tmp_path, smollm2_tokenizer):
+    base = base_checkpoint("llama", tmp_path / "base", smollm2_tokenizer, len(smollm2_tokenizer))
+    llm = LLM(str(base), progress=False, device="cpu", dtype="float32")
+    with pytest.raises(InvalidRequestError, match="--enable-lora or --lora-modules"):
+        llm.load_lora("a", str(tmp_path))
+    with pytest.raises(InvalidRequestError, match="--enable-lora or --lora-modules"):
+        llm.generate([1, 2, 3], SamplingParams(max_tokens=1), lora="a")
+    assert not any(hasattr(m, "lora") for m in llm.model.modules())  # no hooks, no slots
