@@ -15,6 +15,7 @@ from tests.test_models_qwen3 import CONFIG as QWEN3
 from kestrel.cache.sequence import SequenceCache
 from kestrel.lora.manager import LoRAManager
 from kestrel.models.batch import ForwardBatch
+from kestrel.sampling import SamplingParams
 
 ATTENTION = ["q_proj", "k_proj", "v_proj", "o_proj"]
 MLP = ["gate_proj", "up_proj", "down_proj"]
@@ -88,3 +89,19 @@ def kestrel_logits(model, manager: LoRAManager, name: str | None, ids: list[int]
             return model(ForwardBatch.single(SequenceCache(model.cache_specs()), torch.tensor(ids)))
     finally:
         manager.release("probe")
+
+
+def generate_all(engine, requests: dict[str, tuple[list[int], str | None]], max_tokens=8):
+    """Greedy tokens (and the first step's log-probs) of requests id -> (prompt, adapter)
+    added to `engine` together."""
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, logprobs=1)
+    for request_id, (prompt, lora) in requests.items():
+        engine.add_request(request_id, prompt, params, lora=lora)
+    tokens = {request_id: [] for request_id in requests}
+    first = {}
+    while engine.has_unfinished():
+        for out in engine.step():
+            assert out.error is None, out.error
+            first.setdefault(out.request_id, out.new_logprobs[0] if out.new_logprobs else None)
+            tokens[out.request_id] += out.new_token_ids
+    return tokens, first

@@ -4,7 +4,7 @@ the paged runner, fused projections and CUDA graphs) equal peft's merged model."
 
 import pytest
 import torch
-from tests.lora_checks import PROMPT, base_checkpoint, oracle_logits, write_adapter
+from tests.lora_checks import PROMPT, base_checkpoint, generate_all, oracle_logits, write_adapter
 
 from kestrel import LLM, SamplingParams
 from kestrel.kernels.lora import add_lora, grouped_lora, part_blocks
@@ -63,3 +63,23 @@ def test_adapter_logits_on_cuda_equal_peft_merged(tmp_path, smollm2_tokenizer):
         for t, lp in logprobs.items():
             assert abs(lp - expected[t].item()) < 1e-3
         ids.append(token)
+
+
+def test_a_mixed_batch_on_cuda_gives_each_request_its_tokens_alone(tmp_path, smollm2_tokenizer):
+    # three adapters and the base, decode steps through CUDA graphs, bfloat16
+    base = base_checkpoint("llama", tmp_path / "base", smollm2_tokenizer, len(smollm2_tokenizer))
+    adapters = {}
+    for i in range(3):
+        write_adapter(base, tmp_path / f"a{i}", "llama", seed=i)
+        adapters[f"a{i}"] = str(tmp_path / f"a{i}")
+    llm = LLM(str(base), progress=False, device="cuda", lora_modules=adapters, max_lora_rank=8)
+    prompts = {
+        n: [(i * 7 + k) % 500 for i in range(9 + k)] for k, n in enumerate([*adapters, None])
+    }
+    alone = {
+        n: generate_all(llm.engine, {f"alone-{n}": (p, n)})[0][f"alone-{n}"]
+        for n, p in prompts.items()
+    }
+    mixed, _ = generate_all(llm.engine, {f"mixed-{n}": (p, n) for n, p in prompts.items()})
+    assert {n: mixed[f"mixed-{n}"] for n in prompts} == alone
+    assert len({tuple(t) for t in alone.values()}) == 4

@@ -18,6 +18,7 @@ from tests.lora_checks import (
     MLP,
     PROMPT,
     base_checkpoint,
+    generate_all,
     kestrel_logits,
     oracle_logits,
     write_adapter,
@@ -197,25 +198,11 @@ def served(tmp_path_factory, smollm2_tokenizer):
     return llm, oracles
 
 
-def _generate(engine, requests: dict[str, tuple[list[int], str | None]], max_tokens=8):
-    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, logprobs=1)
-    for request_id, (prompt, lora) in requests.items():
-        engine.add_request(request_id, prompt, params, lora=lora)
-    tokens = {request_id: [] for request_id in requests}
-    first = {}
-    while engine.has_unfinished():
-        for out in engine.step():
-            assert out.error is None, out.error
-            first.setdefault(out.request_id, out.new_logprobs[0] if out.new_logprobs else None)
-            tokens[out.request_id] += out.new_token_ids
-    return tokens, first
-
-
 def test_the_engines_first_token_log_probs_equal_the_merged_model(served):
     llm, oracles = served
     prompt = PROMPT[:12]
     for name, merged in oracles.items():
-        _, first = _generate(llm.engine, {f"lp-{name}": (prompt, name)}, max_tokens=1)
+        _, first = generate_all(llm.engine, {f"lp-{name}": (prompt, name)}, max_tokens=1)
         expected = torch.log_softmax(oracle_logits(merged, prompt)[-1], -1)
         for token, logprob in first[f"lp-{name}"].items():
             assert abs(logprob - expected[token].item()) < 1e-4
@@ -229,9 +216,9 @@ def test_a_batch_mixing_three_adapters_and_the_base_gives_each_its_tokens_alone(
     }
     alone = {}
     for name, prompt in prompts.items():
-        tokens, _ = _generate(llm.engine, {f"alone-{name}": (prompt, name)})
+        tokens, _ = generate_all(llm.engine, {f"alone-{name}": (prompt, name)})
         alone[name] = tokens[f"alone-{name}"]
-    mixed, _ = _generate(llm.engine, {f"mixed-{n}": (p, n) for n, p in prompts.items()})
+    mixed, _ = generate_all(llm.engine, {f"mixed-{n}": (p, n) for n, p in prompts.items()})
     for name in prompts:
         assert mixed[f"mixed-{name}"] == alone[name], name
     assert len({tuple(t) for t in alone.values()}) == 4  # the adapters change the output
@@ -240,7 +227,7 @@ def test_a_batch_mixing_three_adapters_and_the_base_gives_each_its_tokens_alone(
 def test_prefix_cache_hits_never_cross_adapters(served):
     llm, _ = served
     prompt = [(i * 11 + 3) % 500 for i in range(150)]  # more than two 64-token blocks
-    _generate(llm.engine, {"warm-base": (prompt, None)}, max_tokens=1)
+    generate_all(llm.engine, {"warm-base": (prompt, None)}, max_tokens=1)
     request = llm.engine.add_request("cold-a0", prompt, SamplingParams(max_tokens=1), lora="a0")
     while llm.engine.has_unfinished():
         llm.engine.step()
