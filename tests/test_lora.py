@@ -195,11 +195,11 @@ def served(tmp_path_factory, smollm2_tokenizer):
         max_loras=3,
         max_num_seqs=8,
     )
-    return llm, oracles
+    return llm, oracles, base
 
 
 def test_the_engines_first_token_log_probs_equal_the_merged_model(served):
-    llm, oracles = served
+    llm, oracles, _ = served
     prompt = PROMPT[:12]
     for name, merged in oracles.items():
         _, first = generate_all(llm.engine, {f"lp-{name}": (prompt, name)}, max_tokens=1)
@@ -209,7 +209,7 @@ def test_the_engines_first_token_log_probs_equal_the_merged_model(served):
 
 
 def test_a_batch_mixing_three_adapters_and_the_base_gives_each_its_tokens_alone(served):
-    llm, _ = served
+    llm, _, _ = served
     prompts = {
         name: [(i * 7 + k) % 500 for i in range(9 + k)]
         for k, name in enumerate(["a0", "a1", "a2", None])
@@ -225,7 +225,7 @@ def test_a_batch_mixing_three_adapters_and_the_base_gives_each_its_tokens_alone(
 
 
 def test_prefix_cache_hits_never_cross_adapters(served):
-    llm, _ = served
+    llm, _, _ = served
     prompt = [(i * 11 + 3) % 500 for i in range(150)]  # more than two 64-token blocks
     generate_all(llm.engine, {"warm-base": (prompt, None)}, max_tokens=1)
     request = llm.engine.add_request("cold-a0", prompt, SamplingParams(max_tokens=1), lora="a0")
@@ -239,7 +239,7 @@ def test_prefix_cache_hits_never_cross_adapters(served):
 
 
 def test_unknown_adapters_are_refused_by_name(served):
-    llm, _ = served
+    llm, _, _ = served
     with pytest.raises(InvalidRequestError, match="no adapter 'nope'"):
         llm.generate([1, 2, 3], SamplingParams(max_tokens=1), lora="nope")
     assert llm.generate([1, 2, 3], SamplingParams(max_tokens=1), lora="a1")[0].outputs[0].token_ids
@@ -315,3 +315,39 @@ def test_an_engine_without_lora_refuses_adapters_by_name(tmp_path, smollm2_token
     with pytest.raises(InvalidRequestError, match="--enable-lora or --lora-modules"):
         llm.generate([1, 2, 3], SamplingParams(max_tokens=1), lora="a")
     assert not any(hasattr(m, "lora") for m in llm.model.modules())  # no hooks, no slots
+
+
+def test_more_adapters_than_slots_in_flight_wait_for_a_slot(served, tmp_path):
+    # four adapters, three slots: the fourth request waits until one adapter is idle, then
+    # takes the least recently used slot; each ends with its tokens alone
+    llm, _, base = served
+    write_adapter(base, tmp_path / "a3", "llama", seed=13)
+    llm.load_lora("a3", str(tmp_path / "a3"))
+    try:
+        names = ["a0", "a1", "a2", "a3"]
+        prompts = {n: [(i * 5 + k) % 500 for i in range(8)] for k, n in enumerate(names)}
+        alone = {}
+        for n, p in prompts.items():
+            alone[n] = generate_all(llm.engine, {f"solo-{n}": (p, n)})[0][f"solo-{n}"]
+        together, _ = generate_all(llm.engine, {f"all-{n}": (p, n) for n, p in prompts.items()})
+        assert {n: together[f"all-{n}"] for n in names} == alone
+    finally:
+        llm.unload_lora("a3")
+
+
+def test_an_adapter_unloaded_mid_request_finishes_the_request(served, tmp_path):
+    llm, _, base = served
+    write_adapter(base, tmp_path / "gone", "llama", seed=14)
+    llm.load_lora("gone", str(tmp_path / "gone"))
+    prompt = PROMPT[:9]
+    alone, _ = generate_all(llm.engine, {"before": (prompt, "gone")})
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    request = llm.engine.add_request("during", prompt, params, lora="gone")
+    llm.engine.step()  # prefilled with the adapter
+    llm.unload_lora("gone")
+    while llm.engine.has_unfinished():
+        llm.engine.step()
+    assert request.output_ids == alone["before"]
+    with pytest.raises(InvalidRequestError, match="no adapter 'gone'"):
+        llm.engine.add_request("after", prompt, params, lora="gone")
+    assert "gone" not in llm.engine.lora_adapters()
