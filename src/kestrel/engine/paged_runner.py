@@ -374,11 +374,13 @@ class PagedRunner(ModelRunner):
         speculative = [c for c in chunks if c.draft]
         masks = self._start_masks(sampling)  # on the host, while the device runs the forward
         if graph is not None:
+            self._set_lora(chunks, lambda c: _padded(c, packed.tiles, *graph, False))
             logits, rows = self._replay(packed, *graph, chunks)
             hidden = None  # nothing pooled
         elif micro_batches:
             logits, hidden = self._forward_stages(micro_batches, decode)
         else:
+            self._set_lora(chunks)
             batch = self._to_batch(packed, tile_tokens=1 if decode else None)
             batch.keep_hidden = self.keep_hidden
             if self.takes_hidden:

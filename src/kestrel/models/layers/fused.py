@@ -3,7 +3,8 @@ fused kernels of kernels/fused.py (Triton on CUDA, the native kernels on the CPU
 GEMVs of kernels/gemv.py (one row of x on CUDA, where cuBLAS is slow): q/k/v (and gate/up)
 weights, their GGUF blocks where they are of one type, or their FP8 weights and scales where the
 scale tiles line up, become views of one concatenated tensor, so names and memory stay the same
-and one matmul replaces three (two). Model files are untouched; the paged runner calls this,
+and one matmul replaces three (two); LoRA adapters on them add to the fused output (one
+kernel pair for the group: models/layers/lora.py). Model files are untouched; the paged runner calls this,
 the reference runner never does.
 """
 
@@ -24,6 +25,7 @@ from kestrel.kernels.fused import (
     rope_store,
 )
 from kestrel.models.layers.attention import Attention, cached_attention
+from kestrel.models.layers.lora import fused_with_lora
 from kestrel.models.layers.mla import MultiHeadLatentAttention
 from kestrel.models.layers.mlp import GatedMLP
 from kestrel.models.layers.mrope import MRotaryEmbedding
@@ -63,10 +65,11 @@ def concat_projection(module, names: list[str]) -> Callable:
     Linears, or quantized ones of one kind: `_stackable`) becomes one weight the Linears keep
     views of; where the runs differ (llama.cpp's Q4_K_M keeps v in Q6_K in half the layers,
     q and k in Q4_K) each runs apart and their outputs are concatenated."""
-    parts = [_stack(run) for run in _runs([getattr(module, n) for n in names])]
+    linears = [getattr(module, n) for n in names]
+    parts = [_stack(run) for run in _runs(linears)]
     if len(parts) == 1:
-        return parts[0]
-    return lambda x: torch.cat([part(x) for part in parts], dim=-1)
+        return fused_with_lora(linears, parts[0])
+    return fused_with_lora(linears, lambda x: torch.cat([part(x) for part in parts], dim=-1))
 
 
 def _runs(linears: list) -> list[list]:

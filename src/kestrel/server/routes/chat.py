@@ -46,7 +46,9 @@ async def chat_completions(body: ChatCompletionRequest, http: Request):
     messages = [m.as_template_dict(f"messages[{i}].") for i, m in enumerate(body.messages)]
     check_tool_messages(body.messages)
     prompt = await chat_template_prompt(state, as_tool_turns(messages), tools)
-    generation = Generation(engine, new_id("chatcmpl"), [prompt], params, body.check_kv_size())
+    lora = state.adapter(body.model)
+    kv = body.check_kv_size()
+    generation = Generation(engine, new_id("chatcmpl"), [prompt], params, kv, lora=lora)
     await generation.start()
     if body.stream:
         return sse_response(_chunks(state, body, generation, tools, legacy), generation)

@@ -230,7 +230,8 @@ async def create_message(body: MessagesRequest, http: Request):
     with names.naming():
         params = body.sampling_params(tools)
         prompt = await chat_template_prompt(state, messages, tools)
-        generation = Generation(engine, new_id("msg"), [prompt], params)
+        lora = state.adapter(body.model)
+        generation = Generation(engine, new_id("msg"), [prompt], params, lora=lora)
         await generation.start()
     if body.stream:
         events = _events(body, generation, tools)

@@ -294,7 +294,8 @@ async def create_response(body: ResponsesRequest, http: Request):
     with names.naming():
         params = body.sampling_params(state.config.default_max_tokens, tools)
         prompt = await chat_template_prompt(state, messages, tools)
-        generation = Generation(engine, new_id("resp"), [prompt], params)
+        lora = state.adapter(body.model)
+        generation = Generation(engine, new_id("resp"), [prompt], params, lora=lora)
         await generation.start()
     conversation = messages[1:] if body.instructions is not None else messages
     answer = Answer(body, generation, conversation, tools)
