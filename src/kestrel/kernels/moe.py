@@ -24,16 +24,14 @@ from dataclasses import dataclass
 
 import torch
 
-from kestrel.kernels import moe_gemv
+from kestrel.kernels import fused, moe_gemv
+from kestrel.kernels.fused import ACTIVATION_IDS
 
 try:
     import triton
     import triton.language as tl
 except ImportError:  # CPU-only installs: the PyTorch path serves
     triton = None
-
-# activations the kernel computes in registers (the keys of kernels/fused.py's ACTIVATIONS)
-ACTIVATION_IDS = {"silu": 0, "gelu_pytorch_tanh": 1, "gelu_tanh": 1, "relu2": 2}
 
 
 def available(x: torch.Tensor, act: str | None = None) -> bool:
@@ -267,7 +265,7 @@ if triton is not None:
                         QUANT, BITS, GROUP, a.dtype,
                     )  # fmt: skip
                 up = _dot(a, b, up, IEEE)
-        acc = moe_gemv.activate(acc, ACT)
+        acc = fused.activate(acc, ACT)
         if GATED:
             acc = acc * up
         out = h + rows[:, None] * inter + n[None, :]

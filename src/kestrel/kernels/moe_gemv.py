@@ -21,10 +21,12 @@ The stacks are kernels/moe.py's: bf16/fp16/fp32 (E, N, K), FP8 values with a flo
 row per group of columns, MLX 4- or 8-bit int32 words with a scale and a bias per group. A chunk
 lies in one group (`serves`), so its sum is scaled once: FP8 scale * sum(w * x), MLX
 scale * sum(q * x) + bias * sum(x), in float32 (the dequantized stack instead rounds each weight
-to x's dtype first). Imports nothing from kestrel.
+to x's dtype first). Imports nothing from kestrel outside kestrel.kernels.
 """
 
 import torch
+
+from kestrel.kernels import fused
 
 try:
     import triton
@@ -56,7 +58,8 @@ def serves(w: torch.Tensor, flags: dict, K: int) -> bool:
 def pair_gemvs(x, w_in, in_flags, w_down, down_flags, weights, ids, act, gated, H, inter):
     """x (T, H) and the stacks' kernel arguments (W, scales, biases, groups per row; flags) ->
     (T, H) in x's dtype: each token's sum over its pairs of weight * down(act(in(x))), for
-    expert ids (T, k), weights (T, k) and `act` an activation id (`activate`)."""
+    expert ids (T, k), weights (T, k) and `act` an activation id (kernels/fused.py's
+    `ACTIVATION_IDS`)."""
     flat = ids.reshape(-1)
     (T, k), P = ids.shape, flat.numel()
     together = T <= TOGETHER_TOKENS
@@ -99,18 +102,6 @@ def _shift(flags: dict, K: int) -> int:
 
 
 if triton is not None:
-
-    @triton.jit
-    def activate(acc, ACT: tl.constexpr):
-        """silu (0), gelu's tanh approximation (1) or squared relu (2) of float32 acc."""
-        if ACT == 0:
-            return acc * tl.sigmoid(acc)
-        elif ACT == 1:
-            inner = 0.7978845608028654 * (acc + 0.044715 * acc * acc * acc)
-            return 0.5 * acc * (1.0 + (2.0 * tl.sigmoid(2.0 * inner) - 1.0))
-        else:
-            acc = tl.maximum(acc, 0.0)
-            return acc * acc
 
     @triton.jit
     def _row_sums(
@@ -182,9 +173,9 @@ if triton is not None:
         )  # fmt: skip
         if PARTS == 2:
             gate, up = tl.split(tl.reshape(acc, (BLOCK_N, 2)))
-            acc = activate(gate, ACT) * up
+            acc = fused.activate(gate, ACT) * up
         else:
-            acc = activate(acc, ACT)
+            acc = fused.activate(acc, ACT)
             if GATED:  # the up rows follow the gate rows
                 acc *= _row_sums(
                     x, w, s, z, groups, shift, rows + inter, xm, H, steps, QUANT, BITS, BLOCK_N,
