@@ -3,9 +3,9 @@
 kernels/moe.py's grouped GEMMs give a decode pair a 16-row tensor-core tile of which one row is
 real, over wide column tiles: at one token, GLM-4.7-Flash's four pairs made 96-192 programs on
 132 SMs, too few loads in flight to stream the weights (FP8 experts read at about 1.1 TB/s on the
-H100). Here, as in kernels/gemv.py and kernels/fp8_gemv.py, a program owns BLOCK_N outputs and
-walks K in steps of CHUNKS chunks of 16 bytes; each thread loads a (row, chunk) in one 16-byte
-load, with its own copy of x's values, and sums it on its own. Two kernels: the in projection
+H100). Here a program owns BLOCK_N outputs and walks K in the loop of the bf16 and FP8 GEMVs
+(kernels/gemv.py's `row_sums`), in steps of CHUNKS chunks of 16 bytes; each thread loads a
+(row, chunk) in one 16-byte load, with its own copy of x's values, and sums it on its own. Two kernels: the in projection
 with the activation (act(gate) * up, or act(up) ungated) per pair, then per token the down
 projections of its pairs, each times its routing weight, summed in float32: the layer's output
 in x's dtype, with no separate sum or cast.
@@ -33,6 +33,9 @@ try:
     import triton.language as tl
 except ImportError:  # CPU-only installs
     triton = None
+
+if triton is not None:
+    from kestrel.kernels.gemv import row_sums
 
 CHUNK_BYTES = 16  # a thread's load
 BLOCK_N, CHUNKS, WARPS = 4, 32, 2  # rows per program, chunks per loop step, warps
@@ -76,7 +79,8 @@ def pair_gemvs(x, w_in, in_flags, w_down, down_flags, weights, ids, act, gated, 
     pairs = triton.next_power_of_2(k) if together else 1  # a token's pairs read together
     block_n, chunks, grid = _plan(H, T, pairs, together)
     _gemv_down[grid](
-        h, *w_down, _shift(down_flags, inter), out, weights.reshape(-1).float(), flat, k, H,
+        h, *w_down, _shift(down_flags, inter), out,
+        weights.reshape(-1).float(), flat, k, H,
         inter, triton.cdiv(inter, chunks * span(w_down[0], down_flags)),
         PAIRS=pairs, QUANT=down_flags["QUANT"], BITS=down_flags["BITS"], BLOCK_N=block_n,
         CHUNKS=chunks, SPAN=span(w_down[0], down_flags), num_warps=WARPS,
@@ -104,53 +108,19 @@ def _shift(flags: dict, K: int) -> int:
 if triton is not None:
 
     @triton.jit
-    def _row_sums(
-        X, W, S, Z, groups, shift, rows, xm, K, steps,
-        QUANT: tl.constexpr, BITS: tl.constexpr, R: tl.constexpr, CHUNKS: tl.constexpr,
-        SPAN: tl.constexpr,
-    ):  # fmt: skip
-        """(R,) float32: the stack's rows `rows` ((R, 1), experts' rows counted from the
-        stack's first) times rows `xm` ((R, 1)) of X (., K), all R loaded in each step. Chunks
-        past K (the last step's tail) read the last chunk again and count zero, so no load
-        needs a mask."""
-        chunk = tl.arange(0, CHUNKS)[None, :]
-        columns = tl.arange(0, SPAN)[None, None, :]
-        acc = tl.zeros((R, CHUNKS), dtype=tl.float32)
-        for step in range(0, steps):
-            start = (step * CHUNKS + chunk) * SPAN  # (1, C) each chunk's first column
-            ok = start < K
-            start = tl.minimum(start, K - SPAN)
-            cols = start[:, :, None] + columns  # (1, C, SPAN)
-            x = tl.load(X + (xm * K)[:, :, None] + cols).to(tl.float32)  # (R, C, SPAN)
-            group = rows * groups + (start >> shift)  # (R, C): the chunk's scale group
-            # one branch compiles (constexpr): the MLX one divides by BITS, 0 otherwise
-            if QUANT == 2:
-                part = _mlx_chunks(W, S, Z, group, rows, start, x, K, BITS, SPAN)
-            else:
-                part = tl.sum(tl.load(W + rows[:, :, None] * K + cols).to(tl.float32) * x, 2)
-                if QUANT == 1:
-                    part *= tl.load(S + group)
-            acc += tl.where(ok, part, 0.0)
-        return tl.sum(acc, 1)
-
-    @triton.jit
-    def _mlx_chunks(W, S, Z, group, rows, start, x, K, BITS: tl.constexpr, SPAN: tl.constexpr):
-        """(R, C): chunks of MLX words (value j of a word at bits j * BITS) times x (R, C, SPAN):
-        scale * sum(q * x) + bias * sum(x)."""
-        per: tl.constexpr = 32 // BITS  # values in a word
-        word = tl.arange(0, SPAN // per)[None, None, :]
-        words = tl.load(W + rows[:, :, None] * (K // per) + (start // per)[:, :, None] + word)
-        shifts = (tl.arange(0, per) * BITS)[None, None, None, :]
-        q = tl.reshape((words[:, :, :, None] >> shifts) & ((1 << BITS) - 1), x.shape)
-        dot = tl.sum(q.to(tl.float32) * x, 2)
-        scale = tl.load(S + group).to(tl.float32)
-        return scale * dot + tl.load(Z + group).to(tl.float32) * tl.sum(x, 2)
+    def _row_length(K, QUANT: tl.constexpr, BITS: tl.constexpr):
+        """A stack row's length in its values' units: K, or K's MLX words. Derived from K, not
+        passed beside it: a separate stride kept 16 more registers live at 8 rows a program."""
+        if QUANT == 2:
+            return K // (32 // BITS)
+        else:
+            return K
 
     @triton.jit
     def _gemv_in(
         x,  # (T, H)
         w, s, z, groups,  # the stack (E, 2I or I, H): gate rows then up rows when gated
-        shift,
+        shift,  # a column's scale group is column >> shift
         h,  # (P, I) out
         ids,  # (P,) each pair's expert
         k, H, inter, steps,
@@ -167,9 +137,9 @@ if triton is not None:
         base = tl.load(ids + p).to(tl.int64) * (2 * inter if GATED else inter)
         rows = (base + (r % PARTS) * inter + n)[:, None]
         xm = p // k + 0 * rows
-        acc = _row_sums(
-            x, w, s, z, groups, shift, rows, xm, H, steps, QUANT, BITS, PARTS * BLOCK_N, CHUNKS,
-            SPAN,
+        acc = row_sums(
+            x, w, s, z, rows, xm, H, _row_length(H, QUANT, BITS), rows * groups, shift, steps,
+            QUANT, BITS, PARTS * BLOCK_N, CHUNKS, SPAN,
         )  # fmt: skip
         if PARTS == 2:
             gate, up = tl.split(tl.reshape(acc, (BLOCK_N, 2)))
@@ -177,9 +147,10 @@ if triton is not None:
         else:
             acc = fused.activate(acc, ACT)
             if GATED:  # the up rows follow the gate rows
-                acc *= _row_sums(
-                    x, w, s, z, groups, shift, rows + inter, xm, H, steps, QUANT, BITS, BLOCK_N,
-                    CHUNKS, SPAN,
+                up = rows + inter
+                acc *= row_sums(
+                    x, w, s, z, up, xm, H, _row_length(H, QUANT, BITS), up * groups, shift, steps,
+                    QUANT, BITS, BLOCK_N, CHUNKS, SPAN,
                 )  # fmt: skip
         lanes = first + tl.arange(0, BLOCK_N)
         tl.store(h + p * inter + lanes, acc.to(h.dtype.element_ty), mask=lanes < inter)
@@ -207,9 +178,9 @@ if triton is not None:
             pair = j + r // BLOCK_N
             p = t * k + tl.minimum(pair, k - 1)
             rows = (tl.load(ids + p).to(tl.int64) * H + n)[:, None]
-            part = _row_sums(
-                h, w, s, z, groups, shift, rows, p[:, None], inter, steps, QUANT, BITS,
-                PAIRS * BLOCK_N, CHUNKS, SPAN,
+            part = row_sums(
+                h, w, s, z, rows, p[:, None], inter, _row_length(inter, QUANT, BITS),
+                rows * groups, shift, steps, QUANT, BITS, PAIRS * BLOCK_N, CHUNKS, SPAN,
             )  # fmt: skip
             part *= tl.where(pair < k, tl.load(weights + p), 0.0)
             y += tl.sum(tl.reshape(part, (PAIRS, BLOCK_N)), 0)
