@@ -45,24 +45,23 @@ ROWS = 8  # rows of W a program reads at once when together (at most)
 LOADS = 128  # (row, chunk) loads a step when together: CHUNKS = LOADS / the program's rows
 
 
-def span(w: torch.Tensor, flags: dict) -> int:
-    """Columns in a chunk of stack `w` (kernels/moe.py's `_stack_args` flags)."""
-    if flags["QUANT"] == 2:  # MLX: four int32 words of 32 / BITS values
-        return CHUNK_BYTES // 4 * (32 // flags["BITS"])
-    return CHUNK_BYTES // w.element_size()
+def span(stack) -> int:
+    """Columns in a chunk of a kernels/moe.py `KernelStack`."""
+    if stack.QUANT == 2:  # MLX: four int32 words of 32 / BITS values
+        return CHUNK_BYTES // 4 * (32 // stack.BITS)
+    return CHUNK_BYTES // stack.w.element_size()
 
 
-def serves(w: torch.Tensor, flags: dict, K: int) -> bool:
-    """Whether the GEMVs read stack `w` over K inputs: whole chunks, each in one scale group."""
-    columns, group = span(w, flags), flags["GROUP"]
-    return K % columns == 0 and (flags["QUANT"] == 0 or group >= K or group % columns == 0)
+def serves(stack, K: int) -> bool:
+    """Whether the GEMVs read `stack` over K inputs: whole chunks, each in one scale group."""
+    columns, group = span(stack), stack.GROUP
+    return K % columns == 0 and (stack.QUANT == 0 or group >= K or group % columns == 0)
 
 
-def pair_gemvs(x, w_in, in_flags, w_down, down_flags, weights, ids, act, gated, H, inter):
-    """x (T, H) and the stacks' kernel arguments (W, scales, biases, groups per row; flags) ->
-    (T, H) in x's dtype: each token's sum over its pairs of weight * down(act(in(x))), for
-    expert ids (T, k), weights (T, k) and `act` an activation id (kernels/fused.py's
-    `ACTIVATION_IDS`)."""
+def pair_gemvs(x, w_in, w_down, weights, ids, act, gated, H, inter):
+    """x (T, H) and the stacks (kernels/moe.py's `KernelStack`s) -> (T, H) in x's dtype: each
+    token's sum over its pairs of weight * down(act(in(x))), for expert ids (T, k), weights
+    (T, k) and `act` an activation id (kernels/fused.py's `ACTIVATION_IDS`)."""
     flat = ids.reshape(-1)
     (T, k), P = ids.shape, flat.numel()
     together = T <= TOGETHER_TOKENS
@@ -70,20 +69,19 @@ def pair_gemvs(x, w_in, in_flags, w_down, down_flags, weights, ids, act, gated, 
     parts = 2 if gated and together else 1  # rows of W read together per output: gate and up
     block_n, chunks, grid = _plan(inter, P, parts, together)
     _gemv_in[grid](
-        x, *w_in, _shift(in_flags, H), h, flat, k, H, inter,
-        triton.cdiv(H, chunks * span(w_in[0], in_flags)),
-        GATED=gated, PARTS=parts, ACT=act, QUANT=in_flags["QUANT"], BITS=in_flags["BITS"],
-        BLOCK_N=block_n, CHUNKS=chunks, SPAN=span(w_in[0], in_flags), num_warps=WARPS,
+        x, *w_in.pointers(), _shift(w_in, H), h, flat, k, H, inter,
+        triton.cdiv(H, chunks * span(w_in)),
+        GATED=gated, PARTS=parts, ACT=act, QUANT=w_in.QUANT, BITS=w_in.BITS, BLOCK_N=block_n,
+        CHUNKS=chunks, SPAN=span(w_in), num_warps=WARPS,
     )  # fmt: skip
     out = torch.empty(T, H, device=x.device, dtype=x.dtype)
     pairs = triton.next_power_of_2(k) if together else 1  # a token's pairs read together
     block_n, chunks, grid = _plan(H, T, pairs, together)
     _gemv_down[grid](
-        h, *w_down, _shift(down_flags, inter), out,
-        weights.reshape(-1).float(), flat, k, H,
-        inter, triton.cdiv(inter, chunks * span(w_down[0], down_flags)),
-        PAIRS=pairs, QUANT=down_flags["QUANT"], BITS=down_flags["BITS"], BLOCK_N=block_n,
-        CHUNKS=chunks, SPAN=span(w_down[0], down_flags), num_warps=WARPS,
+        h, *w_down.pointers(), _shift(w_down, inter), out,
+        weights.reshape(-1).float(), flat, k, H, inter, triton.cdiv(inter, chunks * span(w_down)),
+        PAIRS=pairs, QUANT=w_down.QUANT, BITS=w_down.BITS, BLOCK_N=block_n, CHUNKS=chunks,
+        SPAN=span(w_down), num_warps=WARPS,
     )  # fmt: skip
     return out
 
@@ -99,10 +97,9 @@ def _plan(N: int, count: int, parts: int, together: bool) -> tuple[int, int, tup
     return block_n, chunks, (triton.cdiv(N, block_n), count)
 
 
-def _shift(flags: dict, K: int) -> int:
+def _shift(stack, K: int) -> int:
     """A column's scale group is column >> shift (groups are powers of two or span the row)."""
-    group = flags["GROUP"]
-    return 31 if group >= K else group.bit_length() - 1
+    return 31 if stack.GROUP >= K else stack.GROUP.bit_length() - 1
 
 
 if triton is not None:
