@@ -194,12 +194,15 @@ def test_mla_rope_norm_kernel_equals_the_pytorch_layers(dtype, interleaved):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-# decode's pair GEMVs (P <= E), sorted blocks, and few pairs on a width no GEMV chunk divides
-@pytest.mark.parametrize("tokens,inter", [(1, 72), (3, 72), (40, 72), (2, 34)])
+# decode's pair GEMVs (P <= E): one token reads its rows together (k = 3 pads its pairs to 4),
+# 2-3 tokens one row set at a time; sorted blocks; few pairs on a width no GEMV chunk divides
+@pytest.mark.parametrize(
+    "tokens,inter,k", [(1, 72, 4), (1, 72, 3), (3, 72, 4), (2, 72, 8), (40, 72, 4), (2, 34, 4)]
+)
 @pytest.mark.parametrize(
     "act,gated", [("silu", True), ("gelu_pytorch_tanh", True), ("relu2", False)]
 )
-def test_fused_experts_equal_the_pytorch_experts(dtype, tokens, inter, act, gated):
+def test_fused_experts_equal_the_pytorch_experts(dtype, tokens, inter, k, act, gated):
     """The fused MoE kernels equal the PyTorch experts (run on the CPU in fp32 on the same
     weights), with widths that are not whole tiles, also under graph capture."""
     torch.manual_seed(tokens)
@@ -207,7 +210,7 @@ def test_fused_experts_equal_the_pytorch_experts(dtype, tokens, inter, act, gate
     for p in experts.parameters():
         torch.nn.init.normal_(p, std=0.1)
     x = torch.randn(tokens, 200)
-    weights, ids = route_topk(torch.randn(tokens, 16), 4)
+    weights, ids = route_topk(torch.randn(tokens, 16), k)
     expected = experts(x, weights, ids)
     gpu = experts.to("cuda", dtype)
     args = (x.to("cuda", dtype), gpu.in_proj, gpu.down_proj, weights.cuda(), ids.cuda(), act, gated)

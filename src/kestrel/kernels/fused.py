@@ -36,8 +36,10 @@ def _native_ok(x: torch.Tensor) -> bool:
     return x.device.type == "cpu" and cpu_native.available()
 
 
-# the activations the fused kernels compute
+# the activations the native CPU kernels compute
 KERNEL_ACTIVATIONS = ("silu", "gelu_pytorch_tanh", "gelu_tanh")
+# the activations the Triton kernels compute (`activate`: act_mul's and the MoE kernels'), by id
+ACTIVATION_IDS = {"silu": 0, "gelu_pytorch_tanh": 1, "gelu_tanh": 1, "relu2": 2}
 
 
 # -- RMSNorm ------------------------------------------------------------------------------------
@@ -122,13 +124,13 @@ def act_mul(gate_up: torch.Tensor, act: str) -> torch.Tensor:
     """(T, 2I) [gate | up] -> (T, I) act(gate) * up."""
     if act in KERNEL_ACTIVATIONS and _native_ok(gate_up) and gate_up.stride(-1) == 1:
         return cpu_native.act_mul(gate_up, act != "silu")
-    if not _triton_ok(gate_up) or act not in KERNEL_ACTIVATIONS:
+    if not _triton_ok(gate_up) or act not in ACTIVATION_IDS:
         return act_mul_torch(gate_up, act)
     t, two_i = gate_up.shape
     out = gate_up.new_empty(t, two_i // 2)
     block = 1024
     _act_mul_kernel[(t, triton.cdiv(two_i // 2, block))](
-        gate_up, out, two_i // 2, gate_up.stride(0), GELU=act != "silu", BLOCK=block
+        gate_up, out, two_i // 2, gate_up.stride(0), ACT=ACTIVATION_IDS[act], BLOCK=block
     )
     return out
 
@@ -302,19 +304,27 @@ if triton is not None:
         tl.store(OUT + row * h + cols, (x + y.to(tl.float32)).to(dt), mask=ok)
 
     @triton.jit
-    def _act_mul_kernel(GU, OUT, inter, stride, GELU: tl.constexpr, BLOCK: tl.constexpr):
+    def activate(acc, ACT: tl.constexpr):
+        """silu (0), gelu's tanh approximation (1) or squared relu (2) of float32 acc
+        (`ACTIVATION_IDS`)."""
+        if ACT == 0:
+            return acc * tl.sigmoid(acc)
+        elif ACT == 1:
+            inner = 0.7978845608028654 * (acc + 0.044715 * acc * acc * acc)
+            return 0.5 * acc * (1.0 + (2.0 * tl.sigmoid(2.0 * inner) - 1.0))
+        else:
+            acc = tl.maximum(acc, 0.0)
+            return acc * acc
+
+    @triton.jit
+    def _act_mul_kernel(GU, OUT, inter, stride, ACT: tl.constexpr, BLOCK: tl.constexpr):
         row = tl.program_id(0).to(tl.int64)
         cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         ok = cols < inter
         g = tl.load(GU + row * stride + cols, mask=ok, other=0.0).to(tl.float32)
         u = tl.load(GU + row * stride + inter + cols, mask=ok, other=0.0)
-        if GELU:  # tanh approximation
-            inner = 0.7978845608028654 * (g + 0.044715 * g * g * g)
-            a = 0.5 * g * (1.0 + (2.0 * tl.sigmoid(2.0 * inner) - 1.0))
-        else:
-            a = g * tl.sigmoid(g)
         # the module rounds act(gate) to the dtype before multiplying by up
-        y = a.to(OUT.dtype.element_ty).to(tl.float32) * u.to(tl.float32)
+        y = activate(g, ACT).to(OUT.dtype.element_ty).to(tl.float32) * u.to(tl.float32)
         tl.store(OUT + row * inter + cols, y.to(OUT.dtype.element_ty), mask=ok)
 
     @triton.jit
