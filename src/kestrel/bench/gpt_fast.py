@@ -328,7 +328,7 @@ def _sync(device) -> None:
 
 def run(opts) -> dict:
     """The record's numbers for one shape: gpt-fast's timing and its model's bytes."""
-    from kestrel.bench.offline import Workload
+    from kestrel.bench.workload import Workload
 
     peer = peer_shape(opts.shape)
     root = checkout(opts.gpt_fast)

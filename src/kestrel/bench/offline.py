@@ -11,16 +11,15 @@ import contextlib
 import gc
 import json
 import os
-import random
 import subprocess
 import sys
 import time
-from dataclasses import dataclass
 
 import torch
 
 from kestrel.bench.roofline import card_rates, ceilings, meta_model, of_ceiling
 from kestrel.bench.serve import add_serve_bench_args
+from kestrel.bench.workload import Workload
 from kestrel.config import DRAFT_METHODS
 from kestrel.weights.shapes import (
     decoder_config,
@@ -29,33 +28,6 @@ from kestrel.weights.shapes import (
     shape_config,
     shape_tokenizer,
 )
-
-
-@dataclass
-class Workload:
-    num_requests: int
-    prompt_tokens: int
-    output_tokens: int
-    random_lengths: bool = False
-    seed: int = 0
-
-    def prompts(self, vocab: int) -> list[list[int]]:
-        """Random token ids; with random_lengths, prompt lengths uniform in [P/2, 3P/2]."""
-        rng = random.Random(self.seed)
-        lengths = [
-            rng.randint(max(1, self.prompt_tokens // 2), self.prompt_tokens * 3 // 2)
-            if self.random_lengths
-            else self.prompt_tokens
-            for _ in range(self.num_requests)
-        ]
-        return [[rng.randrange(vocab) for _ in range(n)] for n in lengths]
-
-    def outputs(self) -> list[int]:
-        rng = random.Random(self.seed + 1)
-        if not self.random_lengths:
-            return [self.output_tokens] * self.num_requests
-        o = self.output_tokens
-        return [rng.randint(max(1, o // 2), o * 3 // 2) for _ in range(self.num_requests)]
 
 
 def source_name(model: str) -> str:
