@@ -411,9 +411,9 @@ if triton is not None:
         else:
             kh = h - hq
             slot = tl.load(SLOTS + t).to(tl.int64)
-            dst = KC + (slot * hkv + kh) * 2 * HALF
-            tl.store(dst + i, _stored(y1, KS, kh, FP8, KC.dtype.element_ty))
-            tl.store(dst + HALF + i, _stored(y2, KS, kh, FP8, KC.dtype.element_ty))
+            kdst = KC + (slot * hkv + kh) * 2 * HALF
+            tl.store(kdst + i, _stored(y1, KS, kh, FP8, KC.dtype.element_ty))
+            tl.store(kdst + HALF + i, _stored(y2, KS, kh, FP8, KC.dtype.element_ty))
             vsrc = QKV + t * stride_t + v_col + kh * 2 * HALF
             v = tl.load(vsrc + i)
             v2 = tl.load(vsrc + HALF + i)
