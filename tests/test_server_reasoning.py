@@ -17,7 +17,6 @@ from pathlib import Path
 
 import openai
 import pytest
-
 from tests.llama_cpp_tools import LLAMA_CPP
 from tests.server_fixtures import SESSION_DIR, start_server
 
@@ -219,6 +218,7 @@ def test_a_tool_call_after_the_thinking_parses(served):
     if served.name == "gemma4":
         pytest.skip("Gemma 4's own call syntax has no tool-call parser yet")
     kwargs = {"tools": [WEATHER], "tool_choice": "required", "parallel_tool_calls": False}
+    kwargs["max_tokens"] = 64  # the grammar writes the call after the script's thinking
     answer = served.chat(served.family.thinking, **kwargs).choices[0]
     assert _reasoning(answer.message) == served.family.reasoning
     [call] = answer.message.tool_calls
@@ -235,7 +235,7 @@ def test_a_tool_call_after_the_thinking_parses(served):
 def test_response_format_applies_to_the_answer_after_the_thinking(served):
     schema = {"type": "object", "properties": {"city": {"enum": ["Paris"]}}, "required": ["city"]}
     response_format = {"type": "json_schema", "json_schema": {"name": "city", "schema": schema}}
-    answer = served.chat(served.family.thinking, response_format=response_format)
+    answer = served.chat(served.family.thinking, response_format=response_format, max_tokens=64)
     message = answer.choices[0].message
     assert _reasoning(message) == served.family.reasoning
     assert json.loads(message.content) == {"city": "Paris"}
@@ -248,7 +248,7 @@ def test_a_template_argument_it_does_not_read_is_a_400_naming_it(served):
     with pytest.raises(openai.BadRequestError) as error:
         served.chat(ANSWER, reasoning_effort="high")
     assert error.value.body["param"] == "reasoning_effort"
-    assert served.chat(["It", "'s"]).choices[0].message.content == "It's"  # still serving
+    assert served.chat(ANSWER).choices[0].finish_reason == "stop"  # and it still serves
 
 
 # the other APIs take no logit_bias: where the template opens the block (GLM-4.7, Nemotron), the

@@ -301,7 +301,9 @@ class Thinking:
         start, end = (self._literal(m) for m in (self.parser.start, self.parser.end))
         # a text end marker ends the shortest text (lazy); a token one cannot be in a terminal
         lazy = "" if self.parser.end in self.tokens else "[lazy]"
-        rules = f"thinking{lazy}: TEXT {end}\nTEXT: /(?s:.*)/\nSPACE: /[ \\t\\r\\n]*/\n"
+        # a few blank characters may part the block and the answer (more: a model could loop)
+        space = "SPACE: /[ \\t\\r\\n]{0,4}/\n"
+        rules = f"thinking{lazy}: TEXT {end}\nTEXT: /(?s:.*)/\n{space}"
         if self.phase is Phase.BEFORE:
             return f"start: SPACE (thought SPACE)? @answer\nthought: {start} thinking\n{rules}"
         return f"start: thinking SPACE @answer\n{rules}"

@@ -117,7 +117,24 @@ class InputMessage(StrictBody):
         turns.add(self.as_chat(), source)
 
 
-InputItem = by_type(InputMessage, FunctionCallItem, FunctionCallOutputItem, default="message")
+class ReasoningInputItem(StrictBody):
+    """An earlier answer's reasoning item, sent back with its output: chat templates drop the
+    thinking of earlier turns, so it adds nothing to the prompt."""
+
+    type: Literal["reasoning"]
+    id: str | None = None
+    summary: list = Field(default_factory=list)
+    content: list | None = None
+    encrypted_content: str | None = None
+    status: Literal["in_progress", "completed", "incomplete"] | None = None
+
+    def add_to(self, turns: Turns, source: str) -> None:
+        pass
+
+
+InputItem = by_type(
+    InputMessage, FunctionCallItem, FunctionCallOutputItem, ReasoningInputItem, default="message"
+)
 
 
 def _chat_part(part: InputTextPart | InputImagePart | OutputTextPart) -> dict:
