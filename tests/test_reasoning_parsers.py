@@ -4,14 +4,15 @@ streaming split equals the whole answer's for every way of cutting the text into
 back a marker split across deltas, and leaves tool calls in the reasoning alone; the grammar
 after the thinking accepts the thinking free and the answer only as constrained."""
 
-import dataclasses
 from pathlib import Path
 
 import llguidance
 import llguidance.hf
 import pytest
+from tests.llama_cpp_tools import LLAMA_CPP
 
 from kestrel.errors import InvalidRequestError
+from kestrel.sampling import SamplingParams
 from kestrel.server.reasoning import (
     PARSERS,
     Phase,
@@ -23,7 +24,6 @@ from kestrel.server.reasoning import (
 )
 from kestrel.server.tools.parsers import PARSERS as TOOL_PARSERS
 from kestrel.structured import json_schema
-from tests.llama_cpp_tools import LLAMA_CPP
 
 TEMPLATES = LLAMA_CPP / "models" / "templates"
 DATA = Path(__file__).parent / "data"
@@ -180,12 +180,6 @@ def test_a_constraint_applies_to_the_answer_after_the_thinking(
     smollm2_tokenizer, phase, text, accepted
 ):
     thinking = Thinking(PARSERS["qwen3"], phase)
-    constraint = dataclasses.replace(json_schema(SCHEMA, "response_format"), thinking="")
-    params = thinking.sampling_params(_params(constraint))
+    params = SamplingParams(structured_output=json_schema(SCHEMA, "response_format"))
+    params = thinking.sampling_params(params)
     assert _accepts(smollm2_tokenizer, params.structured_output.grammar(), text) is accepted
-
-
-def _params(constraint):
-    from kestrel.sampling import SamplingParams
-
-    return SamplingParams(structured_output=constraint)

@@ -30,7 +30,7 @@ from enum import Enum
 
 from kestrel.errors import InvalidRequestError
 from kestrel.sampling import SamplingParams
-from kestrel.server.tools.parsers import template_text
+from kestrel.server.tools.parsers import suffix_prefix, template_text
 
 
 class Phase(Enum):
@@ -98,14 +98,6 @@ def choose_reasoning_parser(tokenizer, name: str = "auto") -> ReasoningParser | 
     return PARSERS.get(parser_name(tokenizer, name))
 
 
-def _partial(text: str, marker: str) -> int:
-    """The length of the longest end of `text` that is a proper beginning of `marker`."""
-    for n in range(min(len(text), len(marker) - 1), 0, -1):
-        if marker.startswith(text[-n:]):
-            return n
-    return 0
-
-
 class ReasoningStream:
     """Text deltas in, (reasoning, content) deltas out; their sums are the whole answer's split."""
 
@@ -137,7 +129,6 @@ class ReasoningStream:
         if finished:
             rest = self._flush()
             reasoning, content = reasoning + rest[0], content + rest[1]
-        self.reasoning += reasoning
         return reasoning, content
 
     def _step(self) -> tuple[str, str] | None:
@@ -179,7 +170,7 @@ class ReasoningStream:
             self.phase, self.thought = Phase.ANSWER, True
             self.ended_at = self.fed - len(self.held)
             return self._lead(reasoning), ""
-        keep = _partial(self.held, self.parser.end)
+        keep = suffix_prefix(self.held, self.parser.end)
         sendable = self.held[: len(self.held) - keep]
         keep += len(sendable) - len(sendable.rstrip())  # edge whitespace: maybe the last
         if keep == len(self.held):
@@ -191,8 +182,11 @@ class ReasoningStream:
         return self._lead(reasoning), ""
 
     def _lead(self, reasoning: str) -> str:
-        # the block's leading whitespace is not reasoning
-        return reasoning.lstrip() if not self.reasoning else reasoning
+        """`reasoning`, sent (the block's leading whitespace is not reasoning)."""
+        if not self.reasoning:
+            reasoning = reasoning.lstrip()
+        self.reasoning += reasoning
+        return reasoning
 
     def _flush(self) -> tuple[str, str]:
         """What is held once the answer ended: cut inside the block, it is all reasoning."""
@@ -202,7 +196,7 @@ class ReasoningStream:
         if self.phase is Phase.OPENED:
             text = held.lstrip()
             text = text[len(self.parser.start) :] if text.startswith(self.parser.start) else text
-            return text.strip(), ""
+            return self._lead(text.strip()), ""
         return "", (held.lstrip() if self.thought else held)
 
 
