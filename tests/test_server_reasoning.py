@@ -290,3 +290,7 @@ def test_messages_answer_the_thinking_as_a_thinking_block(served):
     assert status == 200, message
     assert message["content"][0] == {"type": "thinking", "thinking": expected, "signature": ""}
     assert message["content"][1] == {"type": "text", "text": ""}
+    # thinking off: the template closes the block, and the answer is all text
+    status, message = served.server.post("/v1/messages", {**body, "thinking": {"type": "disabled"}})
+    assert status == 200, message
+    assert [block["type"] for block in message["content"]] == ["text"]

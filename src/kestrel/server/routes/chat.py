@@ -5,7 +5,7 @@ from collections.abc import AsyncIterator
 
 from fastapi import APIRouter, Request
 
-from kestrel.server.generation import Generation, new_id, sse_event, sse_response
+from kestrel.server.generation import Choice, Generation, new_id, sse_event, sse_response
 from kestrel.server.prompts import chat_template_prompt, prompt_ids
 from kestrel.server.protocol import (
     ChatChoice,
@@ -56,23 +56,31 @@ async def chat_completions(body: ChatCompletionRequest, http: Request):
         chunks = _chunks(state, body, generation, tools, legacy, thinking)
         return sse_response(chunks, generation)
     await generation.collect(http)
-    choices, reasoning_tokens = [], 0
-    for c in generation.choices:
-        parts = thinking.split(c.text)
-        message, calls = assistant_message(parts.content, tools)
-        message.reasoning_content = parts.reasoning
-        reasoning_tokens += c.tokens_within(parts.reasoning_chars)
-        logprobs = _logprobs(state, body, c.token_ids, c.logprobs)
-        reason = finish_reason(c.finish_reason, calls)
-        if legacy:
-            message, reason = as_function_call(message), function_reason(reason)
-        choices.append(
-            ChatChoice(index=c.index, message=message, logprobs=logprobs, finish_reason=reason)
-        )
-    usage = generation.usage(reasoning_tokens if thinking.on else None)
+    answers = [_choice(state, body, c, thinking, tools, legacy) for c in generation.choices]
+    reasoning_tokens = sum(tokens for _, tokens in answers) if thinking.on else None
     return ChatCompletionResponse(
-        id=generation.request_id, model=body.model, usage=usage, choices=choices
+        id=generation.request_id,
+        model=body.model,
+        usage=generation.usage(reasoning_tokens),
+        choices=[choice for choice, _ in answers],
     )
+
+
+def _choice(
+    state, body: ChatCompletionRequest, c: Choice, thinking: Thinking, tools: ToolUse, legacy: bool
+) -> tuple[ChatChoice, int]:
+    """A whole choice's message, and how many tokens its thinking took."""
+    parts = thinking.split(c.text)
+    message, calls = assistant_message(parts.content, tools)
+    message.reasoning_content = parts.reasoning
+    if parts.reasoning is not None and not message.content:  # all thinking: no content
+        message.content = None
+    logprobs = _logprobs(state, body, c.token_ids, c.logprobs)
+    reason = finish_reason(c.finish_reason, calls)
+    if legacy:
+        message, reason = as_function_call(message), function_reason(reason)
+    choice = ChatChoice(index=c.index, message=message, logprobs=logprobs, finish_reason=reason)
+    return choice, c.tokens_within(parts.reasoning_chars)
 
 
 def _sampling_params(state, body: ChatCompletionRequest, tools: ToolUse):
