@@ -20,7 +20,7 @@ BENCH_ARGS ?=
 LLAMA_CPP_SDIST := llama-cpp-python==0.3.36
 CONVERTER := $(VENV)/llama.cpp/convert_hf_to_gguf.py
 
-.PHONY: setup oracles-env serve test lint docs wheel-smoke bench-env bench clean
+.PHONY: setup oracles-env serve test lint docs wheel-smoke bench-env bench gpt-fast clean
 
 $(BIN)/kestrel: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -96,6 +96,13 @@ bench-env: $(BENCH_BIN)/llama-cpp-built
 
 bench: bench-env
 	$(BENCH_BIN)/python benchmarks/cpu_generate.py $(BENCH_ARGS)
+
+# gpt-fast's files, unchanged, into benchmarks/.peers/gpt-fast (ignored; a GPU run carries it): the
+# compiled single-stream peer of `kestrel bench latency --peer gpt-fast`. GPT_FAST=CHECKOUT places
+# them from a local clone; without it the pinned commit is cloned from GitHub.
+GPT_FAST ?=
+gpt-fast:
+	benchmarks/place_gpt_fast.sh $(GPT_FAST)
 
 clean:
 	rm -rf $(VENV) $(ORACLES_VENV)

@@ -8,7 +8,9 @@ which they read the chosen experts' weights.
     python benchmarks/moe_kernels.py [--tokens 1 8 64 512 4096] [--fp8] [--sweep]
 
 `--sweep` also times a few launch settings per size (to choose `kernels.moe.tiles`, or, where
-decode's pair GEMVs serve, `kernels.moe_gemv`'s launch constants)."""
+decode's pair GEMVs serve, `kernels.moe_gemv`'s launch constants: those of one row set at a
+time and those of a token's rows read together, each forced for the size, so `--tokens 1 2 4
+--sweep` also says up to how many tokens reading together pays: `TOGETHER_TOKENS`)."""
 
 import argparse
 import json
@@ -25,11 +27,19 @@ SHAPES = {
     "glm-4.7-flash": (64, 4, 2048, 1536, "silu", True),
     "gemma4-26b-a4b": (128, 8, 2816, 704, "gelu_pytorch_tanh", True),
 }
-GEMV_KNOBS = ("BLOCK_N", "CHUNKS", "WARPS", "MIN_PROGRAMS")
+GEMV_KNOBS = ("BLOCK_N", "CHUNKS", "WARPS", "MIN_PROGRAMS")  # one row set at a time
 SWEEP_GEMV = [
     dict(zip(GEMV_KNOBS, (n, c, w, p), strict=True))
     for n in (1, 2, 4, 8)
     for c in (16, 32, 64)
+    for w in (1, 2, 4)
+    for p in (512, 2048)
+]
+TOGETHER_KNOBS = ("ROWS", "LOADS", "WARPS", "MIN_PROGRAMS")  # a token's rows read together
+SWEEP_TOGETHER = [
+    dict(zip(TOGETHER_KNOBS, (n, c, w, p), strict=True))
+    for n in (4, 8, 16)
+    for c in (64, 128, 256)
     for w in (1, 2, 4)
     for p in (512, 2048)
 ]
@@ -90,13 +100,18 @@ def measure(shape: str, tokens: int, fp8: bool, sweep: bool) -> dict:
         row["pytorch_us"] = round(timed(lambda: experts.reference(x, weights, ids)), 1)
     row["fused_weights_tb_s"] = round(read / fused_us / 1e6, 2)
     if sweep:
-        row["sweep"] = sweep_gemv(fused) if tokens * k <= E else sweep_tiles(fused)
+        row["sweep"] = sweep_gemv(fused, tokens) if tokens * k <= E else sweep_tiles(fused)
     return row
 
 
-def sweep_gemv(fused) -> list:
-    default, results = {knob: getattr(moe_gemv, knob) for knob in GEMV_KNOBS}, []
-    for config in SWEEP_GEMV:
+def sweep_gemv(fused, tokens: int) -> list:
+    """The five fastest settings of the pair GEMVs, read one row set at a time
+    (TOGETHER_TOKENS 0) or together (TOGETHER_TOKENS = tokens)."""
+    knobs = ("TOGETHER_TOKENS", *GEMV_KNOBS, *TOGETHER_KNOBS)
+    default, results = {knob: getattr(moe_gemv, knob) for knob in knobs}, []
+    configs = [dict(c, TOGETHER_TOKENS=0) for c in SWEEP_GEMV]
+    configs += [dict(c, TOGETHER_TOKENS=tokens) for c in SWEEP_TOGETHER]
+    for config in configs:
         vars(moe_gemv).update(config)
         results.append((round(timed(fused, 20), 1), config))
     vars(moe_gemv).update(default)

@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from kestrel.kernels import gguf_dp4a, gguf_gemv
-from kestrel.kernels.quant import BLOCKS, Format
+from kestrel.kernels.quant import LAYOUTS, Format
 from kestrel.models.layers.quant import QuantLinear
 
 # (out, in) of Llama-3.1-8B's q, k/v, o, gate/up and down projections
@@ -52,7 +52,7 @@ def quantized(qtype: str, out: int, cols: int, kernel=None):
         w = torch.randn(out, cols, device="cuda").to(torch.float8_e4m3fn)
         scale = torch.rand(out // 128, cols // 128, device="cuda")
         return w, QuantLinear(w, Format("fp8", block=(128, 128)), cols, scale=scale)
-    elements, size = BLOCKS[qtype]
+    elements, size = LAYOUTS[qtype]
     blocks = torch.randint(0, 256, (out, cols // elements * size), dtype=torch.uint8).cuda()
     if kernel is not None:
         return blocks, lambda x: kernel(x, blocks, qtype, cols)
@@ -75,7 +75,7 @@ def measure(qtype: str, out: int, cols: int, kernel=None) -> dict:
 
 def sweep(qtype: str, out: int, cols: int) -> list:
     """The five fastest (microseconds, (rows per program, tiles per step, warps))."""
-    elements, size = BLOCKS[qtype]
+    elements, size = LAYOUTS[qtype]
     blocks = torch.randint(0, 256, (out, cols // elements * size), dtype=torch.uint8).cuda()
     x = torch.randn(1, cols, device="cuda", dtype=torch.bfloat16)
     gemv = (gguf_dp4a if qtype in gguf_dp4a.TYPES else gguf_gemv).gemv

@@ -372,6 +372,69 @@ def test_a_prefix_hit_gives_the_tokens_of_a_cold_prompt(tiny):
     assert_same_answers(warm[1:], cold)
 
 
+# --- an FP8 KV cache (--kv-cache-dtype fp8) ---------------------------------------------------
+
+# the most a top-5 log-prob may move with keys and values stored in e4m3 (per-head scales from
+# the first chunk) against the model's dtype, on the tiny random checkpoints: 0.33 seen on
+# gemma4's (q/k-normed scores at scale 1, the sharpest softmax), 0.002-0.16 on the others
+FP8_LOGPROB_BOUND = 0.4
+
+
+def steps_served(model, prompt, kv_cache_dtype: str, device="cpu", steps=8) -> list[tuple]:
+    """(token, top-5 log-probs) of each of `steps` greedy steps after `prompt`, prefilled in
+    chunks of 8 through the scheduler and the paged runner with a pool of `kv_cache_dtype`."""
+    from kestrel.config import SchedulerConfig
+    from kestrel.engine.runner import run_step
+    from kestrel.engine.scheduler import Scheduler
+
+    block_size = 16 if device == "cuda" else 4  # the Triton kernel's smallest block
+    cache = CacheConfig(block_size=block_size, num_blocks=64, kv_cache_dtype=kv_cache_dtype)
+    graphs = device == "cuda"
+    runner = PagedRunner(model, torch.device(device), 4, 12, 256, cache, cuda_graphs=graphs)
+    config = SchedulerConfig(max_num_seqs=4, prefill_chunk_size=8)
+    scheduler = Scheduler(config, runner.block_manager(None))
+    request = Request("r", list(prompt), SamplingParams(temperature=0, logprobs=5), steps)
+    scheduler.add(request)
+    answers = []
+    while scheduler.has_work():
+        for result in run_step(scheduler, runner):
+            assert result.error is None, result.error
+            if result.token is not None:
+                answers.append((result.token, result.logprobs))
+                request.output_ids.append(result.token)
+                if len(request.output_ids) >= steps:
+                    request.finish("length")
+        for done in scheduler.remove_finished():
+            runner.release(done.request_id)
+    return answers
+
+
+def fp8_logprob_gap(exact: list[tuple], fp8: list[tuple], bound: float) -> float:
+    """The largest top-5 log-prob difference over the steps both runs share, asserting that the
+    greedy tokens agree up to a step where the model-dtype run's top two lie within 2 x `bound`
+    (a margin FP8 may flip; the runs part there)."""
+    gap = 0.0
+    for (token, logprobs), (fp8_token, fp8_logprobs) in zip(exact, fp8, strict=True):
+        shared = logprobs.keys() & fp8_logprobs.keys()
+        gap = max([gap, *(abs(logprobs[t] - fp8_logprobs[t]) for t in shared)])
+        if token != fp8_token:
+            top, second = sorted(logprobs.values(), reverse=True)[:2]
+            assert top - second < 2 * bound, (token, fp8_token, top - second)
+            break
+    return gap
+
+
+def test_fp8_kv_cache_stays_near_the_model_dtype_cache(tiny):
+    """With --kv-cache-dtype fp8 the paged runner gives the greedy tokens of a model-dtype pool
+    (while its margins allow) and top-5 log-probs within FP8_LOGPROB_BOUND of them."""
+    model, prompt = tiny.model, tiny.family.prompt
+    if not pool_serves(model):
+        pytest.fail("the paged pool does not hold this family's caches: list in OPT_OUTS")
+    exact = steps_served(model, prompt, "auto")
+    fp8 = steps_served(model, prompt, "fp8")
+    assert fp8_logprob_gap(exact, fp8, FP8_LOGPROB_BOUND) < FP8_LOGPROB_BOUND
+
+
 # every shared check; tests/test_model_suites.py holds each family file to running them all
 CHECKS = (
     test_serves_the_checkpoint_by_its_model_type,
@@ -386,4 +449,5 @@ CHECKS = (
     test_trim_leaves_recurrent_state_untouched,
     test_restore_after_a_failed_step,
     test_a_prefix_hit_gives_the_tokens_of_a_cold_prompt,
+    test_fp8_kv_cache_stays_near_the_model_dtype_cache,
 )

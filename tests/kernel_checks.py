@@ -10,6 +10,7 @@ from kestrel.cache.paged import BlockPool, PagedSequenceCache
 from kestrel.cache.sequence import CacheSpec, KVShape
 from kestrel.engine.paged_runner import Packed, build_batch
 from kestrel.kernels import fused
+from kestrel.kernels.attention import FP8, KVStore, quantize
 
 
 def random_sequences(pool: BlockPool, chunk: int, lengths=(37, 90, 70)):
@@ -55,19 +56,24 @@ def check_paged_attention(
     value_dim=None,
     tile_tokens=4,
     lengths=(37, 90, 70),
+    kv_dtype=None,
 ):
     """`kernel` equals paged_attention_torch over `random_sequences`. `value_dim`: the MLA latent
-    (values are the keys' first `value_dim` dims, no V pool)."""
+    (values are the keys' first `value_dim` dims, no V pool). `kv_dtype` FP8: the pool stores
+    e4m3 with random per-head scales."""
     torch.manual_seed(chunk)
     blocks = max(40, 2 * (sum(lengths) + 3 * chunk) // bs + 8)
-    pool = BlockPool([KVShape(hkv, d, value_dim)], blocks, bs, dtype, device)
+    pool = BlockPool([KVShape(hkv, d, value_dim)], blocks, bs, kv_dtype or dtype, device)
     for t in pool.k + pool.v:
         if t is not None:
-            t.normal_()
+            t.copy_(torch.randn(t.shape, device=device).to(t.dtype))
+    for scale in pool.k_scale + pool.v_scale:
+        if scale is not None:
+            scale.uniform_(0.05, 0.5)
     p = random_sequences(pool, chunk, lengths)
     batch = build_batch(p, pool, 1 if chunk == 1 else tile_tokens, device, use_triton=True)
     q = torch.randn(len(p.ids), hq, d, device=device, dtype=dtype)
-    args = (q, pool.k[0], pool.v[0], batch.attention, d**-0.5, window, value_dim)
+    args = (q, pool.store(0), batch.attention, d**-0.5, window, value_dim)
     expected = paged.paged_attention_torch(*args)
     actual = kernel(*args)
     tol = 2e-2 if dtype == torch.bfloat16 else 1e-4
@@ -101,7 +107,7 @@ def check_fused(device, dtype):
         expected = x + fused.rms_norm_torch(branch, w, 1e-6, unit)
         torch.testing.assert_close(out, expected, rtol=1e-2, atol=1e-2)
     gate_up = torch.randn(5, 2 * 1100, device=device, dtype=dtype)
-    for act in ("silu", "gelu_pytorch_tanh"):
+    for act in ("silu", "gelu_pytorch_tanh", "relu2"):  # CUDA: one `activate` for the three
         torch.testing.assert_close(
             fused.act_mul(gate_up, act), fused.act_mul_torch(gate_up, act), rtol=1e-2, atol=1e-2
         )
@@ -117,6 +123,7 @@ def check_fused(device, dtype):
     torch.testing.assert_close(q, q_ref, **tol)
     torch.testing.assert_close(k, k_ref, **tol)
     caches = [torch.randn(4, 4, hkv, d, device=device, dtype=dtype) for _ in range(2)]
+    store = KVStore(*caches)
     slots = torch.randperm(16, device=device)[:t]
 
     def assert_stored(stored_q, q, k, v, v_tol=None):
@@ -127,7 +134,7 @@ def check_fused(device, dtype):
         torch.testing.assert_close(caches[1].view(16, hkv, d)[slots], v, **v_tol)
 
     v = qkv[:, (hq + hkv) * d :].view(t, hkv, d)
-    assert_stored(fused.rope_store(qkv, cos, sin, hq, hkv, d, *caches, slots), q, k, v)
+    assert_stored(fused.rope_store(qkv, cos, sin, hq, hkv, d, store, slots), q, k, v)
     # q/k RMS-normed per head before RoPE (Qwen3, Gemma 3's (1 + w), EXAONE)
     for unit in (False, True):
         qw, kw = (torch.randn(d, device=device, dtype=dtype) for _ in range(2))
@@ -139,13 +146,41 @@ def check_fused(device, dtype):
         )
         torch.testing.assert_close(q, fused.rope_torch(q_ref, cos, sin), **tol)
         torch.testing.assert_close(k, fused.rope_torch(k_ref, cos, sin), **tol)
-        assert_stored(fused.rope_store(qkv, cos, sin, hq, hkv, d, *caches, slots, norms), q, k, v)
+        assert_stored(fused.rope_store(qkv, cos, sin, hq, hkv, d, store, slots, norms), q, k, v)
     # Gemma 4: v normed without a weight; its k-equals-v layers read v from k's raw columns
     norms = (qw, kw, 1e-6, False)
     for v_col in (None, hq * d):
         start = (hq + hkv) * d if v_col is None else v_col
         raw_v = qkv[:, start : start + hkv * d].reshape(t, hkv, d)
         v_ref = fused.rms_norm_torch(raw_v, torch.ones_like(qw), 1e-6, False)
-        q3 = fused.rope_store(qkv, cos, sin, hq, hkv, d, *caches, slots, norms, 1e-6, v_col)
+        q3 = fused.rope_store(qkv, cos, sin, hq, hkv, d, store, slots, norms, 1e-6, v_col)
         q, k = fused.rope_qk(qkv, cos, sin, hq, hkv, d, norms)
         assert_stored(q3, q, k, v_ref, tol)
+    check_fp8_store(qkv, cos, sin, hq, hkv, d, slots, norms)
+
+
+def check_fp8_store(qkv, cos, sin, hq, hkv, d, slots, norms):
+    """rope_store into an FP8 store puts its keys and values over their heads' scales, as
+    attention.write_kv does; its first chunk (`calibrate_first`) sets the scales from them."""
+    device, t = qkv.device, qkv.shape[0]
+    store = KVStore(
+        *(torch.zeros(4, 4, hkv, d, device=device, dtype=FP8) for _ in range(2)),
+        *(torch.ones(hkv, device=device) for _ in range(2)),
+    )
+    q_first = fused.rope_store(qkv, cos, sin, hq, hkv, d, store, slots, norms, calibrate_first=True)
+    scales = store.k_scale.clone(), store.v_scale.clone()
+    assert (scales[0] != 1).all() and (scales[1] != 1).all()
+    stored = [c.view(16, hkv, d)[slots].float() for c in store[:2]]
+    q = fused.rope_store(qkv, cos, sin, hq, hkv, d, store, slots, norms)  # the fused kernel
+    # the first chunk's q/k norms are PyTorch's, the kernel's after: an ulp apart at most
+    torch.testing.assert_close(q, q_first, rtol=1e-2, atol=1e-2)
+    assert torch.equal(store.k_scale, scales[0]) and torch.equal(store.v_scale, scales[1])
+    _, k = fused.rope_qk(qkv, cos, sin, hq, hkv, d, norms)
+    v = qkv[:, (hq + hkv) * d :].view(t, hkv, d)
+    for cache, scale, new, first in zip(store[:2], scales, (k, v), stored, strict=True):
+        again = cache.view(16, hkv, d)[slots].float()
+        # one e4m3 step where the two roundings of a tie differ
+        torch.testing.assert_close(again, first, rtol=0.13, atol=0)
+        torch.testing.assert_close(again, quantize(new, scale).float(), rtol=0.13, atol=0)
+        top = again.abs().amax(dim=(0, 2))  # the first chunk's largest key sits at 200 / 100
+        assert top.max() <= 200 * 1.07 and top.min() >= 100 * 0.93

@@ -2,6 +2,7 @@
 JSON line per measurement with the fields the results table reads."""
 
 import json
+import os
 
 from kestrel.cli import main
 
@@ -296,3 +297,216 @@ def test_bench_loads_a_gguf_as_quantized_weights_says_and_the_roofline_counts_wh
         assert 0.9 * file_bytes < weight_bytes(model) < file_bytes
     else:
         assert weight_bytes(model) > 5 * file_bytes  # float32 against 4.5 bits a weight
+
+
+# -- ceilings per card, and the compiled peer (`--peer gpt-fast`) -----------------------------------
+
+from argparse import Namespace  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+from kestrel.bench import gpt_fast  # noqa: E402
+
+GPT_FAST = Path(__file__).resolve().parent.parent / gpt_fast.DEFAULT_DIR
+needs_gpt_fast = pytest.mark.skipif(
+    not (GPT_FAST / gpt_fast.MOE).is_file(), reason="gpt-fast not placed (make gpt-fast)"
+)
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+MOE_SHAPES = ["qwen3-vl-30b-a3b", "gemma4-26b-a4b", "glm-4.7-flash", "minicpm3-4b"]
+
+
+def test_cpu_ceilings_use_only_the_given_rates():
+    from kestrel.bench.offline import card_ceilings
+
+    cpu = torch.device("cpu")
+    assert card_ceilings(Namespace(bandwidth=None, flops=None), cpu) == {}  # nothing measured
+    args = Namespace(bandwidth=2e11, flops=None)
+    assert card_ceilings(args, cpu) == {"bandwidth": 2e11, "bandwidth_from": "--bandwidth"}
+    assert (args.bandwidth, args.flops) == (2e11, None)
+
+
+def test_of_ceiling_reads_each_rate_against_its_own_ceiling():
+    from kestrel.bench.roofline import of_ceiling
+
+    assert of_ceiling({"decode_tok_s": 150.0, "ceiling_decode_tok_s": 200.0}) == {
+        "of_ceiling": 0.75
+    }
+    assert of_ceiling({"output_tok_s": 50.0, "ceiling_output_tok_s": 400.0}) == {
+        "of_ceiling": 0.125
+    }
+    assert of_ceiling({"decode_tok_s": 150.0}) == {} and of_ceiling({"error": "x"}) == {}
+
+
+@needs_cuda
+def test_card_rates_are_measured_once_per_process_on_the_card():
+    """A copy of 1 GiB counted as bytes read + written: an H100 about 3.0 TB/s, an H200 4.25."""
+    from kestrel.bench.roofline import card_rates
+
+    device = torch.device("cuda")
+    rates = card_rates(device)
+    assert card_rates(device) is rates
+    assert 1e12 < rates["bandwidth"] < 6e12 and 1e14 < rates["flops"] < 2e15
+    args = Namespace(bandwidth=None, flops=5e14)
+    from kestrel.bench.offline import card_ceilings
+
+    fields = card_ceilings(args, device)
+    assert fields == {
+        "bandwidth": rates["bandwidth"],
+        "bandwidth_from": "measured",
+        "flops": 5e14,
+        "flops_from": "--flops",
+    }
+
+
+def _bench_error(argv: str) -> str:
+    with pytest.raises(SystemExit) as raised:
+        main(argv.split())
+    return str(raised.value)
+
+
+def test_gpt_fast_peer_flags_are_checked_before_anything_is_built(tmp_path):
+    assert "single stream" in _bench_error("bench throughput --shape tiny --peer gpt-fast")
+    assert "--shape" in _bench_error("bench latency --peer gpt-fast --no-progress")
+    refused = _bench_error("bench latency --shape nemotron-h-8b --peer gpt-fast")
+    assert "'nemotron-h-8b'" in refused and "llama3-8b" in refused and "minicpm3-4b" in refused
+    missing = _bench_error(f"bench latency --shape tiny --peer gpt-fast --gpt-fast {tmp_path}")
+    assert "--gpt-fast" in missing and "make gpt-fast" in missing
+    short = "bench latency --shape tiny --peer gpt-fast --latency-output-tokens 1"
+    assert "--latency-output-tokens" in _bench_error(short)
+    with pytest.raises(SystemExit):  # argparse: not one of the peers
+        main("bench latency --shape tiny --peer vllm".split())
+
+
+@needs_gpt_fast
+def test_gpt_fast_llama3_8b_is_its_own_llama_3_1_8b():
+    """The dense peer of llama3-8b is exactly the model gpt-fast names llama-3.1-8b."""
+    model, _ = gpt_fast.load(GPT_FAST, gpt_fast.DENSE)
+    peer = gpt_fast.peer_shape("llama3-8b")
+    assert (peer.model_file, peer.differs) == (gpt_fast.DENSE, "")
+    assert model.ModelArgs(**peer.args) == model.ModelArgs.from_name("llama-3.1-8b")
+
+
+@needs_gpt_fast
+@pytest.mark.parametrize("shape", MOE_SHAPES)
+def test_gpt_fast_peer_of_a_moe_or_mla_shape_reads_about_its_bytes(shape):
+    """gpt-fast cannot build MLA, QK-norm or shared experts: the nearest model it can reads
+    within 15% of the bytes a token of the shape reads (kestrel's roofline), and says what
+    differs. The MoE shapes run on its Mixtral model."""
+    from kestrel.bench.roofline import active_bytes_per_token
+    from kestrel.weights.shapes import shape_config
+
+    peer = gpt_fast.peer_shape(shape)
+    module, _ = gpt_fast.load(GPT_FAST, peer.model_file)
+    with torch.device("meta"):
+        model = module.Transformer(module.ModelArgs(**peer.args)).to(torch.bfloat16)
+    ours = active_bytes_per_token(shape_config(shape), torch.bfloat16)
+    theirs = gpt_fast.active_bytes(model, peer.args)["active_weight_bytes"]
+    assert 0.85 < theirs / ours < 1.15
+    assert peer.differs and (peer.model_file == gpt_fast.MOE) == (shape != "minicpm3-4b")
+
+
+@needs_gpt_fast
+def test_gpt_fast_peer_and_transformers_beside_kestrel_in_one_run(tmp_path):
+    """`--peer gpt-fast` runs gpt-fast's own generate() (eager on the CPU) in a child process;
+    its ceiling counts its own model's bytes, and kestrel's record compares with every peer."""
+    out = tmp_path / "bench.jsonl"
+    argv = (
+        "bench latency --shape tiny --peer gpt-fast --peer transformers --no-progress "
+        f"--latency-prompt-tokens 6 --latency-output-tokens 4 --bandwidth 1e10 --gpt-fast "
+        f"{GPT_FAST} -o {out}"
+    )
+    assert main(argv.split()) == 0
+    peer, hf, ours = [json.loads(line) for line in out.read_text().splitlines()]
+    assert (peer["engine"], peer["compiled"], peer["dtype"]) == (
+        "gpt-fast eager",
+        False,
+        "bfloat16",
+    )
+    assert peer["prompt_tokens"] == ours["prompt_tokens"] == 6 and peer["output_tokens"] == 4
+    step = peer["active_weight_bytes"] + peer["kv_bytes_per_token"] * 6
+    assert peer["ceiling_decode_tok_s"] == pytest.approx(1e10 / step)
+    assert peer["of_ceiling"] == pytest.approx(peer["decode_tok_s"] / peer["ceiling_decode_tok_s"])
+    assert peer["peer_model"].startswith("gpt-fast model.py ") and peer["bandwidth"] == 1e10
+    assert ours["vs_peers"] == {
+        "gpt-fast eager": pytest.approx(ours["decode_tok_s"] / peer["decode_tok_s"]),
+        hf["engine"]: pytest.approx(ours["decode_tok_s"] / hf["decode_tok_s"]),
+    }
+
+
+@needs_gpt_fast
+def test_a_failing_gpt_fast_child_is_reported_in_its_record(tmp_path, capsys):
+    """The child's error is the peer record's, and kestrel's own record still follows."""
+    broken = tmp_path / "gpt-fast"
+    for name in ("model.py", "generate.py", "mixtral-moe/model.py"):
+        (broken / name).parent.mkdir(parents=True, exist_ok=True)
+        (broken / name).write_text("raise ImportError('not gpt-fast')\n")
+    out = tmp_path / "bench.jsonl"
+    argv = (
+        "bench latency --shape tiny --peer gpt-fast --no-progress --latency-prompt-tokens 6 "
+        f"--latency-output-tokens 3 --gpt-fast {broken} -o {out}"
+    )
+    assert main(argv.split()) == 0
+    peer, ours = [json.loads(line) for line in out.read_text().splitlines()]
+    assert "status 1" in peer["error"] and "not gpt-fast" in peer["error"]
+    assert "vs_peers" not in ours and ours["decode_tok_s"] > 0
+
+
+@needs_cuda
+@needs_gpt_fast
+def test_gpt_fast_compiles_its_decode_on_cuda():
+    opts = Namespace(shape="tiny", gpt_fast=str(GPT_FAST), device="cuda", seed=0,
+                     prompt_tokens=16, output_tokens=8, temperature=0.0)  # fmt: skip
+    numbers = gpt_fast.run(opts)
+    assert numbers["compiled"] is True and numbers["decode_tok_s"] > 0
+
+
+def test_place_gpt_fast_extracts_the_pinned_commit_of_a_checkout(tmp_path):
+    """`make gpt-fast GPT_FAST=CHECKOUT`: the files of the pinned commit (not the work tree's),
+    and COMMIT naming it."""
+    import subprocess
+
+    repo = tmp_path / "gpt-fast"
+    files = ["LICENSE", "model.py", "generate.py", "tokenizer.py", "tp.py"]
+    files += [f"mixtral-moe/{name}" for name in ("model.py", "generate.py", "tp.py")]
+    for name in files:
+        (repo / name).parent.mkdir(parents=True, exist_ok=True)
+        (repo / name).write_text(f"# {name} at the pinned commit\n")
+    git = ["git", "-C", str(repo), "-c", "user.name=t", "-c", "user.email=t@t"]
+    subprocess.run(["git", "init", "-q", str(repo)], check=True)
+    subprocess.run([*git, "add", "."], check=True)
+    subprocess.run([*git, "commit", "-qm", "pinned"], check=True)
+    pinned = subprocess.run([*git, "rev-parse", "HEAD"], capture_output=True, text=True).stdout
+    (repo / "model.py").write_text("# a later edit\n")
+    dest = tmp_path / "placed"
+    script = Path(__file__).resolve().parent.parent / "benchmarks" / "place_gpt_fast.sh"
+    env = {**os.environ, "GPT_FAST_COMMIT": pinned.strip()}
+    subprocess.run([str(script), str(repo), str(dest)], check=True, env=env, capture_output=True)
+    assert (dest / "model.py").read_text() == "# model.py at the pinned commit\n"
+    assert (dest / "mixtral-moe" / "tp.py").is_file()
+    assert (dest / "COMMIT").read_text() == pinned
+
+
+@needs_gpt_fast
+def test_roofline_peers_script_on_the_cpu(tmp_path):
+    """benchmarks/roofline_peers.sh end to end on a tiny shape: the card's record, kestrel and
+    the gpt-fast peer's records, and the table printed from them."""
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parent.parent
+    env = {
+        **os.environ,
+        "PYTHON": sys.executable,
+        "DEVICE": "cpu",
+        "EXTRA": "--latency-prompt-tokens 6 --latency-output-tokens 3",
+        "PYTHONPATH": str(root / "src"),
+    }
+    script = [str(root / "benchmarks" / "roofline_peers.sh"), str(tmp_path), "tiny"]
+    done = subprocess.run(script, cwd=root, env=env, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-2000:]
+    (card,) = [json.loads(line) for line in (tmp_path / "card.jsonl").read_text().splitlines()]
+    assert card["mode"] == "card" and card["bandwidth"] > 0 and card["flops"] > 0
+    records = (tmp_path / "roofline-peers.jsonl").read_text().splitlines()
+    engines = [json.loads(line)["engine"] for line in records]
+    assert engines == ["gpt-fast eager", "kestrel"]
+    (row,) = [line for line in done.stdout.splitlines() if line.startswith("| tiny |")]
+    assert "gpt-fast eager" in row

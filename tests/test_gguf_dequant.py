@@ -8,7 +8,7 @@ import pytest
 import torch
 from tests.gguf_writer import random_blocks
 
-from kestrel.kernels.quant import BLOCKS
+from kestrel.kernels.quant import BLOCKS, align_blocks, aligned_bytes, row_bytes
 from kestrel.kernels.quant import dequantize as torch_dequantize
 from kestrel.models.llama import unpermute_rows
 from kestrel.weights.gguf import dequantize
@@ -81,3 +81,22 @@ def test_torch_dequantize_equals_gguf_bit_for_bit(qtype):
         nan = np.isnan(expected)
         np.testing.assert_array_equal(np.isnan(out), nan)
         np.testing.assert_array_equal(out.view(np.uint32)[~nan], expected.view(np.uint32)[~nan])
+
+
+def test_q6_k_padded_to_224_byte_blocks_dequantizes_to_the_files_values():
+    """CUDA's Q6_K layout (`align_blocks`): each 210-byte block followed by 14 zero bytes,
+    decoded bit for bit as gguf decodes the file's blocks; the other types stay as they are."""
+    rng = np.random.default_rng(2)
+    blocks = torch.from_numpy(random_blocks((6, 3 * 256), T.Q6_K, rng))
+    padded, layout = align_blocks(blocks, "Q6_K")
+    assert layout == "Q6_K_224" and padded.shape == (6, row_bytes("Q6_K_224", 3 * 256))
+    assert padded.numel() == aligned_bytes("Q6_K", blocks.numel()) == 6 * 3 * 224
+    per_block = padded.reshape(6, 3, 224)
+    assert torch.equal(per_block[..., :210], blocks.reshape(6, 3, 210))
+    assert not per_block[..., 210:].any()
+    expected = gguf.quants.dequantize(blocks.numpy(), T.Q6_K)
+    out = torch_dequantize(padded, "Q6_K_224", 3 * 256).numpy()
+    np.testing.assert_array_equal(out.view(np.uint32), expected.view(np.uint32))
+    q4 = torch.from_numpy(random_blocks((2, 256), T.Q4_K, rng))
+    same, name = align_blocks(q4, "Q4_K")
+    assert same is q4 and name == "Q4_K" and aligned_bytes("Q4_K", 288) == 288

@@ -45,6 +45,23 @@ def test_llm_on_cuda_sizes_its_pool_and_generates(release_gpu):
     assert again.outputs[0].token_ids == first.outputs[0].token_ids  # greedy is deterministic
 
 
+def test_an_fp8_kv_cache_holds_twice_the_tokens_and_generates(release_gpu):
+    """`--kv-cache-dtype fp8` as a user starts it: the pool sized from free memory holds about
+    twice the blocks of the bf16 one, and greedy decoding (graphs, scales from the first
+    chunk) answers."""
+    blocks = {}
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    for dtype in ("auto", "fp8"):
+        llm = LLM(shape="qwen2.5-0.5b", device="cuda", progress=False, kv_cache_dtype=dtype)
+        blocks[dtype] = llm.engine.runner.pool.num_blocks
+        out = llm.generate(["Once upon a time"], params)[0].outputs[0]
+        assert len(out.token_ids) == 16
+        del llm
+        gc.collect()
+        torch.cuda.empty_cache()
+    assert 1.8 < blocks["fp8"] / blocks["auto"] < 2.2, blocks
+
+
 def test_kestrel_generate_on_cuda_streams_text():
     done = kestrel(
         "generate", "--shape", "qwen2.5-0.5b", "--device", "cuda", "-p", "Once", "-n", "12",

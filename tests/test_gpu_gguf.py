@@ -13,9 +13,9 @@ from kestrel.engine.paged_runner import PagedRunner
 from kestrel.engine.request import Request
 from kestrel.kernels import gguf_dp4a
 from kestrel.kernels.gguf_gemv import K_QUANTS, TYPES, gemv
-from kestrel.kernels.quant import BLOCKS, dequantize
+from kestrel.kernels.quant import ALIGNED, BLOCKS, align_blocks, dequantize
 from kestrel.models.layers.moe import Experts, PackedStack
-from kestrel.models.layers.quant import QuantLinear
+from kestrel.models.layers.quant import Quantized, QuantLinear
 from kestrel.sampling import SamplingParams
 from kestrel.weights.loader import keep_packed, load_model, resolve
 
@@ -34,13 +34,15 @@ def cache_dir(tmp_path, monkeypatch):
 
 
 def random_blocks(qtype: str, rows: int, cols: int) -> torch.Tensor:
-    """Random bytes in `qtype`'s layout with small, finite float16 scales: (rows, row bytes)."""
-    elements, size = BLOCKS[qtype]
+    """Random bytes in layout `qtype` with small, finite float16 scales (a padded layout's
+    blocks padded as the loader pads them): (rows, row bytes)."""
+    file_type = next((t for t, layout in ALIGNED.items() if layout == qtype), qtype)
+    elements, size = BLOCKS[file_type]
     blocks = torch.randint(0, 256, (rows, cols // elements, size), dtype=torch.uint8)
-    for offset in SCALE_OFFSETS[qtype]:
+    for offset in SCALE_OFFSETS[file_type]:
         scales = (torch.rand(rows, cols // elements) * 0.02 + 0.001).half()
         blocks[:, :, offset : offset + 2] = scales.view(torch.uint8).reshape(rows, -1, 2)
-    return blocks.reshape(rows, -1).to(CUDA)
+    return align_blocks(blocks.reshape(rows, -1), file_type)[0].to(CUDA)
 
 
 @pytest.mark.parametrize("qtype", sorted(TYPES))
@@ -90,7 +92,42 @@ def test_int8_gemv_equals_the_quantized_x_times_dequantize(qtype, dtype):
         torch.testing.assert_close(captured.float(), expected, **tol)
 
 
-@pytest.mark.parametrize("quant", sorted(TYPES))
+@pytest.mark.parametrize("qtype", sorted(ALIGNED.values()))
+def test_padded_layout_gives_the_outputs_of_the_files_blocks(qtype):
+    """The GEMVs read the padded blocks (`Q6_K_224`) to the very outputs they give on the
+    file's own (210-byte Q6_K blocks), dense and per expert."""
+    torch.manual_seed(0)
+    padded = random_blocks(qtype, 5 * 24, 512)
+    file_type = next(t for t, layout in ALIGNED.items() if layout == qtype)
+    blocks = padded.view(5 * 24, 2, -1)[:, :, : BLOCKS[file_type][1]].reshape(5 * 24, -1)
+    x = torch.randn(3, 512, device=CUDA, dtype=torch.bfloat16)
+    for gemv_of, xs in ((gguf_dp4a.gemv, x), (gemv, x), (gemv, x.float())):
+        assert torch.equal(gemv_of(xs, padded, qtype, 512), gemv_of(xs, blocks, file_type, 512))
+    experts, scale = torch.tensor([4, 0, 0, 2, 4, 1], device=CUDA), torch.rand(6, device=CUDA)
+    stacked = [(b.view(5, 24, -1), t) for b, t in ((blocks, file_type), (padded, qtype))]
+    outs = [gguf_dp4a.expert_gemv(x, b, t, 512, experts, scale) for b, t in stacked]
+    assert torch.equal(*outs)
+
+
+def test_q6_k_file_loads_on_cuda_in_224_byte_blocks(tmp_path):
+    """On CUDA a Q6_K file's linears and tied embedding hold 224-byte blocks whose weights are
+    the file's, bit for bit; the CPU keeps the file's 210-byte blocks."""
+    path = tiny_llama_gguf(tmp_path / "q6_k.gguf", "Q6_K")
+    on_cuda = load_model(resolve(str(path)), torch.float32, CUDA, False, True)
+    on_cpu = load_model(resolve(str(path)), torch.float32, torch.device("cpu"), False, True)
+    pairs = [
+        (a, b)
+        for a, b in zip(on_cuda.modules(), on_cpu.modules(), strict=True)
+        if isinstance(a, Quantized)
+    ]
+    assert pairs
+    for a, b in pairs:
+        assert (a.qtype, b.qtype) == ("Q6_K_224", "Q6_K")
+        assert a.qweight.shape[1] * 210 == b.qweight.shape[1] * 224
+        assert torch.equal(a.weight_rows(slice(None)).cpu(), b.weight_rows(slice(None)))
+
+
+@pytest.mark.parametrize("quant", sorted(BLOCKS))
 def test_packed_gguf_decodes_the_tokens_of_the_dequantized_file(quant, tmp_path):
     """fp32 on CUDA, paged runner with graphs: decode through the GEMVs, prefill through the
     dequantized matmul; greedy tokens equal those of the file dequantized at load."""

@@ -11,6 +11,7 @@ from tests.kernel_checks import check_fused, check_paged_attention
 from tests.quant_writer import fp8_quantize, mlx_quantize
 
 from kestrel.kernels import attention, fused, gemv
+from kestrel.kernels.attention import FP8
 from kestrel.kernels.moe import QuantStack, fused_experts, route
 from kestrel.kernels.quant import Format, by_row
 from kestrel.models.layers.moe import Experts, grouped_matmul, route_topk
@@ -34,6 +35,27 @@ def test_paged_attention_kernel_head_shapes(hq, hkv, d):
     check_paged_attention(
         attention.paged_attention_triton, "cuda", torch.bfloat16, 5, None, hq, hkv, d
     )
+
+
+@pytest.mark.parametrize("window", [None, 16])
+@pytest.mark.parametrize(
+    "hq,hkv,d,bs,value_dim,tile_tokens,lengths",
+    [
+        (8, 2, 64, 16, None, 4, (37, 90, 70)),  # GQA on small blocks
+        (8, 2, 512, 64, None, 4, (37, 90, 70)),  # gemma4's wide heads
+        (32, 8, 128, 64, None, 4, (1500, 3100, 2200)),  # long contexts: split keys in decode
+        (20, 1, 576, 64, 512, 1, (37, 900, 70)),  # GLM-4.7-Flash's latent
+    ],
+)
+def test_paged_attention_kernel_reads_an_fp8_pool(
+    hq, hkv, d, bs, value_dim, tile_tokens, lengths, window
+):
+    # e4m3 keys and values with per-head scales, widened in the kernel: prefill and decode
+    for chunk in (1, 7):
+        check_paged_attention(
+            attention.paged_attention_triton, "cuda", torch.bfloat16, chunk, window, hq, hkv, d,
+            bs, value_dim, tile_tokens, lengths, kv_dtype=FP8,
+        )  # fmt: skip
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -172,12 +194,15 @@ def test_mla_rope_norm_kernel_equals_the_pytorch_layers(dtype, interleaved):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-# decode's pair GEMVs (P <= E), sorted blocks, and few pairs on a width no GEMV chunk divides
-@pytest.mark.parametrize("tokens,inter", [(1, 72), (3, 72), (40, 72), (2, 34)])
+# decode's pair GEMVs (P <= E): one token reads its rows together (k = 3 pads its pairs to 4),
+# 2-3 tokens one row set at a time; sorted blocks; few pairs on a width no GEMV chunk divides
+@pytest.mark.parametrize(
+    "tokens,inter,k", [(1, 72, 4), (1, 72, 3), (3, 72, 4), (2, 72, 8), (40, 72, 4), (2, 34, 4)]
+)
 @pytest.mark.parametrize(
     "act,gated", [("silu", True), ("gelu_pytorch_tanh", True), ("relu2", False)]
 )
-def test_fused_experts_equal_the_pytorch_experts(dtype, tokens, inter, act, gated):
+def test_fused_experts_equal_the_pytorch_experts(dtype, tokens, inter, k, act, gated):
     """The fused MoE kernels equal the PyTorch experts (run on the CPU in fp32 on the same
     weights), with widths that are not whole tiles, also under graph capture."""
     torch.manual_seed(tokens)
@@ -185,7 +210,7 @@ def test_fused_experts_equal_the_pytorch_experts(dtype, tokens, inter, act, gate
     for p in experts.parameters():
         torch.nn.init.normal_(p, std=0.1)
     x = torch.randn(tokens, 200)
-    weights, ids = route_topk(torch.randn(tokens, 16), 4)
+    weights, ids = route_topk(torch.randn(tokens, 16), k)
     expected = experts(x, weights, ids)
     gpu = experts.to("cuda", dtype)
     args = (x.to("cuda", dtype), gpu.in_proj, gpu.down_proj, weights.cuda(), ids.cuda(), act, gated)

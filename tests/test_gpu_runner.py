@@ -196,3 +196,26 @@ def test_gpu_embeddings_beside_graph_decodes_equal_cpu(kind):
     for name, vector in expected.items():
         torch.testing.assert_close(vectors[name].cpu(), vector, atol=1e-4, rtol=1e-4)
     assert [g.output_ids for g in gens] == expected_tokens
+
+
+@pytest.mark.parametrize(
+    "kind,window",
+    [
+        ("llama", 7),
+        ("gemma3", 6),
+        ("gemma4", 6),
+        ("glm4_moe_lite", None),
+        ("minicpm3", None),
+        ("nemotron_h", None),
+    ],
+)
+def test_gpu_fp8_kv_cache_stays_near_the_model_dtype_cache(kind, window):
+    """--kv-cache-dtype fp8 on CUDA (the Triton kernels write and read e4m3 with per-head scales,
+    decode in graphs): the tokens and log-probs of the fp32 pool within the CPU suite's bound,
+    for plain, sliding, KV-shared, latent (MLA) and hybrid layers."""
+    from tests.family_suite import FP8_LOGPROB_BOUND, fp8_logprob_gap, steps_served
+
+    model = copy.deepcopy(tiny_model(kind, window)).cuda()
+    (prompt,) = prompts(30)
+    exact, fp8 = (steps_served(model, prompt, dtype, "cuda") for dtype in ("auto", "fp8"))
+    assert fp8_logprob_gap(exact, fp8, FP8_LOGPROB_BOUND) < FP8_LOGPROB_BOUND

@@ -19,6 +19,7 @@ from tests.family_suite import (  # noqa: F401  (the shared tests run here)
     test_batched_sequences_match_each_run_alone,
     test_chunked_prefill_matches_transformers,
     test_four_sequences_decode_batched_equal_each_alone,
+    test_fp8_kv_cache_stays_near_the_model_dtype_cache,
     test_full_prompt_forward_matches_transformers,
     test_max_kv_size_chunks_match_dense_reference,
     test_prefill_then_decode_matches_transformers,

@@ -458,7 +458,8 @@ def _assert_joined_in_runs(module, x, runs: list[int]) -> None:
         ([256, 128, 128], (1, 256), [3]),  # a scale per row
         ([128, 128, 128], None, [3]),  # one tile per tensor, all of one shape
         ([256, 128, 128], None, [1, 2]),  # one tile per tensor: q's differs, k's and v's alike
-        ([256, 64, 64], (128, 128), [1, 1, 1]),  # a tile would straddle k and v
+        ([256, 128, 64], (128, 128), [3]),  # only the last ends inside a tile (MLA's kv_a)
+        ([256, 64, 64], (128, 128), [2, 1]),  # k ends inside a tile v would straddle: v apart
     ],
 )
 def test_fp8_projections_join_where_their_scale_tiles_line_up(rows, block, runs):

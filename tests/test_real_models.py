@@ -4,6 +4,7 @@ import functools
 
 import pytest
 import torch
+from tests.family_suite import fp8_logprob_gap
 
 from kestrel import LLM, SamplingParams
 from kestrel.cache.sequence import SequenceCache
@@ -169,3 +170,24 @@ def test_fast_cpu_runner_decodes_as_the_reference_runner(
     reference = LLM(alias, progress=False, device="cpu", **settings)
     assert type(reference.engine.runner) is ModelRunner
     assert reference.generate(ids, params)[0].outputs[0].token_ids == fast_tokens
+
+
+# the most a top-5 log-prob moved over 64 steps: 0.46 on SmolLM2-135M, 0.40 on gemma3-270m (small
+# models, whose keys e4m3's 3 mantissa bits round by up to 1/16)
+REAL_FP8_BOUND = 0.5
+FP8_PROMPT = (
+    "The history of the printing press begins in the fifteenth century, when Johannes Gutenberg "
+    "combined movable metal type, oil-based ink and a screw press. Within fifty years"
+)
+
+
+@pytest.mark.parametrize("alias", ["smollm2", "gemma3-270m"])
+def test_fp8_kv_cache_follows_the_model_dtype_cache_on_real_models(alias, request):
+    """--kv-cache-dtype fp8 on the embedded files: 32 greedy steps give the tokens of the
+    model-dtype pool while its margins allow, with top-5 log-probs within REAL_FP8_BOUND."""
+    exact_llm = request.getfixturevalue("smollm2" if alias == "smollm2" else "gemma3")
+    fp8_llm = LLM(alias, progress=False, kv_cache_dtype="fp8")
+    params = SamplingParams(max_tokens=32, logprobs=5, **GREEDY)
+    runs = [llm.generate(FP8_PROMPT, params)[0].outputs[0] for llm in (exact_llm, fp8_llm)]
+    exact, fp8 = ([*zip(out.token_ids, out.logprobs, strict=True)] for out in runs)
+    assert fp8_logprob_gap(exact, fp8, REAL_FP8_BOUND) < REAL_FP8_BOUND

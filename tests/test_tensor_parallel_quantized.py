@@ -13,13 +13,19 @@ from tests.test_gguf_quantized import resident_bytes, tiny_llama_gguf
 from tests.test_tensor_parallel import assert_same_outputs, generate_with
 
 from kestrel.distributed.quantized import columns_of, padded, rows_of
-from kestrel.kernels.quant import Format
+from kestrel.kernels.quant import Format, align_blocks
 from kestrel.models.layers.quant import QuantEmbedding, QuantLinear
 
 
 def gguf_layer(qtype: str, rows: int = 40, cols: int = 512) -> QuantLinear:
     blocks = random_blocks((rows, cols), GGMLQuantizationType[qtype], np.random.default_rng(0))
     return QuantLinear(torch.from_numpy(blocks), qtype, cols)
+
+
+def aligned_layer(qtype: str) -> QuantLinear:
+    """A GGUF layer in the layout CUDA keeps (Q6_K's blocks padded to 224 bytes)."""
+    blocks, layout = align_blocks(gguf_layer(qtype).qweight, qtype)
+    return QuantLinear(blocks, layout, 512)
 
 
 def fp8_layer(block, rows: int = 384, cols: int = 512) -> QuantLinear:
@@ -43,6 +49,7 @@ def nvfp4_layer(rows: int = 40, cols: int = 512) -> QuantLinear:
 LAYERS = {
     "Q4_K": lambda: gguf_layer("Q4_K"),
     "Q6_K": lambda: gguf_layer("Q6_K"),
+    "Q6_K_224": lambda: aligned_layer("Q6_K"),
     "Q8_0": lambda: gguf_layer("Q8_0"),
     "Q5_1": lambda: gguf_layer("Q5_1"),
     "fp8 128x128": lambda: fp8_layer((128, 128)),

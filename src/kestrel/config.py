@@ -40,6 +40,7 @@ class CacheConfig:
     num_blocks: int | None = None  # a fixed pool size (tests); None: sized from free memory
     prefix_caching: bool = True  # full KV blocks are kept and reused by later prompts
     mamba_ssm_cache_dtype: str = "float32"  # the hybrids' SSM state (bfloat16: half the traffic)
+    kv_cache_dtype: str = "auto"  # the KV pool's: auto (the model's), bfloat16, float16, fp8
 
 
 @dataclass
@@ -128,6 +129,37 @@ class ParallelConfig:
 
 
 @dataclass
+class LoRAConfig:
+    """LoRA adapters beside the base model (kestrel.lora): adapters named at start, and slots
+    on the device for up to `max_loras` of them in one batch."""
+
+    enable_lora: bool = False  # adapters may be loaded (on with any lora_modules)
+    lora_modules: dict[str, str] = field(default_factory=dict)  # name -> PEFT adapter folder
+    max_loras: int = 4  # adapters in one batch (device slots)
+    max_lora_rank: int = 16  # the largest rank an adapter may have
+
+    def __post_init__(self):
+        if isinstance(self.lora_modules, list | tuple):  # ["name=path", ...] from the CLI
+            self.lora_modules = dict(_name_path(item) for item in self.lora_modules)
+        self.lora_modules = dict(self.lora_modules or {})
+        for name in ("max_loras", "max_lora_rank"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or not 1 <= value <= 1024:
+                raise InvalidRequestError(f"must be an integer in [1, 1024], got {value!r}", name)
+
+    @property
+    def enabled(self) -> bool:
+        return self.enable_lora or bool(self.lora_modules)
+
+
+def _name_path(item: str) -> tuple[str, str]:
+    name, sep, path = item.partition("=")
+    if not sep or not name or not path:
+        raise InvalidRequestError(f"expected name=path, got {item!r}", "lora_modules")
+    return name, path
+
+
+@dataclass
 class ServerConfig:
     """`kestrel serve` only."""
 
@@ -155,6 +187,7 @@ class Config:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     speculation: SpeculativeConfig = field(default_factory=SpeculativeConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    lora: LoRAConfig = field(default_factory=LoRAConfig)
     server: ServerConfig = field(default_factory=ServerConfig)
 
 

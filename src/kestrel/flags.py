@@ -61,6 +61,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         help="random weights of a named shape instead of -m (benchmarks)",
     )
     add_speculative_args(p)
+    add_lora_args(p)
     parallel = p.add_argument_group("parallel")
     parallel.add_argument(
         "-tp",
@@ -108,6 +109,13 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         help="run decode steps eagerly",
     )
     gpu.add_argument("--block-size", type=int, default=64, help="KV pool block size in tokens")
+    p.add_argument(
+        "--kv-cache-dtype",
+        choices=["auto", "bfloat16", "float16", "float32", "fp8", "fp8_e4m3"],
+        default="auto",
+        help="dtype of the KV cache pool: auto (the model's) or fp8 (e4m3 with a scale per layer "
+        "and KV head from the first prompt chunk: twice the tokens in the same memory)",
+    )
     p.add_argument(
         "--mamba-ssm-cache-dtype",
         choices=["float32", "bfloat16", "float16"],
@@ -160,3 +168,27 @@ def add_speculative_args(p: argparse.ArgumentParser) -> None:
     )
     spec.add_argument("--ngram-min", type=_count, default=2, help="shortest n-gram matched")
     spec.add_argument("--ngram-max", type=_count, default=4, help="longest n-gram matched (first)")
+
+
+def add_lora_args(p: argparse.ArgumentParser) -> None:
+    lora = p.add_argument_group("LoRA adapters")
+    lora.add_argument(
+        "--enable-lora",
+        action="store_true",
+        default=None,
+        help="serve LoRA adapters (loaded at runtime by POST /v1/load_lora_adapter; on with "
+        "--lora-modules)",
+    )
+    lora.add_argument(
+        "--lora-modules",
+        nargs="+",
+        default=None,
+        metavar="NAME=PATH",
+        help="PEFT adapter folders to load at start; a request picks one by its `model` field",
+    )
+    lora.add_argument(
+        "--max-loras", type=_positive, default=4, help="most adapters in one batch (device slots)"
+    )
+    lora.add_argument(
+        "--max-lora-rank", type=_positive, default=16, help="the largest adapter rank accepted"
+    )

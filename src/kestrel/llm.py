@@ -17,6 +17,8 @@ def load_engine(config: Config, progress: bool = True, exit_with_workers: bool =
     """(Engine, source) of `config`: in this process, or over tensor- or pipeline-parallel ranks
     as rank 0 of processes started here (distributed/workers.py; `exit_with_workers`: a worker's
     death ends this process, as the server's engine process wants)."""
+    if config.parallel.ranks > 1 and config.lora.enabled:
+        raise ValueError("LoRA adapters run on one device: not with -tp or -pp")
     if config.parallel.ranks > 1:
         from kestrel.distributed.workers import joined_rank, start_joined, start_ranks
 
@@ -86,18 +88,34 @@ class LLM:
         if hasattr(self.engine, "workers"):
             self.engine.shutdown()
 
-    def generate(self, prompts, params: SamplingParams | None = None) -> list[GenerationResult]:
-        """Each prompt is a string or a list of token ids; one result per prompt, in order."""
+    def generate(
+        self, prompts, params: SamplingParams | None = None, lora: str | None = None
+    ) -> list[GenerationResult]:
+        """Each prompt is a string or a list of token ids; one result per prompt, in order.
+        `lora`: the name of a loaded adapter (`LLM(lora_modules={name: path})` or
+        `load_lora`) to generate with; None: the base model."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
-        return self._run([encode(self.tokenizer, p) for p in prompts], params or SamplingParams())
+        prompts = [encode(self.tokenizer, p) for p in prompts]
+        return self._run(prompts, params or SamplingParams(), lora)
 
-    def chat(self, messages, params: SamplingParams | None = None) -> list[GenerationResult]:
+    def load_lora(self, name: str, path: str) -> None:
+        """Load the PEFT adapter folder `path` as `name` (needs enable_lora=True or
+        lora_modules)."""
+        self.engine.load_lora(name, path)
+
+    def unload_lora(self, name: str) -> None:
+        self.engine.unload_lora(name)
+
+    def chat(
+        self, messages, params: SamplingParams | None = None, lora: str | None = None
+    ) -> list[GenerationResult]:
         """One conversation (a list of {"role", "content"}) or a list of conversations. Content
-        may be OpenAI parts, images among them (`image_url`) for models that take images."""
+        may be OpenAI parts, images among them (`image_url`) for models that take images.
+        `lora`: as `generate`'s."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         prompts = [self._chat_prompt(c) for c in conversations]
-        return self._run(prompts, params or SamplingParams())
+        return self._run(prompts, params or SamplingParams(), lora)
 
     def _chat_prompt(self, conversation: list[dict]) -> list[int] | MultimodalPrompt:
         if image_part_params(conversation):
@@ -105,7 +123,7 @@ class LLM:
         return apply_chat_template(self.tokenizer, conversation)
 
     def _run(
-        self, prompts: list[list[int] | MultimodalPrompt], params: SamplingParams
+        self, prompts: list[list[int] | MultimodalPrompt], params: SamplingParams, lora=None
     ) -> list[GenerationResult]:
         results, outputs = [], {}
         for prompt in prompts:
@@ -113,7 +131,8 @@ class LLM:
             result = GenerationResult(list(ids), [])
             for index in range(params.n):
                 request_id = f"llm-{next(self._ids)}"
-                self.engine.add_request(request_id, prompt, params.for_choice(index))
+                choice = params.for_choice(index)
+                self.engine.add_request(request_id, prompt, choice, lora=lora)
                 wants_logprobs = params.logprobs is not None
                 outputs[request_id] = CompletionOutput(
                     index, logprobs=[] if wants_logprobs else None

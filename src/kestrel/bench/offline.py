@@ -11,16 +11,15 @@ import contextlib
 import gc
 import json
 import os
-import random
 import subprocess
 import sys
 import time
-from dataclasses import dataclass
 
 import torch
 
-from kestrel.bench.roofline import H200, ceilings, meta_model
+from kestrel.bench.roofline import card_rates, ceilings, meta_model, of_ceiling
 from kestrel.bench.serve import add_serve_bench_args
+from kestrel.bench.workload import Workload
 from kestrel.config import DRAFT_METHODS
 from kestrel.weights.shapes import (
     decoder_config,
@@ -29,33 +28,6 @@ from kestrel.weights.shapes import (
     shape_config,
     shape_tokenizer,
 )
-
-
-@dataclass
-class Workload:
-    num_requests: int
-    prompt_tokens: int
-    output_tokens: int
-    random_lengths: bool = False
-    seed: int = 0
-
-    def prompts(self, vocab: int) -> list[list[int]]:
-        """Random token ids; with random_lengths, prompt lengths uniform in [P/2, 3P/2]."""
-        rng = random.Random(self.seed)
-        lengths = [
-            rng.randint(max(1, self.prompt_tokens // 2), self.prompt_tokens * 3 // 2)
-            if self.random_lengths
-            else self.prompt_tokens
-            for _ in range(self.num_requests)
-        ]
-        return [[rng.randrange(vocab) for _ in range(n)] for n in lengths]
-
-    def outputs(self) -> list[int]:
-        rng = random.Random(self.seed + 1)
-        if not self.random_lengths:
-            return [self.output_tokens] * self.num_requests
-        o = self.output_tokens
-        return [rng.randint(max(1, o // 2), o * 3 // 2) for _ in range(self.num_requests)]
 
 
 def source_name(model: str) -> str:
@@ -458,6 +430,8 @@ def _peer_cache(work: Workload, device) -> dict:
 
 # -- entry point --------------------------------------------------------------------------------
 
+PEERS = ("transformers", "gpt-fast")
+
 
 def run_bench(args) -> int:
     from kestrel.loading import resolve_device, resolve_dtype
@@ -467,23 +441,23 @@ def run_bench(args) -> int:
 
     device = resolve_device(args.device)
     dtype = resolve_dtype(args.dtype, device)
-    if device.type == "cuda" and args.bandwidth is None:
-        args.bandwidth, args.flops = H200["bandwidth"], H200["flops"]
     if args.max_batched_tokens is None:
         args.max_batched_tokens = 8192 if device.type == "cuda" else 512
-    out = open(args.output, "a") if args.output else None
-    env = environment(device)
     modes = ["latency", "throughput"] if args.mode == "all" else [args.mode]
     if args.speculative in DRAFT_METHODS and modes != ["engine"]:
         raise SystemExit(
             f"kestrel bench: --speculative {args.speculative} runs only as `kestrel bench engine`"
         )
+    check_peers(args, modes)
+    out = open(args.output, "a") if args.output else None
+    env = {**environment(device), **card_ceilings(args, device)}
     latency = Workload(1, args.latency_prompt_tokens, args.latency_output_tokens, seed=args.seed)
     batch = Workload(
         args.num_requests, args.prompt_tokens, args.output_tokens, args.random_lengths, args.seed
     )
+    peer_rates = {}  # {peer's engine: its single-stream decode tok/s}
     for peer in args.peer:  # first, while the card is free of kestrel's KV pool
-        _run_peer(peer, args, dtype, device, modes, latency, batch, env, out)
+        peer_rates.update(_run_peer(peer, args, dtype, device, modes, latency, batch, env, out))
     parallel = parallel_engine(args, modes, batch)  # None: one process
     if parallel is not None:  # the model is rank 0's shard: the ceilings are one device's
         model, config = parallel.runner.model, parallel.runner.model.config
@@ -491,8 +465,11 @@ def run_bench(args) -> int:
     else:
         model, config, label = load_model(args, device, dtype)
     args.vocab = decoder_config(config).vocab_size
-    kv_per_token = model.kv_bytes_per_token(dtype)
+    from kestrel.cache.paged import kv_cache_dtype
+
+    kv_per_token = model.kv_bytes_per_token(kv_cache_dtype(args.kv_cache_dtype, dtype))
     base = {"engine": "kestrel", "model": label, "dtype": str(dtype).removeprefix("torch."), **env}
+    base["kv_cache_dtype"] = args.kv_cache_dtype
     base["tensor_parallel_size"] = args.tensor_parallel_size
     base["pipeline_parallel_size"] = args.pipeline_parallel_size
     for mode in modes:
@@ -517,6 +494,9 @@ def run_bench(args) -> int:
                 else kestrel_throughput(args, runner, work, seqs)
             )
         numbers.update(ceilings(args, model, kv_per_token, dtype, work, seqs))
+        numbers.update(of_ceiling(numbers))
+        if mode == "latency" and peer_rates:
+            numbers["vs_peers"] = _versus(numbers["decode_tok_s"], peer_rates)
         emit(
             {
                 **base,
@@ -524,6 +504,7 @@ def run_bench(args) -> int:
                 **_workload(work, seqs),
                 **numbers,
                 "cuda_graphs": bool(getattr(runner, "graphs", None)),
+                "kv_pool_blocks": getattr(getattr(runner, "pool", None), "num_blocks", None),
             },
             out,
         )
@@ -535,9 +516,48 @@ def run_bench(args) -> int:
     return 0
 
 
-def _run_peer(peer, args, dtype, device, modes, latency, batch, env, out) -> None:
+def card_ceilings(args, device) -> dict:
+    """The bandwidth and FLOP rate the ceilings use, as record fields: --bandwidth / --flops where
+    given, else on CUDA the card's own (measured once per process); on the CPU none."""
+    given = {"bandwidth": args.bandwidth, "flops": args.flops}
+    measure = device.type == "cuda" and None in given.values()
+    measured = card_rates(device) if measure else {}
+    fields = {}
+    for name, value in given.items():
+        if value is None and name not in measured:
+            continue
+        setattr(args, name, measured[name] if value is None else value)
+        fields[name] = getattr(args, name)
+        fields[f"{name}_from"] = "measured" if value is None else f"--{name}"
+    return fields
+
+
+def check_peers(args, modes: list[str]) -> None:
+    """Refuse a peer the run cannot measure before anything is built (a CLI error naming the
+    flag). gpt-fast measures one stream of a named shape, from a placed checkout."""
+    if "gpt-fast" not in args.peer:
+        return
+    from kestrel.bench.gpt_fast import checkout, peer_shape
+
+    if "latency" not in modes:
+        raise SystemExit(
+            "--peer gpt-fast measures a single stream: use it with `kestrel bench latency` "
+            "(or `kestrel bench`); transformers is the throughput peer"
+        )
+    if not args.shape:
+        raise SystemExit("--peer gpt-fast needs --shape (it builds random weights of a shape)")
+    if args.latency_output_tokens < 2:
+        raise SystemExit("--latency-output-tokens: --peer gpt-fast needs at least 2")
+    peer_shape(args.shape)
+    checkout(args.gpt_fast)
+
+
+def _run_peer(peer, args, dtype, device, modes, latency, batch, env, out) -> dict:
+    """Measure one peer; {its engine: its single-stream decode tok/s} where it measured one."""
+    if peer == "gpt-fast":
+        return _run_gpt_fast(args, device, latency, env, out)
     if peer != "transformers":
-        raise SystemExit(f"unknown peer {peer!r}; supported: transformers")
+        raise SystemExit(f"unknown peer {peer!r}; supported: {', '.join(PEERS)}")
     import transformers
 
     config = shape_config(args.shape) if args.shape else None
@@ -547,8 +567,9 @@ def _run_peer(peer, args, dtype, device, modes, latency, batch, env, out) -> Non
         config = text_config(load_config(resolve(args.model)))
     family = meta_model(config, dtype)  # the roofline counts kestrel's layout of the weights
     kv_per_token, vocab = family.kv_bytes_per_token(dtype), decoder_config(config).vocab_size
+    engine = f"transformers {transformers.__version__}"
     base = {
-        "engine": f"transformers {transformers.__version__}",
+        "engine": engine,
         "model": args.shape or args.model,
         "dtype": str(dtype).removeprefix("torch."),
         **env,
@@ -557,6 +578,7 @@ def _run_peer(peer, args, dtype, device, modes, latency, batch, env, out) -> Non
         model = peer_model(config, dtype, device, args.seed)
     except Exception as error:  # e.g. nemotron-nas: transformers has no class for it
         model, failed = None, _error(error)
+    rates = {}
     for mode in modes:
         work = latency if mode == "latency" else batch
         if model is None:
@@ -571,11 +593,50 @@ def _run_peer(peer, args, dtype, device, modes, latency, batch, env, out) -> Non
             except Exception as error:  # report the peer's failure and go on with kestrel
                 numbers = _error(error)
         numbers.update(ceilings(args, family, kv_per_token, dtype, work, work.num_requests))
+        numbers.update(of_ceiling(numbers))
+        if mode == "latency" and "decode_tok_s" in numbers:
+            rates[engine] = numbers["decode_tok_s"]
         emit({**base, "mode": mode, **_workload(work, work.num_requests), **numbers}, out)
     del model
     gc.collect()  # a failed generate_batch leaves cycles that hold the model's memory
     if device.type == "cuda":
         torch.cuda.empty_cache()
+    return rates
+
+
+def _run_gpt_fast(args, device, work: Workload, env, out) -> dict:
+    """gpt-fast compiled on the shape's nearest model, one stream, in a child process
+    (kestrel.bench.gpt_fast); its ceiling counts the bytes its own model reads."""
+    from kestrel.bench.gpt_fast import child_command
+
+    command = child_command(args.shape, work, args.seed, device, args.temperature, args.gpt_fast)
+    numbers = _child_numbers(command, args.peer_time_limit)
+    if args.bandwidth and "active_weight_bytes" in numbers:
+        step = numbers["active_weight_bytes"] + numbers["kv_bytes_per_token"] * work.prompt_tokens
+        numbers["ceiling_decode_tok_s"] = args.bandwidth / step
+        numbers.update(of_ceiling(numbers))
+    engine = "gpt-fast " + ("compiled" if numbers.get("compiled") else "eager")
+    record = {"engine": engine, "model": args.shape, "dtype": "bfloat16", **env}
+    emit({**record, "mode": "latency", **_workload(work, 1), **numbers}, out)
+    return {engine: numbers["decode_tok_s"]} if "decode_tok_s" in numbers else {}
+
+
+def _child_numbers(command: list[str], time_limit: float | None) -> dict:
+    """The JSON line a child process prints last, or its failure as the record's error."""
+    try:
+        done = subprocess.run(command, capture_output=True, text=True, timeout=time_limit)
+    except subprocess.TimeoutExpired:
+        return {"error": f"gpt-fast ran past --peer-time-limit {time_limit:g} s (compiling)"}
+    if done.returncode == 0:
+        return json.loads(done.stdout.strip().splitlines()[-1])
+    sys.stderr.write(done.stderr[-4000:])
+    last = (done.stderr.strip().splitlines() or ["no output"])[-1]
+    return {"error": f"gpt-fast exited with status {done.returncode}: {last}"[:300]}
+
+
+def _versus(rate: float, peer_rates: dict) -> dict:
+    """{peer: kestrel's rate / the peer's} (above 1: kestrel is faster)."""
+    return {peer: rate / theirs for peer, theirs in peer_rates.items() if theirs}
 
 
 def _structured(schema: str):
@@ -606,6 +667,8 @@ def _workload(work: Workload, concurrency: int) -> dict:
 
 def add_bench_args(p) -> None:
     """The `kestrel bench` flags (engine flags come from cli.add_engine_args)."""
+    from kestrel.bench.gpt_fast import DEFAULT_DIR as GPT_FAST_DIR
+
     p.add_argument(
         "mode",
         nargs="?",
@@ -627,18 +690,29 @@ def add_bench_args(p) -> None:
         help="engine mode: measure again with every request constrained by this JSON schema "
         "(a file or the JSON text), in the same run; json_schema_* fields and the cost",
     )
-    p.add_argument("--peer", action="append", default=[], help="also measure: transformers")
     p.add_argument(
-        "--peer-time-limit", type=float, default=300.0, metavar="S",
-        help="where the peer falls back to generate() batches, start none after S seconds; its "
-        "rate is over the batches that ran (peer_requests in the record)",
+        "--peer", action="append", default=[], choices=PEERS,
+        help="also measure, in the same run: transformers (every mode), gpt-fast (single stream: "
+        "its compiled decode on the shape's nearest dense or Mixtral model; needs --shape)",
     )  # fmt: skip
     p.add_argument(
-        "--bandwidth", type=float, default=None, help="bytes/s for the ceiling (CUDA: 4.25e12)"
-    )
+        "--gpt-fast", default=GPT_FAST_DIR, metavar="DIR",
+        help="the gpt-fast checkout --peer gpt-fast runs (`make gpt-fast` places it here)",
+    )  # fmt: skip
     p.add_argument(
-        "--flops", type=float, default=None, help="FLOP/s for the ceiling (CUDA: 786e12)"
-    )
+        "--peer-time-limit", type=float, default=300.0, metavar="S",
+        help="where the transformers peer falls back to generate() batches, start none after S "
+        "seconds (its rate is over the batches that ran: peer_requests in the record); the "
+        "gpt-fast peer is stopped after S seconds, compiling included",
+    )  # fmt: skip
+    p.add_argument(
+        "--bandwidth", type=float, default=None,
+        help="bytes/s for the ceilings (CUDA: the card's device-to-device copy, measured)",
+    )  # fmt: skip
+    p.add_argument(
+        "--flops", type=float, default=None,
+        help="FLOP/s for the ceilings (CUDA: the card's bf16 matmul, measured)",
+    )  # fmt: skip
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("-o", "--output", help="append the JSON lines to this file")
     p.add_argument("--no-progress", action="store_true")

@@ -9,7 +9,15 @@ tower of a multimodal family runs once per image, never per decoded token.
 The byte counts come from kestrel's family model (built on the meta device when only a config is
 at hand), which knows its experts, shared KV layers and latent caches; a raw config does not. A
 quantized layer counts the bytes it stores (its packed values and scales), not a float copy.
+
+The bandwidth and FLOP rate are the card's own, measured once per process (`card_rates`): a
+device-to-device `copy_` of 1 GiB counted as the bytes read plus the bytes written (2 GiB a copy,
+the convention of vendors' copy figures), and a bf16 matmul of 8192 x 8192 x 8192; best of ten.
+An H200 copies at about 4.25 TB/s and an H100 at about 3.0.
 """
+
+import functools
+import time
 
 import torch
 from torch import nn
@@ -17,10 +25,68 @@ from torch import nn
 from kestrel.models.layers.moe import Experts
 from kestrel.models.layers.quant import QuantEmbedding, Quantized, QuantLinear
 
-# the reference machine's measured ceilings (DESIGN.md section 5)
-H200 = dict(bandwidth=4.25e12, flops=786e12)
+COPY_BYTES = 1 << 30  # large enough that launch latency and caches are noise on any card
+MATMUL_SIZE = 8192
+REPEATS = 10
 # submodules that decoding never reads (the Qwen-VL vision tower encodes images at prefill)
 NOT_PER_TOKEN = ("visual",)
+
+
+@functools.cache
+def card_rates(device: torch.device) -> dict:
+    """{"bandwidth": bytes/s, "flops": FLOP/s} measured on `device` (once per process)."""
+    n = MATMUL_SIZE if device.type == "cuda" else 1024  # a CPU takes seconds for one of 8192
+    return {"bandwidth": copy_bandwidth(device), "flops": matmul_flops(device, n)}
+
+
+def copy_bandwidth(device: torch.device, nbytes: int = COPY_BYTES) -> float:
+    """Bytes read + bytes written per second by one device-to-device copy, best of REPEATS."""
+    src = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    seconds = _best_time(functools.partial(dst.copy_, src), device)
+    del src, dst
+    _free(device)
+    return 2 * nbytes / seconds
+
+
+def matmul_flops(device: torch.device, n: int = MATMUL_SIZE, dtype=torch.bfloat16) -> float:
+    """FLOP/s of one n x n x n matmul in `dtype` (2 n^3 FLOPs), best of REPEATS."""
+    a = torch.randn(n, n, device=device, dtype=dtype)
+    b = torch.randn(n, n, device=device, dtype=dtype)
+    seconds = _best_time(functools.partial(torch.matmul, a, b), device)
+    del a, b
+    _free(device)
+    return 2 * n**3 / seconds
+
+
+def _best_time(op, device: torch.device) -> float:
+    """The shortest of REPEATS timed calls of `op` in seconds, after two untimed ones (clocks
+    ramp up); on CUDA timed by events around the kernel, not the host's clock."""
+    timer = _cuda_time if device.type == "cuda" else _host_time
+    for _ in range(2):
+        op()
+    return min(timer(op, device) for _ in range(REPEATS))
+
+
+def _cuda_time(op, device: torch.device) -> float:
+    with torch.cuda.device(device):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        op()
+        end.record()
+        torch.cuda.synchronize(device)
+    return start.elapsed_time(end) / 1e3
+
+
+def _host_time(op, device: torch.device) -> float:
+    start = time.perf_counter()
+    op()
+    return time.perf_counter() - start
+
+
+def _free(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
 
 
 def meta_model(config, dtype):
@@ -121,3 +187,16 @@ def ceilings(args, model, kv_per_token: int, dtype, work, concurrency: int) -> d
         kv = kv_per_token * batch * (p + step)
         time_min += waves * max((w + kv) / bw, 2 * params * batch / flops)
     return {**bounds, "ceiling_output_tok_s": n * o / time_min}
+
+
+# a measured rate and the ceiling it is read against, per mode
+MEASURED_AGAINST = {"decode_tok_s": "ceiling_decode_tok_s", "output_tok_s": "ceiling_output_tok_s"}
+
+
+def of_ceiling(numbers: dict) -> dict:
+    """{"of_ceiling": measured rate / its ceiling} where a record has both (for a single stream:
+    the share of the card's bandwidth its decode uses)."""
+    for rate, ceiling in MEASURED_AGAINST.items():
+        if numbers.get(rate) and numbers.get(ceiling):
+            return {"of_ceiling": numbers[rate] / numbers[ceiling]}
+    return {}

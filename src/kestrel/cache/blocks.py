@@ -331,13 +331,14 @@ class BlockManager:
 
     # -- prefix caching ---------------------------------------------------------------------
 
-    def lookup(self, tokens: list[int], limit: int, images=()) -> Hit:
+    def lookup(self, tokens: list[int], limit: int, images=(), root: bytes = b"") -> Hit:
         """The cached prefix of `tokens[:limit]` (nothing changes; see `attach`). `images`:
-        (first token, digest) of each image in them."""
+        (first token, digest) of each image in them; `root`: the key the chain starts from (a
+        LoRA adapter's: keys computed under one adapter never match another's)."""
         if self.prefix is None or (self.prefix_tokens and len(tokens) > self.prefix_tokens):
             return Hit()
         size = self.block_size
-        keys = chain(tokens[: limit - limit % size], size, images)
+        keys = chain(tokens[: limit - limit % size], size, images, parent=root)
         window = None if self.evict_window is None else -(-(self.evict_window - 1) // size)
         n = self.prefix.find(keys, window)
         first = 0 if window is None else max(0, n - window)
@@ -352,7 +353,14 @@ class BlockManager:
         table.held, table.keys, table.state_from = hit.blocks, hit.keys, hit.state
 
     def publish(
-        self, table: BlockTable, computed: int, prompt, output, images=(), snapshot=False
+        self,
+        table: BlockTable,
+        computed: int,
+        prompt,
+        output,
+        images=(),
+        snapshot=False,
+        root: bytes = b"",
     ) -> None:
         """After a step ran: cache the table's blocks that its `computed` tokens (of `prompt` +
         `output`, joined only when a block filled) filled, up to its first trim (`images` as in
@@ -363,7 +371,7 @@ class BlockManager:
         first, size = len(table.keys), self.block_size
         if until // size <= first:
             return
-        parent = table.keys[-1] if table.keys else b""
+        parent = table.keys[-1] if table.keys else root
         tokens = (prompt + output)[: until - until % size]
         keys = chain(tokens, size, images, first, parent)
         block_of = dict(table.held)

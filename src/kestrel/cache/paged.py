@@ -19,14 +19,43 @@ from kestrel.cache.mask import visible_mask
 from kestrel.cache.sequence import CacheSpec, KVShape, SequenceCache, StateShape, kv_bytes
 from kestrel.kernels import cpu_native
 from kestrel.kernels import mamba as mamba_kernels
-from kestrel.kernels.attention import attend, paged_attention_triton, triton, write_kv
+from kestrel.kernels.attention import (
+    KVStore,
+    attend,
+    dequantize,
+    paged_attention_triton,
+    triton,
+    write_kv,
+)
+
+# --kv-cache-dtype: "auto" stores the model's dtype
+KV_CACHE_DTYPES = {
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+    "float32": torch.float32,
+    "fp8": torch.float8_e4m3fn,
+    "fp8_e4m3": torch.float8_e4m3fn,
+}
+
+
+def kv_cache_dtype(name: str, model_dtype: torch.dtype) -> torch.dtype:
+    """The pool's dtype for --kv-cache-dtype `name`."""
+    if name == "auto":
+        return model_dtype
+    if name not in KV_CACHE_DTYPES:
+        raise ValueError(f"kv_cache_dtype {name!r}; supported: auto, {', '.join(KV_CACHE_DTYPES)}")
+    return KV_CACHE_DTYPES[name]
 
 
 class BlockPool:
     """K and V of every layer that stores them: (num_blocks, block_size, Hkv, D) each, with the
     layer's own `KVShape` (`layout`: the model's `kv_layout()`); None for a layer that stores
     none, and V None for a latent layer (its values are inside its keys). Block 0 is a scratch
-    block never handed out (CUDA-graph padding rows write there)."""
+    block never handed out (CUDA-graph padding rows write there).
+
+    An FP8 pool also holds a float32 scale per layer and KV head for K and for V, computed from
+    the first chunk the pool stores (`calibrated` turns True once the runner has sent one) and
+    fixed from then on: every block is read with the scales it was written with."""
 
     def __init__(self, layout: list[KVShape | None], num_blocks, block_size, dtype, device):
         def zeros(shape: KVShape | None, values: bool):
@@ -34,10 +63,22 @@ class BlockPool:
                 return None
             return _zeros((num_blocks, block_size, shape.heads, shape.dim), dtype, device)
 
-        self.layout = layout
+        def scales(shape: KVShape | None, values: bool):
+            if dtype != torch.float8_e4m3fn or shape is None or (values and shape.value_dim):
+                return None
+            return torch.ones(shape.heads, dtype=torch.float32, device=device)
+
+        self.layout, self.dtype = layout, dtype
         self.k = [zeros(shape, False) for shape in layout]
         self.v = [zeros(shape, True) for shape in layout]
+        self.k_scale = [scales(shape, False) for shape in layout]
+        self.v_scale = [scales(shape, True) for shape in layout]
+        self.calibrated = dtype != torch.float8_e4m3fn
         self.num_blocks, self.block_size = num_blocks, block_size
+
+    def store(self, layer: int) -> KVStore:
+        """Layer `layer`'s keys, values and (FP8) scales."""
+        return KVStore(self.k[layer], self.v[layer], self.k_scale[layer], self.v_scale[layer])
 
     @staticmethod
     def bytes_per_block(layout: list[KVShape | None], block_size: int, dtype) -> int:
@@ -180,6 +221,7 @@ class PagedAttention:
     keep: torch.Tensor
     tile_tokens: int
     use_triton: bool = True
+    calibrate: bool = False  # an FP8 pool's first chunk: its writes set the scales first
     _torch_tiles: dict = field(default_factory=dict, repr=False)  # window -> torch_tiles
 
     def torch_tiles(self, window: int | None) -> list[tuple]:
@@ -190,32 +232,32 @@ class PagedAttention:
 
     def __call__(self, q, k, v, layer_idx, scale, window=None, cache_layer_idx=None):
         """q: (T, Hq, D), k/v: (T, Hkv, D) -> (T, Hq, D); writes k/v unless reading another layer."""
-        layer = layer_idx if cache_layer_idx is None else cache_layer_idx
-        k_cache, v_cache = self.pool.k[layer], self.pool.v[layer]
+        store = self.pool.store(layer_idx if cache_layer_idx is None else cache_layer_idx)
         if cache_layer_idx is None:
-            write_kv(k_cache, v_cache, k, v, self.slot_mapping)
-        return paged_attention(q, k_cache, v_cache, self, scale, window, self.use_triton)
+            write_kv(store, k, v, self.slot_mapping, self.calibrate)
+        return paged_attention(q, store, self, scale, window, self.use_triton)
 
     def latent(self, q, kv, layer_idx, scale):
         """MLA in latent space. q: (T, H, r + dr) absorbed queries, kv: (T, 1, r + dr) each token's
         [latent, rope key] -> (T, H, r): every head attends the shared keys, values the latents."""
-        k_cache = self.pool.k[layer_idx]
-        write_kv(k_cache, None, kv, None, self.slot_mapping)
+        store = self.pool.store(layer_idx)
+        write_kv(store, kv, None, self.slot_mapping, self.calibrate)
         rank = self.pool.layout[layer_idx].value_dim
-        return paged_attention(q, k_cache, None, self, scale, None, self.use_triton, rank)
+        return paged_attention(q, store, self, scale, None, self.use_triton, rank)
 
 
 # -- attention over the pool -------------------------------------------------------------------
 
 
-def paged_attention(q, k_cache, v_cache, meta, scale, window=None, use_triton=True, value_dim=None):
-    """q: (T, Hq, D) -> (T, Hq, Dv) attending the pool's keys of each query's sequence; `v_cache`
-    None: the values are the keys' first `value_dim` dims."""
+def paged_attention(q, store: KVStore, meta, scale, window=None, use_triton=True, value_dim=None):
+    """q: (T, Hq, D) -> (T, Hq, Dv) attending the pool's keys of each query's sequence; the
+    store's `v` None: the values are the keys' first `value_dim` dims. The CPU's native kernel
+    reads plain stores; an FP8 store there goes through the PyTorch path."""
     if use_triton and triton is not None and q.is_cuda:
-        return paged_attention_triton(q, k_cache, v_cache, meta, scale, window, value_dim)
-    if q.device.type == "cpu" and cpu_native.available():
-        return cpu_native.paged_attention(q, k_cache, v_cache, meta, scale, window, value_dim)
-    return paged_attention_torch(q, k_cache, v_cache, meta, scale, window, value_dim)
+        return paged_attention_triton(q, store, meta, scale, window, value_dim)
+    if q.device.type == "cpu" and cpu_native.available() and store.k_scale is None:
+        return cpu_native.paged_attention(q, store, meta, scale, window, value_dim)
+    return paged_attention_torch(q, store, meta, scale, window, value_dim)
 
 
 def key_positions(block_size, n_blocks, n_sink, main_start, device) -> torch.Tensor:
@@ -225,18 +267,20 @@ def key_positions(block_size, n_blocks, n_sink, main_start, device) -> torch.Ten
     return (logical[:, None] * block_size + torch.arange(block_size, device=device)).flatten()
 
 
-def paged_attention_torch(q, k_cache, v_cache, meta, scale, window=None, value_dim=None):
+def paged_attention_torch(q, store: KVStore, meta, scale, window=None, value_dim=None):
     """The reference: gather each tile's keys, build the mask from positions, run `attend`."""
-    bs, hkv, d = k_cache.shape[1:]
-    dv = value_dim or v_cache.shape[-1]
+    bs, hkv, d = store.k.shape[1:]
+    dv = value_dim or store.v.shape[-1]
     out = q.new_zeros(*q.shape[:2], dv)
     for start, n, blocks, mask in meta.torch_tiles(window):
         nb = len(blocks)
-        keys = k_cache[blocks].reshape(nb * bs, hkv, d).transpose(0, 1)  # (Hkv, L, D)
-        if v_cache is None:
+        keys = dequantize(store.k[blocks].reshape(nb * bs, hkv, d), store.k_scale, q.dtype)
+        keys = keys.transpose(0, 1)  # (Hkv, L, D)
+        if store.v is None:
             values = keys[..., :dv]
         else:
-            values = v_cache[blocks].reshape(nb * bs, hkv, dv).transpose(0, 1)
+            values = store.v[blocks].reshape(nb * bs, hkv, dv)
+            values = dequantize(values, store.v_scale, q.dtype).transpose(0, 1)
         rows = q[start : start + n].transpose(0, 1)  # (Hq, n, D)
         out[start : start + n] = attend(rows, keys, values, mask, scale).transpose(0, 1)
     return out

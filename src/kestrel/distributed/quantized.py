@@ -14,14 +14,14 @@ Each format stores a row's values with scales per row, per group of columns or p
 
 import torch
 
-from kestrel.kernels.quant import BLOCKS, Format
+from kestrel.kernels.quant import LAYOUTS, Format
 from kestrel.models.layers.quant import QuantEmbedding, QuantLinear
 
 
 def column_group(fmt: Format, cols: int) -> int:
     """The columns of a row a cut must keep together."""
     if fmt.kind == "gguf":
-        return BLOCKS[fmt.qtype][0]
+        return LAYOUTS[fmt.qtype][0]
     if fmt.kind == "fp8":
         return 1 if fmt.block[1] >= cols else fmt.block[1]
     return fmt.group  # MLX, NVFP4: one scale per group
@@ -109,7 +109,7 @@ def _stored_columns(fmt: Format, role: str, t: torch.Tensor, K: int) -> float | 
     if fmt.kind == "fp8" and role == "scale":
         return None if fmt.block[1] >= K else 1 / fmt.block[1]
     if fmt.kind == "gguf":
-        elements, size = BLOCKS[fmt.qtype]
+        elements, size = LAYOUTS[fmt.qtype]  # Q6_K_224's padding too
         return size / elements
     return t.shape[1] / K  # MLX words, scales, biases; NVFP4 nibbles, scales: even per column
 

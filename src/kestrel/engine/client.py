@@ -76,6 +76,7 @@ class GenerateRequest:
     params: SamplingParams
     max_kv_size: int | None = None
     embed: bool = False
+    lora: str | None = None  # a loaded LoRA adapter's name; None: the base model
 
 
 class OutputStream:
@@ -127,6 +128,7 @@ class EngineClient:
         self.capacity = intake.config.scheduler.max_queue_depth
         self._streams: dict[str, OutputStream] = {}
         self._timing: dict[str, _Timing] = {}
+        self.adapters: dict[str, str] = {}  # loaded LoRA adapters: name -> path
 
     # -- the contract -------------------------------------------------------------------------
 
@@ -178,7 +180,24 @@ class EngineClient:
         if ids and self.dead is None:
             self._send_abort(ids)
 
+    async def load_lora(self, name: str, path: str) -> None:
+        """Load a PEFT adapter into the engine as `name` (InvalidRequestError names what is
+        wrong; the engine and its other adapters are untouched)."""
+        self._check_alive()
+        await self._control("load_lora", name, path)
+        self.adapters[name] = path
+
+    async def unload_lora(self, name: str) -> None:
+        """Forget adapter `name`; requests running with it finish with it."""
+        self._check_alive()
+        await self._control("unload_lora", name)
+        self.adapters.pop(name, None)
+
     # -- transport (subclasses) ---------------------------------------------------------------
+
+    async def _control(self, method: str, *args) -> Any:
+        """Engine.<method>(*args) between the engine's steps; its result or its exception."""
+        raise NotImplementedError
 
     def _send_add(self, requests: list[Request]) -> None:
         raise NotImplementedError
@@ -191,7 +210,13 @@ class EngineClient:
     def _build(self, r: GenerateRequest) -> Request:
         if r.request_id in self._streams:
             raise InvalidRequestError(f"duplicate request id {r.request_id!r}")
-        return self.intake.build(r.request_id, r.prompt, r.params, r.max_kv_size, r.embed)
+        if r.lora is not None and r.lora not in self.adapters:
+            raise InvalidRequestError(
+                f"no adapter {r.lora!r} is loaded", "model", "model_not_found"
+            )
+        return self.intake.build(
+            r.request_id, r.prompt, r.params, r.max_kv_size, r.embed, lora=r.lora
+        )
 
     def _check_alive(self) -> None:
         if self.dead is not None:
@@ -251,6 +276,7 @@ class InProcessEngineClient(EngineClient):
     def __init__(self, engine: Engine, listener: LatencyListener | None = None):
         super().__init__(engine.intake, engine.tokenizer, engine.processor, listener)
         self.engine = engine
+        self.adapters = engine.lora_adapters()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._inbox: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
         self._wakeup = threading.Event()
@@ -281,6 +307,9 @@ class InProcessEngineClient(EngineClient):
 
         self._submit(run)
         return await future
+
+    async def _control(self, method: str, *args) -> Any:
+        return await self.call(lambda engine: getattr(engine, method)(*args))
 
     def _send_add(self, requests: list[Request]) -> None:
         self._submit(lambda: self._add(requests))

@@ -20,7 +20,6 @@ from dataclasses import replace
 
 import torch
 
-from kestrel.cache.paged import BlockPool
 from kestrel.config import Config
 from kestrel.engine.paged_runner import PagedRunner, pool_serves
 from kestrel.engine.request import Request
@@ -46,7 +45,7 @@ class DraftRunner(PagedRunner):
         if self.device.type != "cuda":
             return super()._profile_num_blocks()
         free, _ = torch.cuda.mem_get_info(self.device)
-        per_block = BlockPool.bytes_per_block(self.layout, self.cache_config.block_size, self.dtype)
+        per_block = self._bytes_per_block()
         wanted = self.max_num_seqs * (self.table_width - 1)
         return max(2, min(wanted, int(free * DRAFT_MEMORY_SHARE // per_block))) + 1
 

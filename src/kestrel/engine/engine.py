@@ -15,6 +15,7 @@ from kestrel.engine.runner import ModelRunner, StepResult, run_step  # noqa: F40
 from kestrel.engine.scheduler import Scheduler
 from kestrel.engine.speculative import make_proposer
 from kestrel.errors import InvalidRequestError
+from kestrel.lora.manager import LoRAManager
 from kestrel.models.qwen_vl_processor import MultimodalPrompt
 from kestrel.sampling import SamplingParams, check_token_ids
 from kestrel.tokenizer import IncrementalDetokenizer, StopStringMatcher, encode, stop_token_ids
@@ -83,8 +84,11 @@ class Engine:
         self.ctx_size = self.config.model.ctx_size or getattr(text, "max_position_embeddings", 4096)
         # before the target's runner: on CUDA its pool takes its share of memory first
         proposer = self._draft_proposer(model, draft)
+        # LoRA slots join the projections before the runner fuses them and captures graphs
+        self.lora = self._lora_manager(model)
         # CUDA: the paged runner (pool, kernels, graphs); the reference runner otherwise
         self.runner = make_runner(model, self.device, self.config, self.ctx_size)
+        self.runner.lora = self.lora
         if isinstance(proposer, MtpProposer):  # it catches up on the model's hidden states
             self.runner.hidden_out = proposer.observe
         self.runner.grammar = GrammarMasks(tokenizer, self.vocab_size, self.eos_ids)
@@ -95,6 +99,10 @@ class Engine:
             scheduler=replace(self.config.scheduler, kv_capacity=blocks.token_capacity),
         )
         self.scheduler = Scheduler(self.config.scheduler, blocks)
+        if self.lora is not None:
+            self.scheduler.max_adapters = self.config.lora.max_loras
+            for name, path in self.config.lora.lora_modules.items():
+                self.lora.load(name, path)
         if self.runner.speculates:  # the reference runner decodes token by token
             self.scheduler.proposer = proposer or make_proposer(self.config.speculation)
         multimodal = getattr(model, "multimodal", False)
@@ -111,6 +119,36 @@ class Engine:
         # hook("detokenize", request) before each detokenization
         self.fault_hook = None
 
+    def _lora_manager(self, model) -> LoRAManager | None:
+        lora, sched = self.config.lora, self.config.scheduler
+        if not lora.enabled:
+            return None
+        k = self.config.speculation.num_speculative_tokens
+        rows = max(sched.token_budget, sched.max_num_seqs * (1 + k))  # a step's most rows
+        dtype = next(p.dtype for p in model.parameters() if p.is_floating_point())
+        return LoRAManager(model, lora.max_loras, lora.max_lora_rank, rows, self.device, dtype)
+
+    # -- LoRA adapters (kestrel.lora) ---------------------------------------------------------
+
+    def load_lora(self, name: str, path: str) -> None:
+        """Load the PEFT adapter at `path` as `name` (InvalidRequestError names what is wrong)."""
+        self._lora().load(name, path)
+
+    def unload_lora(self, name: str) -> None:
+        """Forget adapter `name`; requests running with it finish with it."""
+        self._lora().unload(name)
+
+    def lora_adapters(self) -> dict[str, str]:
+        """name -> path of every loaded adapter."""
+        return {} if self.lora is None else self.lora.loaded()
+
+    def _lora(self, param: str = "lora_name") -> LoRAManager:
+        if self.lora is None:
+            raise InvalidRequestError(
+                "LoRA adapters are off: start with --enable-lora or --lora-modules", param
+            )
+        return self.lora
+
     def _draft_proposer(self, model, draft) -> DraftProposer | None:
         if self.config.speculation.speculative == "mtp":
             return mtp_proposer(model, self.device, self.config, self.ctx_size)
@@ -126,9 +164,11 @@ class Engine:
         prompt: str | list[int] | MultimodalPrompt,
         params: SamplingParams,
         max_kv_size: int | None = None,
+        lora: str | None = None,
     ) -> Request:
-        """Validate and queue a request; raises InvalidRequestError or QueueFullError."""
-        request = self.intake.build(request_id, prompt, params, max_kv_size)
+        """Validate and queue a request (`lora`: an adapter's name, None: the base model);
+        raises InvalidRequestError or QueueFullError."""
+        request = self.intake.build(request_id, prompt, params, max_kv_size, lora=lora)
         self.add(request)
         return request
 
@@ -136,6 +176,8 @@ class Engine:
         """Queue a request `intake` built (here, or in the server's process); QueueFullError."""
         if request.request_id in self.requests:
             raise InvalidRequestError(f"duplicate request id {request.request_id!r}")
+        if request.lora is not None:  # adapters are loaded here: the server checked the name
+            request.lora_key = self._lora("model").key(request.lora)
         self.scheduler.add(request)
         self.requests[request.request_id] = request
         self.text[request.request_id] = _TextState(self.tokenizer, request)
@@ -292,9 +334,10 @@ class RequestFactory:
         params: SamplingParams,
         max_kv_size: int | None = None,
         embed: bool = False,
+        lora: str | None = None,
     ) -> Request:
-        """The request (`embed`: an embedding request, pooled as --pooling says); raises
-        InvalidRequestError."""
+        """The request (`embed`: an embedding request, pooled as --pooling says; `lora`: the
+        adapter it runs with); raises InvalidRequestError."""
         multimodal = prompt if isinstance(prompt, MultimodalPrompt) else None
         if multimodal is not None and (embed or not self.multimodal):
             what = "embeddings take text only" if embed else "this model does not take images"
@@ -305,7 +348,7 @@ class RequestFactory:
             prompt_ids = encode(self.tokenizer, prompt)
         self._validate(prompt_ids, params, "input" if embed else "prompt")
         if embed:
-            return self._embedding(request_id, prompt_ids, params)
+            return self._embedding(request_id, prompt_ids, params, lora)
         kv_bound = self._kv_bound(max_kv_size)
         return Request(
             request_id,
@@ -316,6 +359,7 @@ class RequestFactory:
             keep=self.config.cache.keep,
             multimodal=multimodal,
             image_keys=multimodal.image_keys() if multimodal is not None else (),
+            lora=lora,
         )
 
     def _validate(self, prompt_ids: list[int], params: SamplingParams, param: str) -> None:
@@ -327,7 +371,7 @@ class RequestFactory:
             )
         check_token_ids(params, self.vocab_size)
 
-    def _embedding(self, request_id: str, prompt_ids: list[int], params) -> Request:
+    def _embedding(self, request_id: str, prompt_ids: list[int], params, lora=None) -> Request:
         """An embedding request: no KV bound (a trim would hide tokens from the pooled states),
         so its whole prompt must fit the context; it generates nothing."""
         if len(prompt_ids) > self._context():
@@ -336,7 +380,8 @@ class RequestFactory:
                 param="input",
                 code="context_length_exceeded",
             )
-        return Request(request_id, prompt_ids, params, 0, pooling=self.config.model.pooling)
+        pooling = self.config.model.pooling
+        return Request(request_id, prompt_ids, params, 0, pooling=pooling, lora=lora)
 
     def _kv_bound(self, requested: int | None) -> int | None:
         """The request's KV bound: its own if smaller than the server's, else the server's."""

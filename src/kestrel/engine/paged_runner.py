@@ -22,7 +22,14 @@ from dataclasses import dataclass, field
 import torch
 
 from kestrel.cache.blocks import BlockManager, evict_window
-from kestrel.cache.paged import BlockPool, PagedAttention, PagedSequenceCache, PoolStates, StatePool
+from kestrel.cache.paged import (
+    BlockPool,
+    PagedAttention,
+    PagedSequenceCache,
+    PoolStates,
+    StatePool,
+    kv_cache_dtype,
+)
 from kestrel.config import CacheConfig, Config
 from kestrel.engine.request import Request
 from kestrel.engine.runner import ModelRunner, StepResult, pooled_rows
@@ -199,6 +206,7 @@ class PagedRunner(ModelRunner):
         self.table_width = (max_model_len + speculative_tokens + bs - 1) // bs + 2
         self.verify_width = 1 + speculative_tokens
         self.dtype = next(model.parameters()).dtype
+        self.kv_dtype = kv_cache_dtype(self.cache_config.kv_cache_dtype, self.dtype)
         self.use_triton = device.type == "cuda"
         self.states = self._state_pool(model)
         # the PyTorch attention gathers a sequence's keys once per tile: one tile per chunk
@@ -253,7 +261,7 @@ class PagedRunner(ModelRunner):
     def _use_pool(self, num_blocks: int) -> None:
         """A pool of `num_blocks` (block 0: scratch) and the manager of its blocks."""
         bs = self.cache_config.block_size
-        self.pool = BlockPool(self.layout, num_blocks, bs, self.dtype, self.device)
+        self.pool = BlockPool(self.layout, num_blocks, bs, self.kv_dtype, self.device)
         self.blocks = BlockManager(
             num_blocks - 1,
             bs,
@@ -289,7 +297,7 @@ class PagedRunner(ModelRunner):
         graphs = 512 << 20 if self.cuda_graphs else 0
         utilization = self.cache_config.gpu_memory_utilization
         budget = total * utilization - (total - free) - activations - graphs
-        per_block = BlockPool.bytes_per_block(self.layout, self.cache_config.block_size, self.dtype)
+        per_block = self._bytes_per_block()
         blocks = int(budget // per_block)
         if blocks < 2:
             raise RuntimeError(
@@ -305,17 +313,20 @@ class PagedRunner(ModelRunner):
         return blocks
 
     def _cpu_num_blocks(self) -> int:
-        bs = self.cache_config.block_size
-        per_block = BlockPool.bytes_per_block(self.layout, bs, self.dtype)
+        per_block = self._bytes_per_block()
         memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
         wanted = self.max_num_seqs * (self.table_width - 1)
         return max(2, min(wanted, memory // 4 // per_block)) + 1  # + the scratch block
+
+    def _bytes_per_block(self) -> int:
+        return BlockPool.bytes_per_block(self.layout, self.cache_config.block_size, self.kv_dtype)
 
     def _run_probe_step(self) -> None:
         """One forward of the largest step (token_budget prompt tokens) over a pool just big
         enough for it; the pool is dropped afterwards."""
         n = self.token_budget
         self._use_pool(-(-n // self.cache_config.block_size) + 2)
+        self.pool.calibrated = True  # zeros are no sample of keys: the real pool's first chunk is
         probe = Request("profile", [0] * n, SamplingParams(max_tokens=1), 1)
         with torch.inference_mode():
             self.model(self._pack_batch([ScheduledChunk(probe, n)]))
@@ -363,11 +374,13 @@ class PagedRunner(ModelRunner):
         speculative = [c for c in chunks if c.draft]
         masks = self._start_masks(sampling)  # on the host, while the device runs the forward
         if graph is not None:
+            self._set_lora(chunks, lambda c: _padded(c, packed.tiles, *graph, False))
             logits, rows = self._replay(packed, *graph, chunks)
             hidden = None  # nothing pooled
         elif micro_batches:
             logits, hidden = self._forward_stages(micro_batches, decode)
         else:
+            self._set_lora(chunks)
             batch = self._to_batch(packed, tile_tokens=1 if decode else None)
             batch.keep_hidden = self.keep_hidden
             if self.takes_hidden:
@@ -451,7 +464,11 @@ class PagedRunner(ModelRunner):
 
     def _to_batch(self, p: Packed, tile_tokens: int | None) -> PagedBatch:
         tile_tokens = tile_tokens or self.tile_tokens
-        return build_batch(p, self.pool, tile_tokens, self.device, self.use_triton, self.states)
+        batch = build_batch(p, self.pool, tile_tokens, self.device, self.use_triton, self.states)
+        # an FP8 pool's scales come from the first batch it stores (pipeline micro-batches: the
+        # first of them); the batches after read and write with those
+        batch.attention.calibrate, self.pool.calibrated = not self.pool.calibrated, True
+        return batch
 
     # -- CUDA graphs (decode and verify steps) -----------------------------------------------
 
@@ -541,6 +558,8 @@ class PagedRunner(ModelRunner):
         chunk must sample (a one-token chunk cut from a prompt or a recompute, or an embedding
         prompt, samples nothing), all of them text, and fit the width."""
         if not self.graphs or p.images or p.explicit_rope or not all(c.samples for c in chunks):
+            return None
+        if not self.pool.calibrated:  # the eager step sets an FP8 pool's scales
             return None
         widest = max(c.num_tokens for c in chunks)
         return next(

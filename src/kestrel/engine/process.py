@@ -20,6 +20,7 @@ Messages are pickles framed by an 8-byte length, both ways.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import os
 import pickle
@@ -32,7 +33,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from kestrel.config import Config
 from kestrel.engine.client import EngineClient, EngineStats, LatencyListener
@@ -62,6 +63,11 @@ class _Ready:
     ctx_size: int
     multimodal: bool
     hidden_size: int | None
+    adapters: dict[str, str] = field(default_factory=dict)  # LoRA adapters loaded at start
+
+
+# what the server may ask of the engine between steps (`EngineClient._control`)
+CONTROLS = {"load_lora", "unload_lora"}
 
 
 class EngineProcessClient(EngineClient):
@@ -94,6 +100,9 @@ class EngineProcessClient(EngineClient):
             ready.hidden_size,
         )
         super().__init__(intake, tokenizer, processor, listener, stats)
+        self.adapters = dict(ready.adapters)
+        self._replies: dict[int, asyncio.Future] = {}
+        self._call_ids = itertools.count()
         self._socket = ours
         self._writer: asyncio.StreamWriter | None = None
         self._reader_task: asyncio.Task | None = None
@@ -142,11 +151,31 @@ class EngineProcessClient(EngineClient):
     def _send_abort(self, request_ids: list[str]) -> None:
         self._writer.write(_frame(("abort", request_ids)))
 
+    async def _control(self, method: str, *args):
+        call_id = next(self._call_ids)
+        future = self._replies[call_id] = asyncio.get_running_loop().create_future()
+        self._writer.write(_frame(("control", (call_id, method, args))))
+        try:
+            return await future
+        finally:
+            self._replies.pop(call_id, None)
+
+    def _reply(self, call_id: int, result, error: BaseException | None) -> None:
+        future = self._replies.get(call_id)
+        if future is not None and not future.done():
+            if error is not None:
+                future.set_exception(error)
+            else:
+                future.set_result(result)
+
     async def _read(self, reader: asyncio.StreamReader) -> None:
         """Every message the child sends, until it stops or dies."""
         try:
             while True:
                 kind, *payload = await _read_message(reader)
+                if kind == "reply":
+                    self._reply(*payload)
+                    continue
                 if kind != "step":
                     raise EngineProcessError(f"the engine loop died: {payload[0]}") from payload[0]
                 self._receive(*payload)
@@ -174,7 +203,12 @@ def child_main(fd: int) -> None:
         engine = build()
         text = engine.intake
         ready = _Ready(
-            engine.config, text.vocab_size, text.ctx_size, text.multimodal, text.hidden_size
+            engine.config,
+            text.vocab_size,
+            text.ctx_size,
+            text.multimodal,
+            text.hidden_size,
+            engine.lora_adapters(),
         )
         _send(sock, ("ready", ready))
     except BaseException as error:
@@ -226,6 +260,9 @@ def _serve(sock: socket.socket, engine: Engine) -> None:
             command, payload = _receive(sock)
             if command == "stop":
                 return
+            if command == "control":
+                _send(sock, ("reply", *_control(engine, *payload)))
+                continue
             failed = _apply(engine, command, payload)
             if failed:
                 _send(sock, ("step", failed, engine.snapshot(), False))
@@ -243,6 +280,16 @@ def _apply(engine: Engine, command: str, payload) -> list[RequestOutput]:
             engine.abort(request_id)
         return []
     return [_portable_output(output) for output in engine.add_all(payload)]
+
+
+def _control(engine: Engine, call_id: int, method: str, args: tuple) -> tuple:
+    """(call id, result, error) of one of CONTROLS run on the engine."""
+    if method not in CONTROLS:
+        return call_id, None, EngineError(f"unknown control {method!r}")
+    try:
+        return call_id, getattr(engine, method)(*args), None
+    except Exception as error:
+        return call_id, None, _portable(error)
 
 
 def _portable_output(output: RequestOutput) -> RequestOutput:

@@ -33,6 +33,10 @@ class Request:
     # "last" or "mean": an embedding request, whose result is its prompt's pooled hidden states
     # (prefill only, nothing sampled); None: a generation request
     pooling: str | None = None
+    # a LoRA adapter's name (the request's `model`); None: the base model. `lora_key` is that
+    # adapter's (set by the engine): its slot and the root of its prefix-cache keys
+    lora: str | None = None
+    lora_key: bytes = b""
     output_ids: list[int] = field(default_factory=list)
     num_computed: int = 0  # tokens already written into the cache
     num_cached_tokens: int | None = None  # prompt tokens a prefix hit gave it (set at admission)

@@ -74,6 +74,7 @@ class ModelRunner:
         self.grammar: GrammarMasks | None = None
         # test-only fault injection: called as hook(stage, request) at "forward" and "sample"
         self.fault_hook: Callable[[str, Request], None] | None = None
+        self.lora = None  # the engine's LoRAManager (kestrel.lora); None: no adapters
 
     def execute(self, chunks: list[ScheduledChunk]) -> list[StepResult]:
         saved = [self._cache(c.request).checkpoint() for c in chunks]
@@ -90,6 +91,7 @@ class ModelRunner:
     @torch.inference_mode()
     def _run(self, chunks: list[ScheduledChunk]) -> list[StepResult]:
         batch = self._pack(chunks)
+        self._set_lora(chunks)
         sampling = [c.request for c in chunks if c.samples]
         masks = self._start_masks(sampling)  # on the host, while the forward runs
         logits, hidden = self._forward(batch, len(sampling))
@@ -266,7 +268,19 @@ class ModelRunner:
         one-token blocks, `kv_capacity` of them (None: unlimited)."""
         return BlockManager(kv_capacity, 1, evict_window(self.model.cache_specs()))
 
+    def _set_lora(self, chunks: list[ScheduledChunk], pad: Callable | None = None) -> None:
+        """Each packed row's LoRA slot for the forward (0: the base model), every chunk's
+        adapter placed in a slot first if needed; `pad(column)`: the rows as a graph lays
+        them out."""
+        if self.lora is None:
+            return
+        slots = [self.lora.slot_for(c.request.request_id, c.request.lora_key) for c in chunks]
+        column = [s for s, c in zip(slots, chunks, strict=True) for _ in range(c.num_tokens)]
+        self.lora.set_step(pad(column) if pad else column)
+
     def release(self, request_id: str) -> None:
+        if self.lora is not None:
+            self.lora.release(request_id)
         self.caches.pop(request_id, None)
         self.generators.pop(request_id, None)
         self.image_features.pop(request_id, None)
@@ -277,6 +291,8 @@ class ModelRunner:
     def evict(self, request_id: str) -> None:
         """Drop a preempted request's cache and pooled sum (it is recomputed); its sampler state
         stays."""
+        if self.lora is not None:
+            self.lora.release(request_id)
         self.caches.pop(request_id, None)
         self.pooled.pop(request_id, None)
 

@@ -77,6 +77,7 @@ class Scheduler:
         self.running: list[Request] = []
         self.num_preempted = 0  # over the scheduler's life (a metric)
         self.proposer = None  # speculative decoding's (engine/speculative.py); None: off
+        self.max_adapters: int | None = None  # LoRA slots (--max-loras); None: no adapters
         self.num_draft_tokens = self.num_accepted_tokens = 0  # over its life (metrics)
 
     def add(self, request: Request) -> None:
@@ -116,7 +117,7 @@ class Scheduler:
         most = min(self.config.max_num_seqs, self.blocks.max_sequences or self.config.max_num_seqs)
         while self.waiting and len(self.running) < most:
             request = self.waiting[0]  # FIFO: starts when its first chunk fits
-            if request in preempted:
+            if request in preempted or not self._adapter_fits(request):
                 break
             self._reuse_prefix(request)
             first = self._chunk(request)
@@ -131,6 +132,14 @@ class Scheduler:
             if budget > 0:
                 budget -= self._prefill(kv, request, budget, chunks)
         return SchedulerOutput(chunks, preempted)
+
+    def _adapter_fits(self, request: Request) -> bool:
+        """Whether a LoRA slot is left for the request's adapter: at most `max_adapters`
+        distinct adapters run at once (the device's slots)."""
+        if not request.lora_key or self.max_adapters is None:
+            return True
+        running = {r.lora_key for r in self.running if r.lora_key}
+        return request.lora_key in running or len(running) < self.max_adapters
 
     def _propose_all(self) -> dict[str, list[int]]:
         """Per request id, the tokens each running decode that may speculate would feed after
@@ -170,7 +179,8 @@ class Scheduler:
         prefix (a new request, or a preempted one being recomputed)."""
         if request.num_computed or not request.cache_prompt:
             return
-        hit = self.blocks.lookup(request.all_ids, request.prefix_limit(), request.image_keys)
+        limit, images = request.prefix_limit(), request.image_keys
+        hit = self.blocks.lookup(request.all_ids, limit, images, request.lora_key)
         if hit.tokens:
             self.blocks.attach(self.blocks.table(request.request_id), hit)
             request.num_computed = hit.tokens
@@ -207,6 +217,7 @@ class Scheduler:
                     request.output_ids + kept,  # the accepted tokens join the output after
                     request.image_keys,
                     snapshot=request.num_computed == self._snapshot_at(request),
+                    root=request.lora_key,
                 )
 
     def _keep_accepted(self, chunk: ScheduledChunk, accepted: int) -> list[int]:

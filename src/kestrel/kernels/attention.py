@@ -15,9 +15,15 @@ Decode tiles (one query token) would give a sequence only a program per KV head,
 GPU's SMs walking its whole context; there the keys are split too (flash decoding): each program
 walks one part of the sequence's blocks and writes its unnormalised partial softmax, and a second
 kernel merges the parts.
+
+An FP8 pool stores e4m3 keys and values with a float32 scale per layer and KV head (`KVStore`):
+the kernels widen each block to the query's dtype as they read it, fold the key scale into the
+scores' scale and the value scale into the output, so FP8 costs the pool half the bytes and the
+kernels no extra pass.
 """
 
 import functools
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -44,13 +50,60 @@ def attend(q, keys, values, mask, scale, softcap: float | None = None) -> torch.
     return (scores.softmax(-1).to(values.dtype)) @ values
 
 
-def write_kv(k_cache, v_cache, k, v, slot_mapping) -> None:
-    """Store new keys/values (T, Hkv, D) at their flat slots of (blocks, block_size, Hkv, D);
-    `v_cache` None: the values live inside the keys (the MLA latent), only keys are stored."""
-    for cache, new in ((k_cache, k), (v_cache, v)):
-        if cache is not None:
-            nb, bs, h, d = cache.shape
-            cache.view(nb * bs, h, d).index_copy_(0, slot_mapping, new.to(cache.dtype))
+class KVStore(NamedTuple):
+    """One layer's keys and values in the pool, (blocks, block_size, Hkv, D) each; `v` None: the
+    values are the keys' first dims (the MLA latent). An FP8 store has (Hkv,) float32 scales: a
+    stored number times its head's scale is the key or value it stands for (`v_scale` None with
+    `v` None: the latent's values share the key scale)."""
+
+    k: torch.Tensor
+    v: torch.Tensor | None
+    k_scale: torch.Tensor | None = None
+    v_scale: torch.Tensor | None = None
+
+
+FP8 = torch.float8_e4m3fn
+FP8_MAX = 448.0
+# scales computed from a pool's first chunk put that chunk's largest key at 200 and largest value
+# at 100 of e4m3's 448 (vLLM's constants for computed scales): later tokens may be larger
+FP8_KEY_RANGE, FP8_VALUE_RANGE = 200.0, 100.0
+
+
+def calibrate(store: KVStore, k, v) -> None:
+    """Set an FP8 store's per-head scales from the first keys/values (T, Hkv, D) it stores."""
+    for scale, new, top in ((store.k_scale, k, FP8_KEY_RANGE), (store.v_scale, v, FP8_VALUE_RANGE)):
+        if scale is not None and new is not None and new.shape[0]:
+            amax = new.abs().amax(dim=(0, 2)).float()
+            # a head of zeros keeps a usable scale
+            scale.copy_(torch.where(amax > 0, amax / top, torch.ones_like(amax)))
+
+
+def quantize(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """(T, Hkv, D) -> e4m3 with the per-head `scale` (Hkv,), saturating."""
+    return (x.float() / scale[:, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8)
+
+
+def dequantize(stored: torch.Tensor, scale: torch.Tensor | None, dtype) -> torch.Tensor:
+    """(..., Hkv, D) stored numbers -> `dtype` values (a plain store's are returned as they are)."""
+    if scale is None:
+        return stored
+    return (stored.float() * scale[:, None]).to(dtype)
+
+
+def write_kv(store: KVStore, k, v, slot_mapping, calibrate_first: bool = False) -> None:
+    """Store new keys/values (T, Hkv, D) at their flat slots of the store's (blocks, block_size,
+    Hkv, D); `v` None with the store's: the values live inside the keys (the MLA latent). With
+    `calibrate_first`, an FP8 store's scales are set from these first."""
+    if calibrate_first:
+        calibrate(store, k, v)
+    for cache, scale, new in ((store.k, store.k_scale, k), (store.v, store.v_scale, v)):
+        if cache is None:
+            continue
+        nb, bs, h, d = cache.shape
+        new = new.to(cache.dtype) if store.k_scale is None else quantize(new, scale)
+        if cache.dtype == FP8:  # index_copy_ has no FP8 kernel on the CPU: copy the bytes
+            cache, new = cache.view(torch.uint8), new.view(torch.uint8)
+        cache.view(nb * bs, h, d).index_copy_(0, slot_mapping, new)
 
 
 # one program's query tile and K/V sub-block stay within this many bytes per row of head dims, so
@@ -68,9 +121,13 @@ def _pow2(n: int) -> int:
     return max(16, 1 << (n - 1).bit_length())
 
 
-def paged_attention_triton(q, k_cache, v_cache, meta, scale, window=None, value_dim=None):
-    """q: (T, Hq, D) over the pool -> (T, Hq, Dv). `v_cache` None: values are the first
+def paged_attention_triton(q, store: KVStore, meta, scale, window=None, value_dim=None):
+    """q: (T, Hq, D) over the pool -> (T, Hq, Dv). The store's `v` None: values are the first
     `value_dim` dims of each key (MLA in latent space: one shared KV head, D = rank + rope)."""
+    k_cache, v_cache = store.k, store.v
+    fp8 = store.k_scale is not None
+    k_scale = store.k_scale if fp8 else q
+    v_scale = k_scale if store.v_scale is None else store.v_scale
     T, hq, d = q.shape
     bs, hkv = k_cache.shape[1], k_cache.shape[2]
     if bs < 16 or bs & (bs - 1):
@@ -111,6 +168,8 @@ def paged_attention_triton(q, k_cache, v_cache, meta, scale, window=None, value_
         meta.main_start,
         meta.live_start,
         meta.keep,
+        k_scale,
+        v_scale,
         scale * 1.4426950408889634,
         window or 0,
         q.stride(0),
@@ -136,6 +195,7 @@ def paged_attention_triton(q, k_cache, v_cache, meta, scale, window=None, value_
         TAIL_PAD=_pow2(d - dv) if d > dv else 16,
         VALUES_IN_KEYS=v_cache is None,
         HAS_WINDOW=window is not None,
+        FP8=fp8,
         PREC="ieee" if q.dtype == torch.float32 else "tf32",
         KV_SPLITS=kv_splits,
         num_warps=4 if rows * dv_pad <= 64 * 128 else 8,
@@ -197,6 +257,8 @@ if triton is not None:
         MAIN_START,
         LIVE_START,
         KEEP,
+        K_SCALE,
+        V_SCALE,
         scale_log2,
         window,
         stride_qt,
@@ -222,6 +284,7 @@ if triton is not None:
         TAIL_PAD: tl.constexpr,
         VALUES_IN_KEYS: tl.constexpr,
         HAS_WINDOW: tl.constexpr,
+        FP8: tl.constexpr,
         PREC: tl.constexpr,
         KV_SPLITS: tl.constexpr,
     ):
@@ -247,6 +310,8 @@ if triton is not None:
             q_tail = tl.load(
                 q_row + DV + e[None, :], mask=row_ok[:, None] & e_ok[None, :], other=0.0
             )
+        if FP8:  # a key's scale joins the scores', a value's is applied to the sums at the end
+            scale_log2 = scale_log2 * tl.load(K_SCALE + kvh)
         q_pos = tl.load(POS + start + tok, mask=tok < n, other=-1)
         q_first = tl.load(POS + start)
         q_last = tl.load(POS + start + tl.maximum(n - 1, 0))
@@ -281,10 +346,11 @@ if triton is not None:
             logical = tl.where(j < n_sink, j, main_start + j - n_sink)
             phys = tl.load(TABLES + seq * stride_tab + j).to(tl.int64)
             k_row = K + phys * stride_kb + slot[:, None] * stride_kt + kvh * stride_kh
-            k = tl.load(k_row + d[None, :], mask=d_ok[None, :], other=0.0)
+            k = tl.load(k_row + d[None, :], mask=d_ok[None, :], other=0.0).to(q.dtype)
             s = tl.dot(q, tl.trans(k), input_precision=PREC)  # (ROWS, KEYS)
             if TAIL > 0:
                 k_tail = tl.load(k_row + DV + e[None, :], mask=e_ok[None, :], other=0.0)
+                k_tail = k_tail.to(q.dtype)
                 s += tl.dot(q_tail, tl.trans(k_tail), input_precision=PREC)
             s = s * scale_log2
             k_pos = logical * BLOCK + slot
@@ -302,9 +368,11 @@ if triton is not None:
                 v = k
             else:
                 v_row = V + phys * stride_vb + slot[:, None] * stride_vt + kvh * stride_vh
-                v = tl.load(v_row + d[None, :], mask=d_ok[None, :], other=0.0)
+                v = tl.load(v_row + d[None, :], mask=d_ok[None, :], other=0.0).to(q.dtype)
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PREC)
             m_i = m_new
+        if FP8:
+            acc = acc * tl.load(V_SCALE + kvh)
         o_ptr = OUT + (start + tok)[:, None] * stride_ot + head[:, None] * stride_oh
         if KV_SPLITS > 1:  # OUT is (T, Hq, KV_SPLITS, DV): the part's sums, merged later
             # a padding tile (n = 0) writes its empty part too, so the merge reads no garbage

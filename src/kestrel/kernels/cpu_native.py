@@ -52,12 +52,14 @@ def gguf_dequantize(blocks: torch.Tensor, qtype: str, cols: int) -> torch.Tensor
     return _ops().gguf_dequantize(blocks.contiguous(), QTYPES.index(qtype), cols)
 
 
-def paged_attention(q, k_cache, v_cache, meta, scale, window=None, value_dim=None):
+def paged_attention(q, store, meta, scale, window=None, value_dim=None):
     """cache/paged.py's paged_attention_torch (its reference) without gathering keys: q (T, Hq, D)
-    -> (T, Hq, Dv) over `meta`, a PagedAttention; `v_cache` None: values are the keys' first
-    `value_dim` dims."""
+    -> (T, Hq, Dv) over `meta`, a PagedAttention, and `store`, a plain (not FP8) KVStore; its `v`
+    None: values are the keys' first `value_dim` dims."""
+    if store.k_scale is not None:
+        raise ValueError("the CPU's native attention reads plain KV stores, not FP8 ones")
     return _ops().paged_attention(
-        q, k_cache, v_cache, value_dim or 0, meta.positions, meta.tile_seq, meta.tile_start,
+        q, store.k, store.v, value_dim or 0, meta.positions, meta.tile_seq, meta.tile_start,
         meta.tile_len, meta.block_tables, meta.num_blocks, meta.n_sink, meta.main_start,
         meta.live_start, meta.keep, scale, window or 0,
     )  # fmt: skip

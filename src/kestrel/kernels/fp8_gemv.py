@@ -10,8 +10,9 @@ benchmarks/fp8_gemv_tensor_cores.py; for one row of x it is slower and less exac
 in steps of CHUNKS x 16 columns; each thread sums a (row, 16 columns) chunk on its own and
 scales it once (the scale is constant over 16 columns: a tile is 128 wide or the whole row).
 
-The PyTorch path (kernels/quant.py's `dequantize_rows`, then a matmul) is the CPU path and this
-kernel's oracle in the GPU tests. Imports nothing from kestrel.
+The loop is kernels/gemv.py's `row_sums`. The PyTorch path (kernels/quant.py's
+`dequantize_rows`, then a matmul) is the CPU path and this kernel's oracle in the GPU tests.
+Imports nothing from kestrel outside kestrel.kernels.
 """
 
 import torch
@@ -21,6 +22,9 @@ try:
     import triton.language as tl
 except ImportError:  # CPU-only installs
     triton = None
+
+if triton is not None:
+    from kestrel.kernels.gemv import row_sums
 
 GROUP = 128  # columns summed before a scale multiplies them
 SPAN = 16  # columns a thread loads at once: one 16-byte load of weights
@@ -54,7 +58,7 @@ def gemv(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, block: tuple[int
     _gemv[(triton.cdiv(N, block_n), M)](
         x, w, scale, y, N, K, w.stride(0), triton.cdiv(K, CHUNKS * SPAN), min(block[0], N),
         31 if block[1] >= K else block[1].bit_length() - 1, scale.stride(0),
-        BLOCK_N=block_n, CHUNKS=CHUNKS, num_warps=WARPS,
+        BLOCK_N=block_n, CHUNKS=CHUNKS, SPAN=SPAN, num_warps=WARPS,
     )  # fmt: skip
     return y
 
@@ -64,7 +68,7 @@ if triton is not None:
     @triton.jit
     def _gemv(
         X, W, S, Y, N, K, w_stride, steps, tile_rows, tile_shift, scale_stride,
-        BLOCK_N: tl.constexpr, CHUNKS: tl.constexpr,
+        BLOCK_N: tl.constexpr, CHUNKS: tl.constexpr, SPAN: tl.constexpr,
     ):  # fmt: skip
         """A thread owns a (row, 16 columns) chunk: it loads the weights in one 16-byte load
         and its own copy of x's 16 values (from L1, shared by the rows' threads), and sums
@@ -74,19 +78,10 @@ if triton is not None:
         first = tl.program_id(0) * BLOCK_N
         m = tl.program_id(1).to(tl.int64)
         rows = tl.minimum(first + tl.arange(0, BLOCK_N), N - 1).to(tl.int64)[:, None]
-        chunk = tl.arange(0, CHUNKS)[None, :]
-        span = tl.arange(0, 16)[None, None, :]
         tile_row = (rows // tile_rows) * scale_stride
-        acc = tl.zeros((BLOCK_N, CHUNKS), dtype=tl.float32)
-        for step in range(0, steps):
-            start = (step * CHUNKS + chunk) * 16  # (1, C) each chunk's first column
-            ok = start < K
-            start = tl.minimum(start, K - 16)
-            cols = start[:, :, None] + span  # (1, C, 16)
-            w = tl.load(W + rows[:, :, None] * w_stride + cols)  # (BLOCK_N, C, 16)
-            x = tl.load(X + m * K + cols + 0 * rows[:, :, None]).to(tl.float32)
-            part = tl.sum(w.to(tl.float32) * x, 2)
-            scale = tl.load(S + tile_row + (start >> tile_shift))  # (BLOCK_N, C)
-            acc += tl.where(ok, part * scale, 0.0)
+        y = row_sums(
+            X, W, S, S, rows, m + 0 * rows, K, w_stride, tile_row, tile_shift, steps, 1, 0,
+            BLOCK_N, CHUNKS, SPAN,
+        )  # fmt: skip
         lanes = first + tl.arange(0, BLOCK_N)
-        tl.store(Y + m * N + lanes, tl.sum(acc, 1).to(Y.dtype.element_ty), mask=lanes < N)
+        tl.store(Y + m * N + lanes, y.to(Y.dtype.element_ty), mask=lanes < N)

@@ -36,8 +36,10 @@ def _native_ok(x: torch.Tensor) -> bool:
     return x.device.type == "cpu" and cpu_native.available()
 
 
-# the activations the fused kernels compute
+# the activations the native CPU kernels compute
 KERNEL_ACTIVATIONS = ("silu", "gelu_pytorch_tanh", "gelu_tanh")
+# the activations the Triton kernels compute (`activate`: act_mul's and the MoE kernels'), by id
+ACTIVATION_IDS = {"silu": 0, "gelu_pytorch_tanh": 1, "gelu_tanh": 1, "relu2": 2}
 
 
 # -- RMSNorm ------------------------------------------------------------------------------------
@@ -122,13 +124,13 @@ def act_mul(gate_up: torch.Tensor, act: str) -> torch.Tensor:
     """(T, 2I) [gate | up] -> (T, I) act(gate) * up."""
     if act in KERNEL_ACTIVATIONS and _native_ok(gate_up) and gate_up.stride(-1) == 1:
         return cpu_native.act_mul(gate_up, act != "silu")
-    if not _triton_ok(gate_up) or act not in KERNEL_ACTIVATIONS:
+    if not _triton_ok(gate_up) or act not in ACTIVATION_IDS:
         return act_mul_torch(gate_up, act)
     t, two_i = gate_up.shape
     out = gate_up.new_empty(t, two_i // 2)
     block = 1024
     _act_mul_kernel[(t, triton.cdiv(two_i // 2, block))](
-        gate_up, out, two_i // 2, gate_up.stride(0), GELU=act != "silu", BLOCK=block
+        gate_up, out, two_i // 2, gate_up.stride(0), ACT=ACTIVATION_IDS[act], BLOCK=block
     )
     return out
 
@@ -165,28 +167,34 @@ def rope_qk(
 
 
 def rope_store(
-    qkv, cos, sin, hq, hkv, d, k_cache, v_cache, slot_mapping, norms=None, v_norm=None, v_col=None
-) -> torch.Tensor:
-    """rope_qk, but k (rotated) and v go straight into their cache slots; returns q (T, hq, d).
-    The same arithmetic as rope_qk followed by attention.write_kv. v is read from column `v_col`
-    (default: after k; Gemma 4's k-equals-v layers read k's raw columns) and, with `v_norm` (an
-    eps), RMS-normed without a weight first, as Gemma 4 does."""
+    qkv, cos, sin, hq, hkv, d, store, slot_mapping, norms=None, v_norm=None, v_col=None,
+    calibrate_first: bool = False,
+) -> torch.Tensor:  # fmt: skip
+    """rope_qk, but k (rotated) and v go straight into their slots of `store` (attention.KVStore);
+    returns q (T, hq, d). The same arithmetic as rope_qk followed by attention.write_kv (which an
+    FP8 store's first chunk takes, `calibrate_first`, to set its scales). v is read from column
+    `v_col` (default: after k; Gemma 4's k-equals-v layers read k's raw columns) and, with
+    `v_norm` (an eps), RMS-normed without a weight first, as Gemma 4 does."""
     t, plain = qkv.shape[0], v_col is None and v_norm is None
-    if not _triton_ok(qkv):
+    fp8 = store.k_scale is not None
+    if not _triton_ok(qkv) or calibrate_first:
         if not (norms is None and plain):
             qkv, norms = _prepared_qkv(qkv, hq, hkv, d, norms, v_norm, v_col), None
-        if _native_ok(qkv) and qkv.stride(-1) == 1 and cos.dtype == torch.float32:
-            return cpu_native.rope_store(qkv, cos, sin, hq, hkv, d, k_cache, v_cache, slot_mapping)
+        native = _native_ok(qkv) and qkv.stride(-1) == 1 and cos.dtype == torch.float32
+        if native and not fp8:
+            return cpu_native.rope_store(qkv, cos, sin, hq, hkv, d, store.k, store.v, slot_mapping)
         from kestrel.kernels.attention import write_kv
 
         q, k = rope_qk(qkv, cos, sin, hq, hkv, d)
-        write_kv(k_cache, v_cache, k, qkv[:, (hq + hkv) * d :].view(t, hkv, d), slot_mapping)
+        v = qkv[:, (hq + hkv) * d :].view(t, hkv, d)
+        write_kv(store, k, v, slot_mapping, calibrate_first)
         return q
     q = qkv.new_empty(t, hq, d)
     v_args = ((hq + hkv) * d if v_col is None else v_col, v_norm or 0.0, v_norm is not None)
+    scales = (store.k_scale, store.v_scale) if fp8 else (qkv, qkv)
     _rope_store_kernel[(t, hq + hkv)](
-        qkv, cos, sin, q, k_cache, v_cache, slot_mapping, qkv.stride(0), cos.stride(0), hq, hkv,
-        *_norm_args(qkv, norms), *v_args, HALF=d // 2, num_warps=1,
+        qkv, cos, sin, q, store.k, store.v, *scales, slot_mapping, qkv.stride(0), cos.stride(0),
+        hq, hkv, *_norm_args(qkv, norms), *v_args, FP8=fp8, HALF=d // 2, num_warps=1,
     )  # fmt: skip
     return q
 
@@ -296,19 +304,27 @@ if triton is not None:
         tl.store(OUT + row * h + cols, (x + y.to(tl.float32)).to(dt), mask=ok)
 
     @triton.jit
-    def _act_mul_kernel(GU, OUT, inter, stride, GELU: tl.constexpr, BLOCK: tl.constexpr):
+    def activate(acc, ACT: tl.constexpr):
+        """silu (0), gelu's tanh approximation (1) or squared relu (2) of float32 acc
+        (`ACTIVATION_IDS`)."""
+        if ACT == 0:
+            return acc * tl.sigmoid(acc)
+        elif ACT == 1:
+            inner = 0.7978845608028654 * (acc + 0.044715 * acc * acc * acc)
+            return 0.5 * acc * (1.0 + (2.0 * tl.sigmoid(2.0 * inner) - 1.0))
+        else:
+            acc = tl.maximum(acc, 0.0)
+            return acc * acc
+
+    @triton.jit
+    def _act_mul_kernel(GU, OUT, inter, stride, ACT: tl.constexpr, BLOCK: tl.constexpr):
         row = tl.program_id(0).to(tl.int64)
         cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         ok = cols < inter
         g = tl.load(GU + row * stride + cols, mask=ok, other=0.0).to(tl.float32)
         u = tl.load(GU + row * stride + inter + cols, mask=ok, other=0.0)
-        if GELU:  # tanh approximation
-            inner = 0.7978845608028654 * (g + 0.044715 * g * g * g)
-            a = 0.5 * g * (1.0 + (2.0 * tl.sigmoid(2.0 * inner) - 1.0))
-        else:
-            a = g * tl.sigmoid(g)
         # the module rounds act(gate) to the dtype before multiplying by up
-        y = a.to(OUT.dtype.element_ty).to(tl.float32) * u.to(tl.float32)
+        y = activate(g, ACT).to(OUT.dtype.element_ty).to(tl.float32) * u.to(tl.float32)
         tl.store(OUT + row * inter + cols, y.to(OUT.dtype.element_ty), mask=ok)
 
     @triton.jit
@@ -372,9 +388,9 @@ if triton is not None:
 
     @triton.jit
     def _rope_store_kernel(
-        QKV, COS, SIN, Q, KC, VC, SLOTS, stride_t, stride_c, hq, hkv,
+        QKV, COS, SIN, Q, KC, VC, KS, VS, SLOTS, stride_t, stride_c, hq, hkv,
         QW, KW, eps, NORM: tl.constexpr, UNIT: tl.constexpr,  # `_norm_args`
-        v_col, v_eps, V_NORM: tl.constexpr, HALF: tl.constexpr,
+        v_col, v_eps, V_NORM: tl.constexpr, FP8: tl.constexpr, HALF: tl.constexpr,
     ):  # fmt: skip
         t = tl.program_id(0).to(tl.int64)
         h = tl.program_id(1)
@@ -396,8 +412,8 @@ if triton is not None:
             kh = h - hq
             slot = tl.load(SLOTS + t).to(tl.int64)
             dst = KC + (slot * hkv + kh) * 2 * HALF
-            tl.store(dst + i, y1.to(KC.dtype.element_ty))
-            tl.store(dst + HALF + i, y2.to(KC.dtype.element_ty))
+            tl.store(dst + i, _stored(y1, KS, kh, FP8, KC.dtype.element_ty))
+            tl.store(dst + HALF + i, _stored(y2, KS, kh, FP8, KC.dtype.element_ty))
             vsrc = QKV + t * stride_t + v_col + kh * 2 * HALF
             v = tl.load(vsrc + i)
             v2 = tl.load(vsrc + HALF + i)
@@ -406,8 +422,16 @@ if triton is not None:
                 rstd = tl.rsqrt((tl.sum(vf * vf, 0) + tl.sum(vf2 * vf2, 0)) / (2 * HALF) + v_eps)
                 v, v2 = (vf * rstd).to(dt), (vf2 * rstd).to(dt)
             vdst = VC + (slot * hkv + kh) * 2 * HALF
-            tl.store(vdst + i, v.to(VC.dtype.element_ty))
-            tl.store(vdst + HALF + i, v2.to(VC.dtype.element_ty))
+            tl.store(vdst + i, _stored(v, VS, kh, FP8, VC.dtype.element_ty))
+            tl.store(vdst + HALF + i, _stored(v2, VS, kh, FP8, VC.dtype.element_ty))
+
+    @triton.jit
+    def _stored(x, SCALES, head, FP8: tl.constexpr, dtype: tl.constexpr):
+        # the number a cache of `dtype` stores for x: an FP8 one's over its head's scale, saturated
+        if FP8:
+            y = x.to(tl.float32) / tl.load(SCALES + head)
+            return tl.minimum(tl.maximum(y, -448.0), 448.0).to(dtype)
+        return x.to(dtype)
 
 
 if triton is not None:

@@ -10,6 +10,10 @@ That benchmark repeats one matrix, which then stays in L2; the defaults below ar
 decoded faster end to end (MiniCPM3-4B 202 tok/s against 184 with the benchmark's favourite,
 2 rows x 64 chunks x 2 warps, whose matrices up to 64 MB that run also took).
 
+Its loop, `row_sums`, is also the loop of the FP8 GEMV (kernels/fp8_gemv.py) and of the MoE
+pair GEMVs (kernels/moe_gemv.py), which read FP8 and MLX values in the same chunks and scale
+each chunk's sum once.
+
 `F.linear` is this kernel's oracle in the GPU tests and every other shape's path. Imports
 nothing from kestrel.
 """
@@ -62,7 +66,7 @@ def gemv(x, w, bias=None, out_dtype=None, config=None) -> torch.Tensor:
     _gemv[(triton.cdiv(N, block_n),)](
         x.contiguous(), w, y, bias if bias is not None else y, N, K, w.stride(0),
         triton.cdiv(K, chunks * SPAN), HAS_BIAS=bias is not None, BLOCK_N=block_n,
-        CHUNKS=chunks, num_warps=warps,
+        CHUNKS=chunks, SPAN=SPAN, num_warps=warps,
     )  # fmt: skip
     return y
 
@@ -72,25 +76,62 @@ if triton is not None:
     @triton.jit
     def _gemv(
         X, W, Y, B, N, K, w_stride, steps,
-        HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, CHUNKS: tl.constexpr,
+        HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, CHUNKS: tl.constexpr, SPAN: tl.constexpr,
     ):  # fmt: skip
-        """Chunks past K (the last step's tail) read the last chunk again and count zero, so no
-        load needs a mask; rows past N recompute row N - 1 and are not stored."""
+        """Rows past N recompute row N - 1 and are not stored."""
         first = tl.program_id(0) * BLOCK_N
         rows = tl.minimum(first + tl.arange(0, BLOCK_N), N - 1).to(tl.int64)[:, None]
-        chunk = tl.arange(0, CHUNKS)[None, :]
-        span = tl.arange(0, 8)[None, None, :]
-        acc = tl.zeros((BLOCK_N, CHUNKS), dtype=tl.float32)
-        for step in range(0, steps):
-            start = (step * CHUNKS + chunk) * 8  # (1, C) each chunk's first column
-            ok = start < K
-            start = tl.minimum(start, K - 8)
-            cols = start[:, :, None] + span  # (1, C, 8)
-            w = tl.load(W + rows[:, :, None] * w_stride + cols)  # (BLOCK_N, C, 8)
-            x = tl.load(X + cols + 0 * rows[:, :, None]).to(tl.float32)
-            acc += tl.where(ok, tl.sum(w.to(tl.float32) * x, 2), 0.0)
-        out = tl.sum(acc, 1)
+        out = row_sums(
+            X, W, W, W, rows, 0 * rows, K, w_stride, rows, 0, steps, 0, 0, BLOCK_N, CHUNKS, SPAN
+        )  # one row of x; no scales
         lanes = first + tl.arange(0, BLOCK_N)
         if HAS_BIAS:
             out += tl.load(B + lanes, mask=lanes < N, other=0.0).to(tl.float32)
         tl.store(Y + lanes, out.to(Y.dtype.element_ty), mask=lanes < N)
+
+    @triton.jit
+    def row_sums(
+        X, W, S, Z, rows, xm, K, w_stride, scale_rows, shift, steps,
+        QUANT: tl.constexpr, BITS: tl.constexpr, R: tl.constexpr, CHUNKS: tl.constexpr,
+        SPAN: tl.constexpr,
+    ):  # fmt: skip
+        """(R,) float32: W's rows `rows` ((R, 1), `w_stride` of W's elements apart) times rows
+        `xm` ((R, 1)) of X (., K), all R loaded in each step of CHUNKS chunks of SPAN columns;
+        a thread sums a (row, chunk) on its own. QUANT 0: W holds the values; 1: FP8 values, a
+        chunk's sum times its scale in S; 2: MLX words of BITS-bit values, scale * sum(q * x) +
+        bias * sum(x) (S, Z). A row's scales start at `scale_rows` ((R, 1)) and a column's is
+        column >> shift. Chunks past K (the last step's tail) read the last chunk again and
+        count zero, so no load needs a mask."""
+        chunk = tl.arange(0, CHUNKS)[None, :]
+        columns = tl.arange(0, SPAN)[None, None, :]
+        acc = tl.zeros((R, CHUNKS), dtype=tl.float32)
+        for step in range(0, steps):
+            start = (step * CHUNKS + chunk) * SPAN  # (1, C) each chunk's first column
+            ok = start < K
+            start = tl.minimum(start, K - SPAN)
+            cols = start[:, :, None] + columns  # (1, C, SPAN)
+            x = tl.load(X + (xm * K)[:, :, None] + cols).to(tl.float32)  # (R, C, SPAN)
+            group = scale_rows + (start >> shift)  # (R, C): the chunk's scale
+            # one branch compiles (constexpr): the MLX one divides by BITS, 0 otherwise
+            if QUANT == 2:
+                part = _mlx_chunks(W, S, Z, group, rows * w_stride, start, x, BITS, SPAN)
+            else:
+                w = tl.load(W + rows[:, :, None] * w_stride + cols)  # (R, C, SPAN)
+                part = tl.sum(w.to(tl.float32) * x, 2)
+                if QUANT == 1:
+                    part *= tl.load(S + group)
+            acc += tl.where(ok, part, 0.0)
+        return tl.sum(acc, 1)
+
+    @triton.jit
+    def _mlx_chunks(W, S, Z, group, row_words, start, x, BITS: tl.constexpr, SPAN: tl.constexpr):
+        """(R, C): chunks of MLX words (value j of a word at bits j * BITS) times x (R, C, SPAN):
+        scale * sum(q * x) + bias * sum(x)."""
+        per: tl.constexpr = 32 // BITS  # values in a word
+        word = tl.arange(0, SPAN // per)[None, None, :]
+        words = tl.load(W + row_words[:, :, None] + (start // per)[:, :, None] + word)
+        shifts = (tl.arange(0, per) * BITS)[None, None, None, :]
+        q = tl.reshape((words[:, :, :, None] >> shifts) & ((1 << BITS) - 1), x.shape)
+        dot = tl.sum(q.to(tl.float32) * x, 2)
+        scale = tl.load(S + group).to(tl.float32)
+        return scale * dot + tl.load(Z + group).to(tl.float32) * tl.sum(x, 2)

@@ -18,7 +18,8 @@ walks K in steps of SPAN super-blocks (256 columns each); a thread owns a (row, 
 it on its own, x's words loaded in the weights' shape (each row's thread reads its own copy
 from L1), so no value crosses threads inside the loop. Chunks past the row's end read the last
 super-block again and count zero, so no load needs a mask. Q6_K's blocks (210 bytes) are only
-2-byte aligned in a row, so its words are put together from halfwords.
+2-byte aligned in a row, so its words are put together from halfwords; on CUDA the loader pads
+them to 224 bytes (`Q6_K_224`, kernels/quant.py's `ALIGNED`), read as whole words like Q4_K's.
 
 The PyTorch path (kernels/quant.py's `dequantize`, then a matmul on the dequantized x) is these
 kernels' oracle in the GPU tests. Imports nothing from kestrel.
@@ -35,9 +36,9 @@ except ImportError:  # CPU-only installs
     triton = None
 
 # type -> kernel id; the launch shapes come from `CONFIGS`
-TYPES = {"Q4_K": 0, "Q5_K": 1, "Q6_K": 2}
+TYPES = {"Q4_K": 0, "Q5_K": 1, "Q6_K": 2, "Q6_K_224": 3}
 # type -> (rows per program, super-blocks per loop step, warps)
-CONFIGS = {"Q4_K": (4, 4, 1), "Q5_K": (4, 4, 1), "Q6_K": (2, 4, 1)}
+CONFIGS = {"Q4_K": (4, 4, 1), "Q5_K": (4, 4, 1), "Q6_K": (2, 4, 1), "Q6_K_224": (2, 4, 1)}
 GROUP = 32  # x values per int8 scale
 MAX_ROWS = 8  # rows of x a GEMV serves; more go through the dequantized matmul
 MIN_PROGRAMS = 2048  # fewer rows a program until there are this many (15 per SM)
@@ -108,12 +109,13 @@ def _launch(x, blocks, qtype, cols, y, config, experts=None, scale=None) -> torc
         block_n //= 2  # a short matrix (k/v projections): more programs, fewer rows each
     words, info = quantize(x.contiguous())
     row = blocks.stride(-2)  # bytes
-    # Q4_K/Q5_K blocks are 16-byte aligned: int32 words; Q6_K's only 2-byte: halfwords
-    w = blocks.view(torch.int32) if kind < 2 else blocks.view(torch.uint16)
+    # Q4_K, Q5_K and Q6_K_224 blocks are 16-byte aligned: int32 words; Q6_K's only 2-byte
+    unit = 2 if qtype == "Q6_K" else 4
+    w = blocks.view(torch.uint16 if unit == 2 else torch.int32)
     _gemv[(triton.cdiv(N, block_n), M)](
         words, info, w, y, experts if experts is not None else y,
-        scale if scale is not None else y, N, cols, triton.cdiv(cols, 256 * span),
-        row // 4 if kind < 2 else row // 2, M // T,
+        scale if scale is not None else y, N, cols, triton.cdiv(cols, 256 * span), row // unit,
+        M // T,
         QTYPE=kind, BLOCK_N=block_n, SPAN=span, EXPERTS=experts is not None,
         SCALED=scale is not None, EMULATE=EMULATE_DP4A, num_warps=warps,
     )  # fmt: skip
@@ -181,8 +183,8 @@ if triton is not None:
         QTYPE: tl.constexpr, BLOCK_N: tl.constexpr, SPAN: tl.constexpr, EXPERTS: tl.constexpr,
         SCALED: tl.constexpr, EMULATE: tl.constexpr,
     ):  # fmt: skip
-        """Q, X: x's words and scales from `quantize`; W the blocks as int32 words (Q4_K, Q5_K)
-        or halfwords (Q6_K), `row_units` a row's length in W's units. Row m of Y takes row
+        """Q, X: x's words and scales from `quantize`; W the blocks as int32 words (Q4_K, Q5_K,
+        Q6_K_224) or halfwords (Q6_K), `row_units` a row's length in W's units. Row m of Y takes row
         m // `repeat` of x and, with EXPERTS, expert Experts[m]'s N rows of W. Rows past N
         recompute row N - 1 and are not stored."""
         first = tl.program_id(0) * BLOCK_N
@@ -193,8 +195,8 @@ if triton is not None:
         xm = m // repeat
         acc = tl.zeros((BLOCK_N, 4 * SPAN), dtype=tl.float32)
         for step in range(0, steps):
-            if QTYPE == 2:
-                acc += _q6_step(Q, X, W, rows, xm, step, K, row_units, SPAN, EMULATE)
+            if QTYPE >= 2:
+                acc += _q6_step(Q, X, W, rows, xm, step, K, row_units, QTYPE, SPAN, EMULATE)
             else:
                 acc += _k45_step(Q, X, W, rows, xm, step, K, row_units, QTYPE, SPAN, EMULATE)
         y = tl.sum(acc, 1)
@@ -280,14 +282,18 @@ if triton is not None:
     # 4 bits in nibble n of ql byte 64h + 32p + l, its high 2 bits at bit 2(2n + p) of qh byte
     # 32h + l, and scale (element // 16); its value minus 32. A step takes SPAN super-blocks as
     # chunks u = (h, p) (4 a super-block) of 8 words t, each word a ql word: nibble n of its
-    # bytes are four values in x's order. Words are put together from halfwords.
+    # bytes are four values in x's order. Q6_K's words are put together from halfwords;
+    # Q6_K_224's (the same bytes, then 14 of padding) load whole.
 
     @triton.jit
-    def _words(W, at):
-        """int32 words from the halfwords at `at` and `at` + 1 (little-endian)."""
-        low = tl.load(W + at).to(tl.uint32)
-        high = tl.load(W + at + 1).to(tl.uint32)
-        return (low | (high << 16)).to(tl.int32, bitcast=True)
+    def _words(W, at, UNIT: tl.constexpr):
+        """int32 words at `at` in W's units of UNIT bytes: words, or two halfwords (little-endian)."""
+        if UNIT == 4:
+            return tl.load(W + at)
+        else:
+            low = tl.load(W + at).to(tl.uint32)
+            high = tl.load(W + at + 1).to(tl.uint32)
+            return (low | (high << 16)).to(tl.int32, bitcast=True)
 
     @triton.jit
     def _q6_values(ql, qh, p):
@@ -298,20 +304,28 @@ if triton is not None:
         return value0, value1
 
     @triton.jit
-    def _q6_step(Q, X, W, rows, m, step, K, row_halves, SPAN: tl.constexpr, EMULATE: tl.constexpr):
+    def _q6_step(
+        Q, X, W, rows, m, step, K, row_units,
+        QTYPE: tl.constexpr, SPAN: tl.constexpr, EMULATE: tl.constexpr,
+    ):  # fmt: skip
         """(BLOCK_N, chunks): each chunk's four 16-value groups' sum of w * x. A chunk's 16
-        values a = (l < 16) and b load as (rows, chunks, 4) words each."""
+        values a = (l < 16) and b load as (rows, chunks, 4) words each. W's units are
+        halfwords (Q6_K, QTYPE 2) or words (Q6_K_224)."""
+        UNIT: tl.constexpr = 2 if QTYPE == 2 else 4  # bytes
         u = tl.arange(0, 4 * SPAN)
         h, p = (u % 4) // 2, (u % 2)[None, :, None]
         ok = (step * SPAN + u // 4 < K // 256)[None, :]  # as in `_k45_step`
         sb = tl.minimum(step * SPAN + u // 4, K // 256 - 1)
-        start = rows[:, None] * row_halves + (sb * 105)[None, :]  # (BLOCK_N, U) in halfwords
+        size: tl.constexpr = (210 if QTYPE == 2 else 224) // UNIT  # a block, in W's units
+        start = rows[:, None] * row_units + (sb * size)[None, :]  # (BLOCK_N, U)
         block = start[:, :, None]
         four = tl.arange(0, 4)[None, None, :]
-        ql = block + (32 * h)[None, :, None] + 16 * p + 2 * four
-        qh = block + 64 + (16 * h)[None, :, None] + 2 * four
-        value0_a, value1_a = _q6_values(_words(W, ql), _words(W, qh), p)
-        value0_b, value1_b = _q6_values(_words(W, ql + 8), _words(W, qh + 8), p)
+        word = (4 // UNIT) * four  # a chunk's words, in W's units
+        ql = block + ((64 // UNIT) * h)[None, :, None] + (32 // UNIT) * p + word
+        qh = block + 128 // UNIT + ((32 // UNIT) * h)[None, :, None] + word
+        b: tl.constexpr = 16 // UNIT  # from a chunk's values a to its values b
+        value0_a, value1_a = _q6_values(_words(W, ql, UNIT), _words(W, qh, UNIT), p)
+        value0_b, value1_b = _q6_values(_words(W, ql + b, UNIT), _words(W, qh + b, UNIT), p)
         group = (sb * 8 + 4 * h)[None, :, None] + p + 0 * block  # x's group of 32 (n = 0)
         xw = Q + m * (K // 4) + group * 8 + four
         dot0_a = tl.sum(_dp4a(value0_a, tl.load(xw), 0, EMULATE), 2)
@@ -321,13 +335,28 @@ if triton is not None:
         info = X + (m * (K // 32) + group) * 4 + four
         dx0, sum0_a, sum0_b, _ = _columns(tl.load(info))
         dx1, sum1_a, sum1_b, _ = _columns(tl.load(info + 8))  # n = 1
-        at = start + (96 + 4 * h + u % 2)[None, :]  # the int8 scales (a, b) of n = 0
-        scales0 = tl.load(W + at).to(tl.int32)
-        scales1 = tl.load(W + at + 2).to(tl.int32)
-        d = tl.load(W + start + 104)
+        scales0, scales1, d = _q6_scales(W, start, h, u % 2, UNIT)
         part = _q6_scaled(scales0, dx0, dot0_a, dot0_b, sum0_a, sum0_b)
         part += _q6_scaled(scales1, dx1, dot1_a, dot1_b, sum1_a, sum1_b)
-        return tl.where(ok, d.to(tl.float16, bitcast=True).to(tl.float32) * part, 0.0)
+        return tl.where(ok, d * part, 0.0)
+
+    @triton.jit
+    def _q6_scales(W, start, h, p, UNIT: tl.constexpr):
+        """A chunk's int8 scales (a, b) of n = 0 and of n = 1 in the low 16 bits of two int32
+        (BLOCK_N, U), and the block's d as float32: scale bytes 8h + 2p + (0, 1) and 4 on,
+        d at byte 208."""
+        if UNIT == 4:
+            at = start + (48 + 2 * h)[None, :]  # the word of scales 8h .. 8h + 3
+            shift = (16 * p)[None, :]
+            scales0 = tl.load(W + at) >> shift
+            scales1 = tl.load(W + at + 1) >> shift
+            d = _f16_low(tl.load(W + start + 52))
+        else:
+            at = start + (96 + 4 * h + p)[None, :]
+            scales0 = tl.load(W + at).to(tl.int32)
+            scales1 = tl.load(W + at + 2).to(tl.int32)
+            d = tl.load(W + start + 104).to(tl.float16, bitcast=True).to(tl.float32)
+        return scales0, scales1, d
 
     @triton.jit
     def _q6_scaled(scales, dx, dot_a, dot_b, sum_a, sum_b):

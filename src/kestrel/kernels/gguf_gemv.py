@@ -40,6 +40,7 @@ TYPES = {
     "Q4_K": (5, 144),
     "Q5_K": (6, 176),
     "Q6_K": (7, 210),
+    "Q6_K_224": (7, 224),  # Q6_K padded (kernels/quant.py's `ALIGNED`)
 }
 # type -> (rows per program, 256-column tiles per loop step, warps): benchmarks/quantized_gemv.py
 # --sweep on the H200
@@ -48,8 +49,10 @@ CONFIGS = {
     "Q4_K": (4, 4, 1),
     "Q5_K": (4, 4, 1),
     "Q6_K": (2, 2, 1),
+    "Q6_K_224": (2, 2, 1),
 }
-K_QUANTS = ("Q4_K", "Q5_K", "Q6_K")  # 256-element super-blocks; the rest hold 32 elements
+# 256-element super-blocks; the rest hold 32 elements
+K_QUANTS = ("Q4_K", "Q5_K", "Q6_K", "Q6_K_224")
 FLOAT_2_23 = 0x4B000000  # the bits of the float 2^23
 MAX_ROWS = 8  # rows of x a GEMV serves; more go through the dequantized matmul
 MIN_PROGRAMS = 256  # fewer rows a program until there are this many (about 2 per SM)
@@ -155,7 +158,7 @@ if triton is not None:
         if QTYPE == 5 or QTYPE == 6:
             return _k45_load(B, H, Wd, r8, r16, row * row_words, step, K, QTYPE, SPAN)
         elif QTYPE == 7:
-            return _q6_load(B, H, r8, r16, step, K, SPAN)
+            return _q6_load(B, H, r8, r16, step, K, SIZE, SPAN)
         else:
             return _small_load(B, H, r8, r16, step, K, QTYPE, SIZE, SPAN)
 
@@ -260,14 +263,15 @@ if triton is not None:
         return x * _inverse_power(4 * n), x, tl.sum(x, 3)
 
     @triton.jit
-    def _q6_load(B, H, r8, r16, step, K, SPAN: tl.constexpr):
-        """(qh (U, 16), ql (2, U, 16), scales (2, 2, U), d (U,)) as loaded."""
+    def _q6_load(B, H, r8, r16, step, K, SIZE: tl.constexpr, SPAN: tl.constexpr):
+        """(qh (U, 16), ql (2, U, 16), scales (2, 2, U), d (U,)) as loaded, from blocks of
+        SIZE bytes (210, or 224 padded)."""
         u = tl.arange(0, 4 * SPAN)
         g = u % 4
         i = tl.arange(0, 16)[None, :]
         sb = step * SPAN + u // 4
         ok = sb < K // 256
-        at = B + r8 + sb * 210  # (U,) super-block starts
+        at = B + r8 + sb * SIZE  # (U,) super-block starts
         qh = tl.load(at[:, None] + 128 + (g * 16)[:, None] + i, mask=ok[:, None], other=0)
         spot = (g // 2) * 64 + (g % 2) * 16  # (U,): where group g starts in ql
         p = tl.arange(0, 2)[:, None, None]
@@ -276,7 +280,7 @@ if triton is not None:
         n3, p3 = tl.arange(0, 2)[:, None, None], tl.arange(0, 2)[None, :, None]
         first = _q6_first(u[None, None, :], n3, p3)  # (2, 2, U)
         scale = tl.load(at[None, None, :] + 192 + first // 16, mask=ok[None, None, :], other=0)
-        d = tl.load(H + r16 + sb * 105 + 104, mask=ok, other=0.0)
+        d = tl.load(H + r16 + sb * (SIZE // 2) + 104, mask=ok, other=0.0)
         return qh, ql, scale, d, d, d, d
 
     @triton.jit

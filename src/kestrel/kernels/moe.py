@@ -1,19 +1,19 @@
 """Fused mixture-of-experts: every routed (token, expert) pair in two Triton kernels.
 
-In the grouped GEMMs, the first multiplies each pair's token by its expert's gate and up rows and applies the
-activation in registers (act(gate) * up, or act(up) for ungated experts), writing one (P, I)
-intermediate; the second multiplies that by the expert's down rows and scales each pair by its
-routing weight, so a step of an MoE layer is two kernels plus the sum over each token's k pairs.
-Expert weights are read where they lie (no gathered copy), so decode reads each chosen expert once;
-FP8 and MLX 4- and 8-bit stacks (`QuantStack`) are read quantized, each tile dequantized in
-registers.
+In the grouped GEMMs, the first multiplies each pair's token by its expert's gate and up rows
+and applies the activation in registers (act(gate) * up, or act(up) for ungated experts),
+writing one (P, I) intermediate; the second multiplies that by the expert's down rows and scales
+each pair by its routing weight, so a step of an MoE layer is two kernels plus the sum over each
+token's k pairs. Expert weights are read where they lie (no gathered copy), so decode reads each
+chosen expert once; FP8 and MLX 4- and 8-bit stacks (`QuantStack`) are read quantized, each tile
+dequantized in registers. Both kernel families take a stack as a `KernelStack`.
 
 With few pairs (decode: no more pairs than experts, so they rarely share one) each pair is a GEMV
-of its own (kernels/moe_gemv.py), no sorting at all, and the second kernel also sums each token's
-pairs. With many (prefill, large batches) pairs
-reach an expert in blocks of BLOCK_M rows: they are sorted by expert and each expert's run is
-padded to whole blocks, with the block count bounded by the number of pairs so the grid is static
-(CUDA graphs) and nothing is read back to the host.
+of its own (kernels/moe_gemv.py), no sorting at all, and the second kernel also sums each
+token's pairs. With many (prefill, large batches) pairs reach an expert in blocks of BLOCK_M
+rows: they are sorted by expert and each expert's run is padded to whole blocks, with the block
+count bounded by the number of pairs so the grid is static (CUDA graphs) and nothing is read
+back to the host.
 
 The PyTorch path in models/layers/moe.py is the CPU path and these kernels' oracle in the GPU tests.
 This module imports nothing from kestrel outside kestrel.kernels: kernels are the bottom of the
@@ -21,19 +21,18 @@ import graph.
 """
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
-from kestrel.kernels import moe_gemv
+from kestrel.kernels import fused, moe_gemv
+from kestrel.kernels.fused import ACTIVATION_IDS
 
 try:
     import triton
     import triton.language as tl
 except ImportError:  # CPU-only installs: the PyTorch path serves
     triton = None
-
-# activations the kernel computes in registers (the keys of kernels/fused.py's ACTIVATIONS)
-ACTIVATION_IDS = {"silu": 0, "gelu_pytorch_tanh": 1, "gelu_tanh": 1, "relu2": 2}
 
 
 def available(x: torch.Tensor, act: str | None = None) -> bool:
@@ -69,13 +68,35 @@ class QuantStack:
         return group >= self.shape[2] or (group >= 16 and group & (group - 1) == 0)
 
 
-def _stack_args(w: torch.Tensor | QuantStack) -> tuple:
-    """The kernels' weight arguments: W, scales, biases, groups per row; QUANT, BITS, GROUP."""
+class KernelStack(NamedTuple):
+    """An expert stack as the kernels take it: the values W (E, N, K, or K's MLX words), the
+    scales and biases (W itself where the format has none: pointers never read), scale groups
+    per row, and the flags: QUANT (0 float, 1 FP8, 2 MLX), BITS (MLX's) and GROUP (columns a
+    scale covers)."""
+
+    w: torch.Tensor
+    scales: torch.Tensor
+    biases: torch.Tensor
+    groups: int
+    QUANT: int = 0
+    BITS: int = 0
+    GROUP: int = 1
+
+    def pointers(self) -> tuple:
+        """The kernels' weight arguments: W, scales, biases, groups per row."""
+        return self.w, self.scales, self.biases, self.groups
+
+    def flags(self) -> dict:
+        return dict(QUANT=self.QUANT, BITS=self.BITS, GROUP=self.GROUP)
+
+
+def kernel_stack(w: torch.Tensor | QuantStack) -> KernelStack:
+    """A float stack (E, N, K) or a `QuantStack` as the kernels take it."""
     if not isinstance(w, QuantStack):
-        return (w, w, w, 1), dict(QUANT=0, BITS=0, GROUP=1)
+        return KernelStack(w, w, w, 1)
     biases = w.scales if w.biases is None else w.biases  # FP8: a pointer never read
-    flags = dict(QUANT=2 if w.bits else 1, BITS=w.bits, GROUP=min(w.group, w.shape[2]))
-    return (w.values, w.scales, biases, w.scales.shape[-1]), flags
+    quant, group = 2 if w.bits else 1, min(w.group, w.shape[2])
+    return KernelStack(w.values, w.scales, biases, w.scales.shape[-1], quant, w.bits, group)
 
 
 def fused_experts(
@@ -92,45 +113,42 @@ def fused_experts(
     be a `QuantStack`, read quantized."""
     T, k = ids.shape
     E, H, inter = w_down.shape
-    (w_in, in_flags), (w_down, down_flags) = _stack_args(w_in), _stack_args(w_down)
-    stacks = (w_in, in_flags, w_down, down_flags)
-    args = (x, *stacks, weights, ids, ACTIVATION_IDS[act], gated, H, inter)
+    w_in, w_down = kernel_stack(w_in), kernel_stack(w_down)
+    args = (x, w_in, w_down, weights, ids, ACTIVATION_IDS[act], gated, H, inter)
     decode = ids.numel() <= E  # pairs rarely share an expert: each reads its own once
-    gemvs = moe_gemv.serves(w_in[0], in_flags, H) and moe_gemv.serves(w_down[0], down_flags, inter)
-    if decode and gemvs:
+    if decode and moe_gemv.serves(w_in, H) and moe_gemv.serves(w_down, inter):
         return moe_gemv.pair_gemvs(*args)
     return _sorted_experts(*args, E).view(T, k, H).sum(1).to(x.dtype)
 
 
-def _sorted_experts(x, w_in, in_flags, w_down, down_flags, weights, ids, act, gated, H, inter, E):
+def _sorted_experts(x, w_in, w_down, weights, ids, act, gated, H, inter, E):
     """`fused_experts`' (P, H) float32 pair rows from the grouped GEMMs over pairs sorted by
     expert (the arguments as `moe_gemv.pair_gemvs` takes them, and the expert count)."""
-    (w_in, *in_q), (w_down, *down_q) = w_in, w_down
     flat, k = ids.reshape(-1), ids.shape[1]
     P = flat.numel()
     per_expert = P / E
     pairs, block_expert = sort_pairs(flat, E, tiles(0, 0, per_expert)["BLOCK_M"])
     blocks, fp32 = block_expert.numel(), x.dtype == torch.float32
     h = x.new_empty(P, inter)
-    tile = _within_groups(tiles(inter, blocks, per_expert), in_flags, H)
+    tile = _within_groups(tiles(inter, blocks, per_expert), w_in, H)
     _experts_in[(blocks, triton.cdiv(inter, tile["BLOCK_N"]))](
-        x, w_in, *in_q, h, pairs, block_expert, P, k, E, H, inter,
-        GATED=gated, ACT=act, IEEE=fp32, **in_flags, **tile,
+        x, *w_in.pointers(), h, pairs, block_expert, P, k, E, H, inter,
+        GATED=gated, ACT=act, IEEE=fp32, **w_in.flags(), **tile,
     )  # fmt: skip
     out = torch.empty(P, H, device=x.device, dtype=torch.float32)
-    tile = _within_groups(tiles(H, blocks, per_expert), down_flags, inter)
+    tile = _within_groups(tiles(H, blocks, per_expert), w_down, inter)
     _experts_down[(blocks, triton.cdiv(H, tile["BLOCK_N"]))](
-        h, w_down, *down_q, out, weights.reshape(-1).float(), pairs, block_expert, P, E, H, inter,
-        IEEE=fp32, **down_flags, **tile,
+        h, *w_down.pointers(), out, weights.reshape(-1).float(), pairs, block_expert, P, E, H,
+        inter, IEEE=fp32, **w_down.flags(), **tile,
     )  # fmt: skip
     return out
 
 
-def _within_groups(tile: dict, flags: dict, K: int) -> dict:
+def _within_groups(tile: dict, stack: KernelStack, K: int) -> dict:
     """`tile` with a BLOCK_K that divides the quantized stack's group (a power of two, see
     `QuantStack`), so each weight tile reads one scale per column."""
-    if flags["QUANT"] and flags["GROUP"] < K:
-        return {**tile, "BLOCK_K": min(tile["BLOCK_K"], flags["GROUP"])}
+    if stack.QUANT and stack.GROUP < K:
+        return {**tile, "BLOCK_K": min(tile["BLOCK_K"], stack.GROUP)}
     return tile
 
 
@@ -267,7 +285,7 @@ if triton is not None:
                         QUANT, BITS, GROUP, a.dtype,
                     )  # fmt: skip
                 up = _dot(a, b, up, IEEE)
-        acc = moe_gemv.activate(acc, ACT)
+        acc = fused.activate(acc, ACT)
         if GATED:
             acc = acc * up
         out = h + rows[:, None] * inter + n[None, :]

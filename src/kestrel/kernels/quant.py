@@ -2,9 +2,10 @@
 `gguf.quants.dequantize`: the same float16 scales, the same products in the same order.
 
 A tensor's blocks are a uint8 tensor (rows, bytes per row) in llama.cpp's block layout; each row
-is `cols / block elements` blocks. Below them, the safetensors formats (MLX affine, FP8,
-NVFP4), each a function from a weight's checkpoint tensors to its float rows. On the CPU the
-layers' GGUF rows decode in the native kernels (kernels/cpu_native.py), which equal these.
+is `cols / block elements` blocks (on CUDA, Q6_K's padded to 224 bytes: `ALIGNED`). Below
+them, the safetensors formats (MLX affine, FP8, NVFP4), each a function from a weight's
+checkpoint tensors to its float rows. On the CPU the layers' GGUF rows decode in the native
+kernels (kernels/cpu_native.py), which equal these.
 Imports nothing from kestrel outside kestrel.kernels.
 """
 
@@ -27,17 +28,40 @@ BLOCKS = {
     "Q5_K": (QK_K, 176),
     "Q6_K": (QK_K, 210),
 }
+# Q6_K's 210-byte blocks lie only 2-byte aligned in a row, so the GEMVs build its words from
+# halfwords. On CUDA the loader pads each block with zeros to 224 bytes (14 x 16: every block
+# 16-byte aligned), which the GEMVs read as whole int32 words, for 6.7% more bytes.
+ALIGNED = {"Q6_K": "Q6_K_224"}  # file type -> its layout on CUDA
+# layout name -> (elements per block, bytes per block): the file types and the padded ones
+LAYOUTS = {**BLOCKS, "Q6_K_224": (QK_K, 224)}
 
 
 def row_bytes(qtype: str, cols: int) -> int:
-    """Bytes of one row of `cols` elements."""
-    elements, size = BLOCKS[qtype]
+    """Bytes of one row of `cols` elements in layout `qtype`."""
+    elements, size = LAYOUTS[qtype]
     return cols // elements * size
 
 
+def align_blocks(blocks: torch.Tensor, qtype: str) -> tuple[torch.Tensor, str]:
+    """(rows, row bytes) blocks of file type `qtype` -> (the blocks in its CUDA layout, the
+    layout's name): Q6_K's blocks padded with zeros to 224 bytes, other types as they are."""
+    layout = ALIGNED.get(qtype)
+    if layout is None:
+        return blocks, qtype
+    size, padded = BLOCKS[qtype][1], LAYOUTS[layout][1]
+    per_block = blocks.reshape(blocks.shape[0], -1, size)
+    return F.pad(per_block, (0, padded - size)).reshape(blocks.shape[0], -1), layout
+
+
+def aligned_bytes(qtype: str, nbytes: int) -> int:
+    """The bytes that `nbytes` of a file's `qtype` blocks take in their CUDA layout."""
+    size = BLOCKS[qtype][1]
+    return nbytes // size * LAYOUTS[ALIGNED.get(qtype, qtype)][1]
+
+
 def dequantize(blocks: torch.Tensor, qtype: str, cols: int) -> torch.Tensor:
-    """(rows, row bytes) uint8 -> (rows, cols) float32."""
-    per_block = blocks.reshape(-1, BLOCKS[qtype][1])
+    """(rows, row bytes) uint8 in layout `qtype` -> (rows, cols) float32."""
+    per_block = blocks.reshape(-1, LAYOUTS[qtype][1])
     return _DEQUANTIZE[qtype](per_block).reshape(blocks.shape[0], cols)
 
 
@@ -139,6 +163,10 @@ def _q6_k(b):
     return (scale * q).reshape(n, QK_K)
 
 
+def _q6_k_224(b):
+    return _q6_k(b[:, : BLOCKS["Q6_K"][1]])  # the padding dropped
+
+
 _DEQUANTIZE = {
     "Q4_0": _q4_0,
     "Q4_1": _q4_1,
@@ -148,6 +176,7 @@ _DEQUANTIZE = {
     "Q4_K": _q4_k,
     "Q5_K": _q5_k,
     "Q6_K": _q6_k,
+    "Q6_K_224": _q6_k_224,
 }
 
 

@@ -127,17 +127,15 @@ class Gemma4Attention(nn.Module):
             return Gemma4Attention.forward(self, x, batch, cos_sin)
         hq, hkv, d = self.num_heads, self.num_kv_heads, self.head_dim
         (cos, sin), qkv, layer = cos_sin, self.qkv(x), self.kv_source
-        k_cache, v_cache = meta.pool.k[layer], meta.pool.v[layer]
+        store = meta.pool.store(layer)
         if layer != self.layer_idx:  # reads another layer's keys: q alone
             q, _ = rope_qk(qkv, cos, sin, hq, 0, d, (self.q_norm.weight,) * 2 + (self.eps, False))
         else:
             norms = (self.q_norm.weight, self.k_norm.weight, self.eps, False)
             v_col = hq * d if self.v_proj is None else None  # k = v: v from k's raw columns
-            slots = meta.slot_mapping
-            q = rope_store(
-                qkv, cos, sin, hq, hkv, d, k_cache, v_cache, slots, norms, self.eps, v_col
-            )
-        out = paged_attention(q, k_cache, v_cache, meta, 1.0, self.window, meta.use_triton)
+            slots, first = meta.slot_mapping, meta.calibrate
+            q = rope_store(qkv, cos, sin, hq, hkv, d, store, slots, norms, self.eps, v_col, first)
+        out = paged_attention(q, store, meta, 1.0, self.window, meta.use_triton)
         return self.o_proj(out.reshape(x.shape[0], -1))
 
 

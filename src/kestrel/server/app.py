@@ -24,6 +24,7 @@ from kestrel.server.routes import (
     embeddings,
     health,
     llama,
+    lora,
     messages,
     models,
     page,
@@ -51,7 +52,19 @@ def create_app(
 
     app = FastAPI(title="kestrel", version=kestrel.__version__, lifespan=lifespan)
     app.state.kestrel = state
-    for module in (chat, completions, embeddings, responses, messages, models, llama, health, page):
+    routers = (
+        chat,
+        completions,
+        embeddings,
+        responses,
+        messages,
+        models,
+        lora,
+        llama,
+        health,
+        page,
+    )
+    for module in routers:
         app.include_router(module.router)
     install_error_handlers(app)
     _add_middleware(app, state, {path for path, _ in route_table(app)})

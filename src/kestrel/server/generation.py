@@ -73,7 +73,8 @@ class Choice:
 
 class Generation:
     """The engine requests of one HTTP request: prompt i's choice j is choice index i * n + j.
-    `embed`: each prompt's embedding instead of generated text (POST /v1/embeddings)."""
+    `embed`: each prompt's embedding instead of generated text (POST /v1/embeddings); `lora`:
+    the LoRA adapter the request's `model` named (None: the base model)."""
 
     def __init__(
         self,
@@ -83,6 +84,7 @@ class Generation:
         params: SamplingParams,
         max_kv_size: int | None = None,
         embed: bool = False,
+        lora: str | None = None,
     ):
         self.engine = engine
         self.request_id = request_id
@@ -98,6 +100,7 @@ class Generation:
                 params.for_choice(j),
                 max_kv_size,
                 embed,
+                lora,
             )
             for i, prompt in enumerate(prompts)
             for j in range(params.n)

@@ -86,7 +86,11 @@ LLAMA_UNSUPPORTED = {
     "id_slot": ((-1,), "kestrel schedules requests itself: there are no slots to pick"),
     "post_sampling_probs": ((False,), "post-sampling probabilities are not supported"),
     "return_progress": ((False,), "prompt progress events are not supported"),
-    "lora": (([],), "LoRA adapters are not supported"),
+    "lora": (
+        ([],),
+        "per-request adapter scales are not supported: name a LoRA adapter as `model` on "
+        "/v1/completions or /v1/chat/completions",
+    ),
     "multimodal_data": ((), "multimodal prompts on /completion are not supported"),
 }
 
@@ -891,6 +895,21 @@ class ModelCard(_Response):
     created: int = 0
     owned_by: str = "kestrel"
     aliases: list[str] = Field(default_factory=list)  # other names `model` may use (llama-server)
+    parent: str | None = None  # a LoRA adapter's base model (vLLM's)
+    root: str | None = None  # a LoRA adapter's folder (vLLM's)
+
+
+class LoadLoRARequest(_Request):
+    """POST /v1/load_lora_adapter (vLLM's body)."""
+
+    lora_name: str
+    lora_path: str
+
+
+class UnloadLoRARequest(_Request):
+    """POST /v1/unload_lora_adapter (vLLM's body)."""
+
+    lora_name: str
 
 
 class ModelList(_Response):

@@ -65,7 +65,13 @@ class ServerState:
 
     def check_model(self, name: str) -> None:
         if name != self.config.model_name and name not in self.config.aliases:
-            raise model_not_found(name)
+            if self.adapter(name) is None:
+                raise model_not_found(name)
+
+    def adapter(self, model: str | None) -> str | None:
+        """The LoRA adapter a request's `model` names (None: the base model)."""
+        engine = self.engine
+        return model if engine is not None and model in engine.adapters else None
 
     async def start(self, load: LoadEngine) -> None:
         """Load the model (off the event loop), start the engine, run one warm-up."""

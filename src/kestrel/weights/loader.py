@@ -357,6 +357,19 @@ class _Target:
             setattr(owner, child, quantized(module, blocks, qtype, dtype, **scales))
             self.filled[alias] = self.params[alias].numel()
 
+    def layout(self, blocks: torch.Tensor, qtype: str) -> tuple[torch.Tensor, str]:
+        """GGUF blocks in the layout this device's kernels read, and its name: on CUDA, Q6_K's
+        padded to 224 bytes (kernels/quant.py's `ALIGNED`); the CPU reads the file's."""
+        if self.device.type != "cuda":
+            return blocks, qtype
+        return quant_kernels.align_blocks(blocks.to(self.device), qtype)
+
+    def resident_bytes(self, qtype: str, n_bytes: int) -> int:
+        """The bytes that `n_bytes` of a file's `qtype` blocks take packed on this device."""
+        if self.device.type != "cuda":
+            return n_bytes
+        return quant_kernels.aligned_bytes(qtype, n_bytes)
+
     def why_dense(self, slot: Slot, qtype: str) -> str | None:
         """None when the tensor can stay packed; else why it is dequantized at load."""
         if not self.packed:
@@ -464,10 +477,11 @@ def _load_gguf(target: _Target, files, name: str, t, source: ModelSource) -> Non
             raise ModelLoadError(
                 f"{source.path}: tensor {name} has shape {shape}, expected {expected} for {slot.name}"
             )
+        rows, layout = target.layout(rows, qtype)
         if not target.expert_stack(slot):
-            target.pack(slot.name, rows, qtype)
+            target.pack(slot.name, rows, layout)
             return
-        if target.pack_experts(slot, quant_kernels.Format("gguf", qtype=qtype), {"qweight": rows}):
+        if target.pack_experts(slot, quant_kernels.Format("gguf", qtype=layout), {"qweight": rows}):
             return
         reason = "its expert stack's parts are of different types"
     if qtype not in ("F32", "F16", "BF16"):
@@ -575,8 +589,9 @@ def checkpoint_summary(model: CausalLM, source: ModelSource, device: torch.devic
         types[t.tensor_type.name] = types.get(t.tensor_type.name, 0) + 1
         slot = target.slot(name)
         if slot is not None:
-            packed = target.why_dense(slot, t.tensor_type.name) is None
-            resident += t.n_bytes if packed else t.n_elements * dense
+            qtype = t.tensor_type.name
+            packed = target.why_dense(slot, qtype) is None
+            resident += target.resident_bytes(qtype, t.n_bytes) if packed else t.n_elements * dense
     return {"types": types, "resident": resident}
 
 

@@ -3,7 +3,8 @@ fused kernels of kernels/fused.py (Triton on CUDA, the native kernels on the CPU
 GEMVs of kernels/gemv.py (one row of x on CUDA, where cuBLAS is slow): q/k/v (and gate/up)
 weights, their GGUF blocks where they are of one type, or their FP8 weights and scales where the
 scale tiles line up, become views of one concatenated tensor, so names and memory stay the same
-and one matmul replaces three (two). Model files are untouched; the paged runner calls this,
+and one matmul replaces three (two); LoRA adapters on them add to the fused output (one
+kernel pair for the group: models/layers/lora.py). Model files are untouched; the paged runner calls this,
 the reference runner never does.
 """
 
@@ -24,6 +25,7 @@ from kestrel.kernels.fused import (
     rope_store,
 )
 from kestrel.models.layers.attention import Attention, cached_attention
+from kestrel.models.layers.lora import fused_with_lora
 from kestrel.models.layers.mla import MultiHeadLatentAttention
 from kestrel.models.layers.mlp import GatedMLP
 from kestrel.models.layers.mrope import MRotaryEmbedding
@@ -63,10 +65,11 @@ def concat_projection(module, names: list[str]) -> Callable:
     Linears, or quantized ones of one kind: `_stackable`) becomes one weight the Linears keep
     views of; where the runs differ (llama.cpp's Q4_K_M keeps v in Q6_K in half the layers,
     q and k in Q4_K) each runs apart and their outputs are concatenated."""
-    parts = [_stack(run) for run in _runs([getattr(module, n) for n in names])]
+    linears = [getattr(module, n) for n in names]
+    parts = [_stack(run) for run in _runs(linears)]
     if len(parts) == 1:
-        return parts[0]
-    return lambda x: torch.cat([part(x) for part in parts], dim=-1)
+        return fused_with_lora(linears, parts[0])
+    return fused_with_lora(linears, lambda x: torch.cat([part(x) for part in parts], dim=-1))
 
 
 def _runs(linears: list) -> list[list]:
@@ -97,8 +100,9 @@ def _stack(linears: list) -> Callable:
 
 def _stackable(linears: list) -> bool:
     """Whether Linears stack into one weight: plain ones, GGUF blocks of one type, or FP8 with
-    one tile shape whose tiles never straddle two of them (so their scale grids stack too); all
-    with biases or none."""
+    one tile shape whose tiles never straddle two of them (so their scale grids stack too: each
+    but the last ends on a whole tile; the last may end inside one, as MLA's 576-row kv_a after
+    q_a); all with biases or none."""
     first = linears[0]
     if len({linear.bias is None for linear in linears}) > 1:
         return False
@@ -108,7 +112,7 @@ def _stackable(linears: list) -> bool:
         return False
     alike = all((q.fmt, q.in_features) == (first.fmt, first.in_features) for q in linears)
     if first.fmt.kind == "fp8":
-        return alike and all(q.out_features % first.fmt.block[0] == 0 for q in linears)
+        return alike and all(q.out_features % first.fmt.block[0] == 0 for q in linears[:-1])
     return alike and first.fmt.kind == "gguf"
 
 
@@ -192,9 +196,11 @@ def _attention_forward(self, x, batch, rope_cos_sin=None):
     cos, sin = rope_cos_sin if rope_cos_sin is not None else self.rope(batch.positions)
     meta, norms = getattr(batch, "attention", None), _qk_norms(self)
     if meta is not None:  # paged pool: k/v stored by the RoPE kernel, one launch for all three
-        kc, vc = meta.pool.k[self.layer_idx], meta.pool.v[self.layer_idx]
-        q = rope_store(qkv, cos, sin, hq, hkv, d, kc, vc, meta.slot_mapping, norms)
-        out = paged_attention(q, kc, vc, meta, self.scale, self.window, meta.use_triton)
+        store, slots = meta.pool.store(self.layer_idx), meta.slot_mapping
+        q = rope_store(
+            qkv, cos, sin, hq, hkv, d, store, slots, norms, calibrate_first=meta.calibrate
+        )
+        out = paged_attention(q, store, meta, self.scale, self.window, meta.use_triton)
         return self.o_proj(out.reshape(t, -1))
     q, k = rope_qk(qkv, cos, sin, hq, hkv, d, norms)
     v = qkv[:, (hq + hkv) * d :].view(t, hkv, d)

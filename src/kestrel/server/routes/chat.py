@@ -50,7 +50,9 @@ async def chat_completions(body: ChatCompletionRequest, http: Request):
     prompt = await chat_template_prompt(state, turns, tools, body.template_kwargs())
     thinking = thinking_of(state.reasoning_parser, state.tokenizer, prompt_ids(prompt))
     params = thinking.sampling_params(params)
-    generation = Generation(engine, new_id("chatcmpl"), [prompt], params, body.check_kv_size())
+    lora = state.adapter(body.model)
+    kv = body.check_kv_size()
+    generation = Generation(engine, new_id("chatcmpl"), [prompt], params, kv, lora=lora)
     await generation.start()
     if body.stream:
         chunks = _chunks(state, body, generation, tools, legacy, thinking)

@@ -25,7 +25,9 @@ async def completions(body: CompletionRequest, http: Request):
     params = body.sampling_params(state.config.default_max_tokens)
     engine = state.ready_engine()
     prompts = [encode(state.tokenizer, p) for p in body.prompts()]
-    generation = Generation(engine, new_id("cmpl"), prompts, params, body.check_kv_size())
+    lora = state.adapter(body.model)
+    kv = body.check_kv_size()
+    generation = Generation(engine, new_id("cmpl"), prompts, params, kv, lora=lora)
     await generation.start()  # validates the prompts' token ids before echo decodes them
     echoes = [_echo(state, body, p) for p in body.prompts() for _ in range(params.n)]
     if body.stream:

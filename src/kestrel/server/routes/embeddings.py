@@ -31,7 +31,9 @@ async def embeddings(body: EmbeddingRequest, http: Request):
     inputs = body.inputs()
     _check(body, len(inputs), engine.embedding_size, engine.capacity)
     prompts = [encode(state.tokenizer, text) for text in inputs]
-    generation = Generation(engine, new_id("embd"), prompts, SamplingParams(), embed=True)
+    lora = state.adapter(body.model)
+    params = SamplingParams()
+    generation = Generation(engine, new_id("embd"), prompts, params, embed=True, lora=lora)
     await generation.start()
     await generation.collect(http)
     return EmbeddingResponse(

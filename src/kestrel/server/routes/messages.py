@@ -249,7 +249,9 @@ async def create_message(body: MessagesRequest, http: Request):
         params = body.sampling_params(tools)
         prompt = await chat_template_prompt(state, messages, tools, body.template_kwargs())
         thinking = thinking_of(state.reasoning_parser, state.tokenizer, prompt_ids(prompt))
-        generation = Generation(engine, new_id("msg"), [prompt], thinking.sampling_params(params))
+        params = thinking.sampling_params(params)
+        lora = state.adapter(body.model)
+        generation = Generation(engine, new_id("msg"), [prompt], params, lora=lora)
         await generation.start()
     if body.stream:
         events = _events(body, generation, tools, thinking)

@@ -11,7 +11,8 @@ router = APIRouter()
 
 @router.get("/v1/models", response_model=ModelList)
 async def list_models(http: Request) -> ModelList:
-    return ModelList(data=[_card(server_state(http))])
+    state = server_state(http)
+    return ModelList(data=[_card(state), *_adapter_cards(state)])
 
 
 @router.get("/v1/models/{model_id:path}", response_model=ModelCard, responses=ERROR_RESPONSES)
@@ -19,7 +20,8 @@ async def retrieve_model(model_id: str, http: Request) -> ModelCard:
     """The model under any of its names (as `client.models.retrieve` asks); else 404."""
     state = server_state(http)
     served_model(state, model_id)
-    return _card(state)
+    adapters = {card.id: card for card in _adapter_cards(state)}
+    return adapters.get(model_id) or _card(state)
 
 
 def served_model(state: ServerState, requested: str | None) -> str:
@@ -29,6 +31,13 @@ def served_model(state: ServerState, requested: str | None) -> str:
         return state.config.model_name
     state.check_model(requested)
     return requested
+
+
+def _adapter_cards(state: ServerState) -> list[ModelCard]:
+    """The loaded LoRA adapters, each with the base model as its `parent` (vLLM's cards)."""
+    adapters = state.engine.adapters if state.engine is not None else {}
+    base = state.config.model_name
+    return [ModelCard(id=name, parent=base, root=path) for name, path in sorted(adapters.items())]
 
 
 def _card(state: ServerState) -> ModelCard:

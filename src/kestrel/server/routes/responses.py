@@ -329,7 +329,9 @@ async def create_response(body: ResponsesRequest, http: Request):
         params = body.sampling_params(state.config.default_max_tokens, tools)
         prompt = await chat_template_prompt(state, messages, tools, body.template_kwargs())
         thinking = thinking_of(state.reasoning_parser, state.tokenizer, prompt_ids(prompt))
-        generation = Generation(engine, new_id("resp"), [prompt], thinking.sampling_params(params))
+        params = thinking.sampling_params(params)
+        lora = state.adapter(body.model)
+        generation = Generation(engine, new_id("resp"), [prompt], params, lora=lora)
         await generation.start()
     conversation = messages[1:] if body.instructions is not None else messages
     answer = Answer(body, generation, conversation, tools, thinking)
