@@ -15,7 +15,8 @@ LLAMA_CFLAGS := $(if $(filter x86_64,$(shell uname -m)),-mno-amx-tile -mno-amx-i
 BENCH_ARGS ?=
 
 # llama.cpp's own GGUF converter, unpacked from llama-cpp-python's source distribution (no build):
-# the tests convert tiny checkpoints with it, as users' GGUF files are made
+# the tests convert tiny checkpoints with it, as users' GGUF files are made; the published chat
+# templates llama.cpp keeps (models/templates) come with it, for the reasoning and tool tests
 LLAMA_CPP_SDIST := llama-cpp-python==0.3.36
 CONVERTER := $(VENV)/llama.cpp/convert_hf_to_gguf.py
 
@@ -36,7 +37,7 @@ $(CONVERTER): $(BIN)/kestrel
 	$(BIN)/pip download -q --no-deps --no-binary :all: $(LLAMA_CPP_SDIST) -d $(VENV)/sdist
 	tar xzf $(VENV)/sdist/llama_cpp_python-*.tar.gz -C $(VENV) --strip-components=2 --wildcards \
 		'*/vendor/llama.cpp/convert_hf_to_gguf.py' '*/vendor/llama.cpp/conversion' \
-		'*/vendor/llama.cpp/gguf-py'
+		'*/vendor/llama.cpp/gguf-py' '*/vendor/llama.cpp/models/templates'
 	rm -rf $(VENV)/sdist
 	touch $@
 

@@ -177,6 +177,7 @@ class ServerConfig:
     max_engine_restarts: int = 3  # restarts allowed within engine_restart_window...
     engine_restart_window: float = 600.0  # ...seconds; one more and the server gives up
     tool_call_parser: str = "auto"  # the tool-call syntax (server/tools/parsers.py); auto: detected
+    reasoning_parser: str = "auto"  # the thinking's markers (server/reasoning.py); auto: detected
 
 
 @dataclass

@@ -27,18 +27,22 @@ class StructuredOutput:
     """A constraint on the output: `spec` is the schema's JSON text (json_schema), a regex, a
     JSON list of strings (choice), a GBNF/EBNF grammar (grammar, llama.cpp's and vLLM's) or
     llguidance's Lark dialect (lark); json_object needs none. `param` names the request field
-    it came from, for the 400 when it does not compile."""
+    it came from, for the 400 when it does not compile. `thinking`: Lark rules of free text the
+    constrained answer follows (a reasoning model's thinking, kestrel.server.reasoning), whose
+    `start` ends with `@answer`."""
 
     kind: Kind
     spec: str = ""
     param: str = "response_format"
+    thinking: str = ""
 
     def grammar(self) -> str:
         """The llguidance grammar; InvalidRequestError naming `param` if it cannot be built."""
         try:
-            return self._grammar()
+            grammar = self._grammar()
         except (ValueError, TypeError, RuntimeError) as error:
             raise self._invalid(str(error)) from None
+        return after(self.thinking, grammar) if self.thinking else grammar
 
     def _grammar(self) -> str:
         if self.kind == "json_object":
@@ -63,6 +67,17 @@ class StructuredOutput:
         return InvalidRequestError(
             f"{self.param}: the {what} does not compile: {error.strip()}", param=self.param
         )
+
+
+def after(lark: str, grammar: str) -> str:
+    """`grammar` (Lark text, or llguidance's JSON of a list of grammars) as the subgrammar
+    `answer` of the Lark grammar `lark`, which comes first."""
+    top = json.loads(grammar) if grammar.lstrip().startswith("{") else None
+    if not isinstance(top, dict):
+        top = {"grammars": [{"lark_grammar": grammar}]}
+    answer, *rest = top["grammars"]
+    grammars = [{"lark_grammar": lark}, {**answer, "name": "answer"}, *rest]
+    return json.dumps({**top, "grammars": grammars})
 
 
 def json_schema(schema, param: str) -> StructuredOutput:

@@ -8,6 +8,7 @@ import argparse
 import os
 
 from kestrel.flags import add_engine_args
+from kestrel.server.reasoning import NAMES as REASONING_PARSERS
 from kestrel.server.tools.parsers import PARSERS
 
 # flag dest -> llama-server's environment variable
@@ -131,6 +132,13 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
         choices=["auto", *PARSERS],
         help="the syntax of the model's tool calls (vLLM's names; default: auto, chosen from the "
         "chat template and vocabulary, else hermes)",
+    )
+    p.add_argument(
+        "--reasoning-parser",
+        default="auto",
+        choices=REASONING_PARSERS,
+        help="split thinking models' reasoning out of the answer (vLLM's names; default: auto, "
+        "chosen from the chat template's markers; none: leave it in the content)",
     )
     p.add_argument(
         "--pooling",

@@ -48,10 +48,12 @@ class Choice:
     draft_tokens: int = 0  # speculative decoding's proposals, and of them accepted
     accepted_tokens: int = 0
     embedding: list[float] | None = None  # an embedding request's vector
+    marks: list[tuple[int, int]] = field(default_factory=list)  # (characters, tokens) so far
 
     def add(self, output: RequestOutput) -> None:
         self.text += output.new_text
         self.token_ids += output.new_token_ids
+        self.marks.append((len(self.text), len(self.token_ids)))
         self.logprobs += output.new_logprobs
         self.finish_reason = output.finish_reason
         self.prompt_tokens = output.num_prompt_tokens
@@ -60,6 +62,13 @@ class Choice:
         self.draft_tokens = output.num_draft_tokens
         self.accepted_tokens = output.num_accepted_tokens
         self.embedding = output.embedding or self.embedding
+
+    def tokens_within(self, chars: int) -> int:
+        """How many tokens the first `chars` characters of the text took (the tokens of the
+        output that completed them)."""
+        if chars <= 0:
+            return 0
+        return next((tokens for n, tokens in self.marks if n >= chars), self.generated_tokens)
 
 
 class Generation:
@@ -142,16 +151,19 @@ class Generation:
         if self.stream is not None:
             self.engine.abort(self.stream)
 
-    def usage(self) -> Usage:
+    def usage(self, reasoning_tokens: int | None = None) -> Usage:
+        """`reasoning_tokens`: the thinking's, with a reasoning parser."""
         completion = sum(c.generated_tokens for c in self.choices)
         # each prompt counts once (as prompt_tokens does): its first choice's hit
         cached = sum(c.cached_tokens for c in self.choices[:: self.n])
         drafted = sum(c.draft_tokens for c in self.choices)
         accepted = sum(c.accepted_tokens for c in self.choices)
         details = None
-        if drafted:
+        if drafted or reasoning_tokens is not None:
             details = CompletionTokensDetails(
-                accepted_prediction_tokens=accepted, rejected_prediction_tokens=drafted - accepted
+                accepted_prediction_tokens=accepted,
+                rejected_prediction_tokens=drafted - accepted,
+                reasoning_tokens=reasoning_tokens or 0,
             )
         return Usage(
             prompt_tokens=self.prompt_tokens,

@@ -15,20 +15,23 @@ from dataclasses import dataclass, field
 from kestrel.errors import InvalidRequestError
 from kestrel.media import image_part_params
 from kestrel.models.qwen_vl_processor import MultimodalPrompt, chat_prompt
+from kestrel.server.reasoning import template_kwargs
 from kestrel.server.tools.prompt import template_messages
 from kestrel.server.tools.request import ToolUse
 from kestrel.tokenizer import apply_chat_template
 
 
 async def chat_template_prompt(
-    state, messages: list[dict], tools: ToolUse | None = None
+    state, messages: list[dict], tools: ToolUse | None = None, extra: dict | None = None
 ) -> list[int] | MultimodalPrompt:
     """The prompt of chat messages (and the tools offered): token ids, or a MultimodalPrompt when
-    images are attached."""
+    images are attached. `extra`: the template's further arguments, name -> (value, request
+    field), each one the template must read (kestrel.server.reasoning.template_kwargs)."""
     images = bool(image_part_params(messages))
-    kwargs = {}
+    kwargs = template_kwargs(state.tokenizer, extra or {}, images)
     if tools is not None:
-        messages, kwargs = template_messages(state.tokenizer, messages, tools, images)
+        messages, tool_kwargs = template_messages(state.tokenizer, messages, tools, images)
+        kwargs |= tool_kwargs
     try:
         if images:  # decoding and preprocessing images: off the event loop
             return await asyncio.to_thread(chat_prompt, state.processor, messages)
@@ -39,6 +42,10 @@ async def chat_template_prompt(
         raise InvalidRequestError(
             f"the chat template rejected the messages: {error}", param="messages"
         ) from None
+
+
+def prompt_ids(prompt: list[int] | MultimodalPrompt) -> list[int]:
+    return prompt.token_ids if isinstance(prompt, MultimodalPrompt) else prompt
 
 
 _MESSAGE = re.compile(r"messages\[(\d+)\]")

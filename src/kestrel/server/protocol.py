@@ -41,12 +41,10 @@ CHAT_UNSUPPORTED = {
     "modalities": ((["text"],), "only text output is supported"),
     "prediction": ((), "predicted outputs are not supported"),
     "web_search_options": ((), "web search is not supported"),
-    "reasoning_effort": ((), "reasoning effort is not supported"),
     "verbosity": (("medium",), "verbosity is not supported"),
     "store": ((False,), "kestrel stores no completions"),
     "metadata": (({},), "metadata is kept with stored completions; kestrel stores none"),
     "service_tier": (("auto", "default"), "kestrel has one service tier"),
-    "chat_template_kwargs": (({},), "chat template arguments are not supported yet"),
     "add_generation_prompt": ((True,), "the generation prompt is always added"),
     "continue_final_message": ((False,), "continuing the final message is not supported"),
     "echo": ((False,), "echo is not supported on chat completions"),
@@ -428,6 +426,19 @@ class ChatCompletionRequest(_SamplingRequest):
     # OpenAI's deprecated form of tools (kestrel.server.tools.legacy)
     functions: list[FunctionDefinition] | None = None
     function_call: Literal["none", "auto"] | NamedFunction | None = None
+    # to the chat template, for templates that read them (kestrel.server.reasoning)
+    reasoning_effort: str | None = None
+    chat_template_kwargs: dict | None = None
+
+    def template_kwargs(self) -> dict[str, tuple]:
+        """The chat template's extra arguments: name -> (value, the request field to name)."""
+        kwargs = {
+            name: (value, f"chat_template_kwargs.{name}")
+            for name, value in (self.chat_template_kwargs or {}).items()
+        }
+        if self.reasoning_effort is not None:
+            kwargs["reasoning_effort"] = (self.reasoning_effort, "reasoning_effort")
+        return kwargs
 
     def check_supported(self, prefix: str = "") -> None:
         super().check_supported(prefix)
@@ -733,10 +744,12 @@ class PromptTokensDetails(_Response):
 
 
 class CompletionTokensDetails(_Response):
-    """Speculative decoding's proposed tokens (OpenAI's predicted-output fields)."""
+    """Speculative decoding's proposed tokens (OpenAI's predicted-output fields), and the
+    thinking's tokens (with a reasoning parser)."""
 
     accepted_prediction_tokens: int = 0
     rejected_prediction_tokens: int = 0
+    reasoning_tokens: int = 0
 
 
 class Usage(_Response):
@@ -744,7 +757,8 @@ class Usage(_Response):
     completion_tokens: int
     total_tokens: int
     prompt_tokens_details: PromptTokensDetails | None = None
-    completion_tokens_details: CompletionTokensDetails | None = None  # when speculating
+    # when speculating, or with a reasoning parser
+    completion_tokens_details: CompletionTokensDetails | None = None
 
 
 class TopLogprob(_Response):
@@ -775,6 +789,7 @@ class ToolCallOut(_Response):
 class AssistantMessage(_Response):
     role: Literal["assistant"] = "assistant"
     content: str | None = None
+    reasoning_content: str | None = None  # the thinking (kestrel.server.reasoning)
     tool_calls: list[ToolCallOut] | None = None
     function_call: FunctionCallOut | None = None  # answers to the deprecated `functions`
 
@@ -812,6 +827,7 @@ class DeltaToolCall(_Response):
 class Delta(_Response):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    reasoning_content: str | None = None
     tool_calls: list[DeltaToolCall] | None = None
     function_call: DeltaFunction | None = None  # answers to the deprecated `functions`
 

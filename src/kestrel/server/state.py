@@ -19,6 +19,7 @@ from kestrel.sampling import SamplingParams
 from kestrel.server.errors import model_not_found, unavailable
 from kestrel.server.generation import TokenText
 from kestrel.server.metrics import Metrics
+from kestrel.server.reasoning import ReasoningParser, choose_reasoning_parser
 from kestrel.server.tools.parsers import ToolParser, choose_parser
 from kestrel.tokenizer import encode
 
@@ -35,6 +36,7 @@ class ServerState:
         self.engine: EngineClient | None = None
         self.token_text: TokenText | None = None
         self.tool_parser: ToolParser | None = None
+        self.reasoning_parser: ReasoningParser | None = None
         self.stats = EngineStats()  # kept across engine restarts (Prometheus counters)
         self.metrics = Metrics(lambda: self.engine, self.stats)
         self.request_exit = request_exit or (lambda code: None)
@@ -88,8 +90,12 @@ class ServerState:
             return
         if self.status == "loading":
             self.status = "ready"
+        reasoning = self.reasoning_parser.name if self.reasoning_parser else "none"
         log.info(
-            "ready: serving %s (tool calls: %s)", self.config.model_name, self.tool_parser.name
+            "ready: serving %s (tool calls: %s, reasoning: %s)",
+            self.config.model_name,
+            self.tool_parser.name,
+            reasoning,
         )
 
     async def _start_engine(self) -> None:
@@ -98,6 +104,9 @@ class ServerState:
         self.engine = engine
         self.token_text = TokenText(engine.tokenizer)
         self.tool_parser = choose_parser(engine.tokenizer, self.config.tool_call_parser)
+        self.reasoning_parser = choose_reasoning_parser(
+            engine.tokenizer, self.config.reasoning_parser
+        )
         await self._warm_up(engine)  # a death before this returns fails the start instead
         engine.on_death = self._on_engine_death
 

@@ -5,8 +5,8 @@ from collections.abc import AsyncIterator
 
 from fastapi import APIRouter, Request
 
-from kestrel.server.generation import Generation, new_id, sse_event, sse_response
-from kestrel.server.prompts import chat_template_prompt
+from kestrel.server.generation import Choice, Generation, new_id, sse_event, sse_response
+from kestrel.server.prompts import chat_template_prompt, prompt_ids
 from kestrel.server.protocol import (
     ChatChoice,
     ChatChunkChoice,
@@ -17,6 +17,7 @@ from kestrel.server.protocol import (
     Delta,
     DeltaToolCall,
 )
+from kestrel.server.reasoning import Thinking, feed, thinking_of
 from kestrel.server.routes import ERROR_RESPONSES, server_state
 from kestrel.server.routes.models import served_model
 from kestrel.server.tools.legacy import (
@@ -45,27 +46,43 @@ async def chat_completions(body: ChatCompletionRequest, http: Request):
     params = _sampling_params(state, body, tools)
     messages = [m.as_template_dict(f"messages[{i}].") for i, m in enumerate(body.messages)]
     check_tool_messages(body.messages)
-    prompt = await chat_template_prompt(state, as_tool_turns(messages), tools)
+    turns = as_tool_turns(messages)
+    prompt = await chat_template_prompt(state, turns, tools, body.template_kwargs())
+    thinking = thinking_of(state.reasoning_parser, state.tokenizer, prompt_ids(prompt))
+    params = thinking.sampling_params(params)
     lora = state.adapter(body.model)
     kv = body.check_kv_size()
     generation = Generation(engine, new_id("chatcmpl"), [prompt], params, kv, lora=lora)
     await generation.start()
     if body.stream:
-        return sse_response(_chunks(state, body, generation, tools, legacy), generation)
+        chunks = _chunks(state, body, generation, tools, legacy, thinking)
+        return sse_response(chunks, generation)
     await generation.collect(http)
-    choices = []
-    for c in generation.choices:
-        message, calls = assistant_message(c.text, tools)
-        logprobs = _logprobs(state, body, c.token_ids, c.logprobs)
-        reason = finish_reason(c.finish_reason, calls)
-        if legacy:
-            message, reason = as_function_call(message), function_reason(reason)
-        choices.append(
-            ChatChoice(index=c.index, message=message, logprobs=logprobs, finish_reason=reason)
-        )
+    answers = [_choice(state, body, c, thinking, tools, legacy) for c in generation.choices]
+    reasoning_tokens = sum(tokens for _, tokens in answers) if thinking.on else None
     return ChatCompletionResponse(
-        id=generation.request_id, model=body.model, usage=generation.usage(), choices=choices
+        id=generation.request_id,
+        model=body.model,
+        usage=generation.usage(reasoning_tokens),
+        choices=[choice for choice, _ in answers],
     )
+
+
+def _choice(
+    state, body: ChatCompletionRequest, c: Choice, thinking: Thinking, tools: ToolUse, legacy: bool
+) -> tuple[ChatChoice, int]:
+    """A whole choice's message, and how many tokens its thinking took."""
+    parts = thinking.split(c.text)
+    message, calls = assistant_message(parts.content, tools)
+    message.reasoning_content = parts.reasoning
+    if parts.reasoning is not None and not message.content:  # all thinking: no content
+        message.content = None
+    logprobs = _logprobs(state, body, c.token_ids, c.logprobs)
+    reason = finish_reason(c.finish_reason, calls)
+    if legacy:
+        message, reason = as_function_call(message), function_reason(reason)
+    choice = ChatChoice(index=c.index, message=message, logprobs=logprobs, finish_reason=reason)
+    return choice, c.tokens_within(parts.reasoning_chars)
 
 
 def _sampling_params(state, body: ChatCompletionRequest, tools: ToolUse):
@@ -81,10 +98,15 @@ def _logprobs(state, body: ChatCompletionRequest, token_ids, entries) -> ChoiceL
 
 
 async def _chunks(
-    state, body: ChatCompletionRequest, generation: Generation, tools: ToolUse, legacy: bool
+    state,
+    body: ChatCompletionRequest,
+    generation: Generation,
+    tools: ToolUse,
+    legacy: bool,
+    thinking: Thinking,
 ) -> AsyncIterator[str]:
-    """A role chunk per choice, content and tool-call deltas, a final chunk with finish_reason,
-    then usage."""
+    """A role chunk per choice, reasoning, content and tool-call deltas, a final chunk with
+    finish_reason, then usage."""
 
     def chunk(choices, usage=None) -> str:
         return sse_event(
@@ -94,13 +116,18 @@ async def _chunks(
         )
 
     streams = [StreamedChoice(tools) for _ in generation.choices]
+    thoughts = [thinking.stream() for _ in generation.choices]
     for choice in generation.choices:
         yield chunk(
             [ChatChunkChoice(index=choice.index, delta=Delta(role="assistant", content=""))]
         )
     async for choice, out in generation.outputs():
         stream = streams[choice.index]
-        content, calls = stream.chat_deltas(out.new_text, out.finished)
+        reasoning, text = feed(thoughts[choice.index], out.new_text, out.finished)
+        if reasoning:
+            delta = Delta(reasoning_content=reasoning)
+            yield chunk([ChatChunkChoice(index=choice.index, delta=delta)])
+        content, calls = stream.chat_deltas(text, out.finished)
         if content or (body.logprobs and out.new_token_ids):
             logprobs = _logprobs(state, body, out.new_token_ids, out.new_logprobs)
             delta = Delta(content=content)
@@ -112,7 +139,17 @@ async def _chunks(
             reason = function_reason(reason) if legacy else reason
             yield chunk([ChatChunkChoice(index=choice.index, delta=Delta(), finish_reason=reason)])
     if body.include_usage:
-        yield chunk([], generation.usage())
+        yield chunk([], generation.usage(_reasoning_tokens(generation, thoughts)))
+
+
+def _reasoning_tokens(generation: Generation, thoughts: list) -> int | None:
+    """The thinking's tokens over all choices (None without a reasoning parser)."""
+    if not thoughts or thoughts[0] is None:
+        return None
+    return sum(
+        c.tokens_within(t.reasoning_chars)
+        for c, t in zip(generation.choices, thoughts, strict=True)
+    )
 
 
 def _call_deltas(calls: list[DeltaToolCall], legacy: bool) -> list[Delta]:

@@ -13,9 +13,11 @@ the answer's calls are `tool_use` blocks after its text (stop_reason tool_use), 
 tool_use blocks whose input JSON comes in `input_json_delta`s; `tool_use` and `tool_result`
 blocks in the conversation go back into the template as the assistant's calls and tool results.
 
+A thinking model's reasoning (kestrel.server.reasoning) is a `thinking` block before the text;
+`thinking` (enabled or disabled) goes to templates that read `enable_thinking`.
+
 A 400 answers what is not built: image URL sources (nothing is fetched over the network), a
-final assistant message (prefilling the answer), and every field not declared below (thinking,
-...). `cache_control` is accepted and changes nothing: every prompt's prefix is cached
+final assistant message (prefilling the answer), and every field not declared below. `cache_control` is accepted and changes nothing: every prompt's prefix is cached
 automatically, and usage reports what was read from that cache as Anthropic does
 (`cache_read_input_tokens`, beside the uncached `input_tokens`).
 """
@@ -32,8 +34,10 @@ from kestrel.sampling import SamplingParams
 from kestrel.server.bodies import StrictBody, by_type
 from kestrel.server.errors import anthropic_sse_error
 from kestrel.server.generation import Choice, Generation, new_id, sse_response
-from kestrel.server.prompts import ParamNames, chat_template_prompt
+from kestrel.server.prompts import ParamNames, chat_template_prompt, prompt_ids
 from kestrel.server.protocol import MAX_MESSAGES, one_structured_output
+from kestrel.server.reasoning import Thinking, feed, thinking_of
+from kestrel.server.reasoning_output import ThinkingBlocks, ThinkingContent
 from kestrel.server.routes import ERROR_RESPONSES, server_state
 from kestrel.server.tools.anthropic import (
     TOOL_BLOCKS,
@@ -111,6 +115,14 @@ def _chat_part(block: TextBlock | ImageBlock) -> dict:
     return {"type": "text", "text": block.text}
 
 
+class ThinkingParam(StrictBody):
+    """Extended thinking on or off: `enable_thinking` for templates that read it. The budget is
+    not a separate limit: max_tokens bounds the thinking and the answer together."""
+
+    type: Literal["enabled", "disabled"]
+    budget_tokens: int | None = None
+
+
 class Metadata(StrictBody):
     user_id: str | None = None  # an opaque id for the provider's abuse tracking, as OpenAI's user
 
@@ -129,6 +141,12 @@ class MessagesRequest(StrictBody):
     cache_control: CacheControl | None = None
     tools: list[ToolParam] | None = None
     tool_choice: ToolChoiceParam | None = None
+    thinking: ThinkingParam | None = None
+
+    def template_kwargs(self) -> dict[str, tuple]:
+        if self.thinking is None:
+            return {}
+        return {"enable_thinking": (self.thinking.type == "enabled", "thinking")}
 
     def check_supported(self) -> None:
         last = len(self.messages) - 1
@@ -195,7 +213,7 @@ class MessageObject(BaseModel):
     type: Literal["message"] = "message"
     role: Literal["assistant"] = "assistant"
     model: str
-    content: list[TextContent | ToolUseContent]
+    content: list[ThinkingContent | TextContent | ToolUseContent]
     stop_reason: StopReason | None = None
     stop_sequence: str | None = None
     usage: MessagesUsage
@@ -229,18 +247,23 @@ async def create_message(body: MessagesRequest, http: Request):
     messages, names = body.chat_messages()
     with names.naming():
         params = body.sampling_params(tools)
-        prompt = await chat_template_prompt(state, messages, tools)
+        prompt = await chat_template_prompt(state, messages, tools, body.template_kwargs())
+        thinking = thinking_of(state.reasoning_parser, state.tokenizer, prompt_ids(prompt))
+        params = thinking.sampling_params(params)
         lora = state.adapter(body.model)
         generation = Generation(engine, new_id("msg"), [prompt], params, lora=lora)
         await generation.start()
     if body.stream:
-        events = _events(body, generation, tools)
+        events = _events(body, generation, tools, thinking)
         return sse_response(events, generation, False, anthropic_sse_error)
     await generation.collect(http)
     choice = generation.choices[0]
     stop = _stop_sequence(choice, body.stop_sequences)
-    text, calls = split_answer(_without(choice.text, stop), tools)
+    parts = thinking.split(_without(choice.text, stop))
+    text, calls = split_answer(parts.content, tools)
     content = [TextContent(text=text or "")] if text is not None or not calls else []
+    if parts.reasoning is not None:
+        content.insert(0, ThinkingContent(thinking=parts.reasoning))
     return MessageObject(
         id=generation.request_id,
         model=body.model,
@@ -301,7 +324,7 @@ TEXT_START = {"type": "text", "text": ""}
 
 
 async def _events(
-    body: MessagesRequest, generation: Generation, tools: ToolUse
+    body: MessagesRequest, generation: Generation, tools: ToolUse, thinking: Thinking
 ) -> AsyncIterator[str]:
     start = MessageObject(
         id=generation.request_id,
@@ -312,8 +335,9 @@ async def _events(
     yield _event("message_start", message=start.model_dump(mode="json"))
     blocks: list[str] = []
     text, calls = TextBlocks(blocks), ToolUseBlocks(_event, blocks)
-    for event in [*([] if tools.offered else text.open()), _event("ping")]:
-        yield event  # without tools: one text block, opened at once
+    reasoning, thought = ThinkingBlocks(_event, blocks), thinking.stream()
+    for event in [*([] if tools.offered or thought else text.open()), _event("ping")]:
+        yield event  # without tools or thinking: one text block, opened at once
     stop, streamed = None, StreamedChoice(tools)
     async for choice, out in generation.outputs():
         delta = out.new_text
@@ -321,15 +345,19 @@ async def _events(
             # the engine holds back text that may start a stop string: all of it is in this delta
             assert delta.endswith(stop), (delta, stop)
             delta = _without(delta, stop)
+        thoughts, delta = feed(thought, delta, out.finished)
         content, pieces = streamed.feed(delta, out.finished)
-        events = text.add(content) if content else []
+        events = reasoning.add(thoughts) if thoughts else []
+        events += reasoning.close() if content or pieces else []
+        events += text.add(content) if content else []
         events += text.close() if pieces else []
         for event in events + [e for piece in pieces for e in calls.events(piece)]:
             yield event
     for event in [
+        *reasoning.close(),
         *text.close(),
         *calls.close(),
-        *([] if blocks else [*text.open(), *text.close()]),
+        *([] if set(blocks) - {"thinking"} else [*text.open(), *text.close()]),
     ]:
         yield event
     choice = generation.choices[0]

@@ -10,7 +10,7 @@ max_output_tokens cut the answer), each event with its sequence_number.
 State: the server keeps its last MAX_KEPT finished responses with `store: true` (the default) in
 memory, least recently used dropped first, for `previous_response_id` and GET /v1/responses/{id}.
 Nothing survives a restart; an unknown or dropped id is a 400 naming previous_response_id.
-Unknown fields (reasoning, include, background, ...) are a 400 naming them. `text.format`
+Unknown fields (include, background, ...) are a 400 naming them. `text.format`
 json_schema and json_object constrain the answer.
 
 Function tools (kestrel.server.tools.responses): `tools`, `tool_choice`, `parallel_tool_calls`
@@ -18,6 +18,10 @@ work as on chat completions; the answer's calls are `function_call` output items
 item (which is left out when the answer is only calls), and `function_call` /
 `function_call_output` input items go back into the template as the assistant's calls and tool
 results.
+
+A thinking model's reasoning (kestrel.server.reasoning) is a `reasoning` item before the message
+(kestrel.server.reasoning_output); `reasoning.effort` goes to templates that read
+`reasoning_effort`, and usage counts the thinking's tokens in `output_tokens_details`.
 """
 
 import json
@@ -36,8 +40,10 @@ from kestrel.sampling import SamplingParams
 from kestrel.server.bodies import StrictBody, by_type
 from kestrel.server.errors import APIError, as_api_error
 from kestrel.server.generation import Choice, Generation, new_id, sse_response
-from kestrel.server.prompts import ParamNames, chat_template_prompt
+from kestrel.server.prompts import ParamNames, chat_template_prompt, prompt_ids
 from kestrel.server.protocol import MAX_MESSAGES, one_structured_output
+from kestrel.server.reasoning import Thinking, feed, thinking_of
+from kestrel.server.reasoning_output import ReasoningItem, ReasoningItems, ReasoningText
 from kestrel.server.routes import ERROR_RESPONSES, server_state
 from kestrel.server.tools.output import StreamedChoice, split_answer
 from kestrel.server.tools.parsers import ToolParser
@@ -111,7 +117,24 @@ class InputMessage(StrictBody):
         turns.add(self.as_chat(), source)
 
 
-InputItem = by_type(InputMessage, FunctionCallItem, FunctionCallOutputItem, default="message")
+class ReasoningInputItem(StrictBody):
+    """An earlier answer's reasoning item, sent back with its output: chat templates drop the
+    thinking of earlier turns, so it adds nothing to the prompt."""
+
+    type: Literal["reasoning"]
+    id: str | None = None
+    summary: list = Field(default_factory=list)
+    content: list | None = None
+    encrypted_content: str | None = None
+    status: Literal["in_progress", "completed", "incomplete"] | None = None
+
+    def add_to(self, turns: Turns, source: str) -> None:
+        pass
+
+
+InputItem = by_type(
+    InputMessage, FunctionCallItem, FunctionCallOutputItem, ReasoningInputItem, default="message"
+)
 
 
 def _chat_part(part: InputTextPart | InputImagePart | OutputTextPart) -> dict:
@@ -144,6 +167,12 @@ class TextConfig(StrictBody):
     format: TextFormat | None = None
 
 
+class ReasoningConfig(StrictBody):
+    """`effort` goes to chat templates that read `reasoning_effort` (a 400 where none does)."""
+
+    effort: str | None = None
+
+
 class ResponsesRequest(StrictBody):
     model: str
     # lists first: pydantic's first complaint (the one a 400 names) is then the list's, whose
@@ -162,6 +191,11 @@ class ResponsesRequest(StrictBody):
     tools: list[FunctionToolParam] | None = None
     tool_choice: ToolChoice | None = None
     parallel_tool_calls: bool = True
+    reasoning: ReasoningConfig | None = None
+
+    def template_kwargs(self) -> dict[str, tuple]:
+        effort = self.reasoning and self.reasoning.effort
+        return {"reasoning_effort": (effort, "reasoning.effort")} if effort else {}
 
     def tool_use(self, parser: ToolParser) -> ToolUse:
         return tool_use(parser, self.tools, self.tool_choice, self.parallel_tool_calls)
@@ -219,7 +253,7 @@ class ResponseObject(BaseModel):
     instructions: str | None = None
     max_output_tokens: int | None = None
     model: str
-    output: list[OutputMessage | FunctionCallOutput]
+    output: list[ReasoningItem | OutputMessage | FunctionCallOutput]
     parallel_tool_calls: bool = True
     previous_response_id: str | None = None
     store: bool
@@ -293,12 +327,14 @@ async def create_response(body: ResponsesRequest, http: Request):
     messages, names = _conversation(body, history)
     with names.naming():
         params = body.sampling_params(state.config.default_max_tokens, tools)
-        prompt = await chat_template_prompt(state, messages, tools)
+        prompt = await chat_template_prompt(state, messages, tools, body.template_kwargs())
+        thinking = thinking_of(state.reasoning_parser, state.tokenizer, prompt_ids(prompt))
+        params = thinking.sampling_params(params)
         lora = state.adapter(body.model)
         generation = Generation(engine, new_id("resp"), [prompt], params, lora=lora)
         await generation.start()
     conversation = messages[1:] if body.instructions is not None else messages
-    answer = Answer(body, generation, conversation, tools)
+    answer = Answer(body, generation, conversation, tools, thinking)
     if body.stream:
         return sse_response(_events(answer, store), generation, False, answer.events.error)
     await generation.collect(http)
@@ -387,9 +423,11 @@ class Answer:
     generation: Generation
     conversation: list[dict]  # the chat messages this response continues, instructions not
     tools: ToolUse
+    thinking: Thinking
     created_at: int = field(default_factory=lambda: int(time.time()))
     events: Events = field(default_factory=Events)
-    output: list[OutputMessage | FunctionCallOutput] = field(default_factory=list)
+    output: list[ReasoningItem | OutputMessage | FunctionCallOutput] = field(default_factory=list)
+    reasoning_chars: int = 0  # how much of the text the thinking took
 
     @property
     def choice(self) -> Choice:
@@ -426,8 +464,14 @@ class Answer:
         return "incomplete" if self.choice.finish_reason == "length" else "completed"
 
     def collected(self) -> None:
-        """The output items of the whole answer: its text (none beside calls only), its calls."""
-        content, calls = split_answer(self.choice.text, self.tools)
+        """The output items of the whole answer: its reasoning, its text (none beside calls
+        only), its calls."""
+        parts = self.thinking.split(self.choice.text)
+        self.reasoning_chars = parts.reasoning_chars
+        if parts.reasoning is not None:
+            content = [ReasoningText(text=parts.reasoning)]
+            self.output.append(ReasoningItem(content=content, status=self.status()))
+        content, calls = split_answer(parts.content, self.tools)
         if content is not None or not calls:
             text = [OutputText(text=content or "")]
             self.output.append(OutputMessage(id=new_id("msg"), status=self.status(), content=text))
@@ -443,6 +487,9 @@ class Answer:
                 input_tokens=usage.prompt_tokens,
                 input_tokens_details={"cached_tokens": usage.prompt_tokens_details.cached_tokens},
                 output_tokens=usage.completion_tokens,
+                output_tokens_details={
+                    "reasoning_tokens": self.choice.tokens_within(self.reasoning_chars)
+                },
                 total_tokens=usage.total_tokens,
             ),
         )
@@ -516,20 +563,26 @@ async def _events(answer: Answer, store: ResponseStore) -> AsyncIterator[str]:
     event = answer.events
     yield event("response.created", response=_dump(answer.response()))
     yield event("response.in_progress", response=_dump(answer.response()))
-    choice = StreamedChoice(answer.tools)
+    choice, thought = StreamedChoice(answer.tools), answer.thinking.stream()
     text, calls = TextItem(event, answer.output), CallItems(event, answer.output)
-    for e in [] if answer.tools.offered else text.open():  # no tools: always one message
+    reasoning = ReasoningItems(event, answer.output)
+    # no tools: always one message (after the reasoning item, when there may be one)
+    for e in [] if answer.tools.offered or thought else text.open():
         yield e
     async for _, out in answer.generation.outputs():
-        content, pieces = choice.feed(out.new_text, out.finished)
-        events = text.add(content) if content else []
+        thoughts, delta = feed(thought, out.new_text, out.finished)
+        content, pieces = choice.feed(delta, out.finished)
+        events = reasoning.add(thoughts) if thoughts else []
+        events += reasoning.close() if content or pieces else []
+        events += text.add(content) if content else []
         events += text.close("completed") if pieces else []
         for e in events + [e for piece in pieces for e in calls.events(piece)]:
             yield e
-    for e in [*text.close(answer.status()), *calls.close()]:
+    for e in [*reasoning.close(answer.status()), *text.close(answer.status()), *calls.close()]:
         yield e
-    if not answer.output:  # neither text nor calls: one empty message, as when not streamed
-        for e in [*text.open(), *text.close(answer.status())]:
+    answer.reasoning_chars = thought.reasoning_chars if thought else 0
+    if not any(isinstance(item, OutputMessage | FunctionCallOutput) for item in answer.output):
+        for e in [*text.open(), *text.close(answer.status())]:  # as when not streamed
             yield e
     response = answer.finish(store)
     yield event(f"response.{response.status}", response=_dump(response))

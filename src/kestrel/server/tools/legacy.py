@@ -78,7 +78,9 @@ def as_function_call(message: AssistantMessage) -> AssistantMessage:
     """The answer in the old shape: its (one) call as `function_call`."""
     calls = message.tool_calls or []
     call = calls[0].function if calls else None
-    return AssistantMessage(content=message.content, function_call=call)
+    return AssistantMessage(
+        content=message.content, function_call=call, reasoning_content=message.reasoning_content
+    )
 
 
 def function_reason(reason: str | None) -> str | None:

@@ -129,7 +129,7 @@ def _decode(text: str, at: int = 0) -> tuple[object, int] | None:
         return None
 
 
-def _suffix_prefix(text: str, marker: str) -> int:
+def suffix_prefix(text: str, marker: str) -> int:
     """The length of the longest end of `text` that is a proper beginning of `marker`."""
     for n in range(min(len(text), len(marker) - 1), 0, -1):
         if marker.startswith(text[-n:]):
@@ -158,7 +158,7 @@ class ToolParser:
 
     def held(self, text: str) -> int:
         """How many characters at the end of `text` may begin a marker (not content yet)."""
-        return max(_suffix_prefix(text, m) for m in self.markers)
+        return max(suffix_prefix(text, m) for m in self.markers)
 
     def parse(self, text: str, final: bool = True) -> tuple[str, list[ToolCall]]:
         raise NotImplementedError
