@@ -20,7 +20,14 @@ def pytest_collection_modifyitems(config, items):
 
 @pytest.fixture(scope="session")
 def smollm2_tokenizer():
-    """SmolLM2's real tokenizer (from the embedded GGUF), for tiny checkpoints."""
+    """SmolLM2's real tokenizer (from the embedded GGUF), for tiny checkpoints; from
+    `KESTREL_TEST_TOKENIZERS`/smollm2 (saved with `save_pretrained`) where that is set, for a GPU
+    machine that cannot install the embedded models' packages."""
+    saved = os.environ.get("KESTREL_TEST_TOKENIZERS")
+    if saved:
+        from transformers import AutoTokenizer
+
+        return AutoTokenizer.from_pretrained(os.path.join(saved, "smollm2"))
     from kestrel.weights.loader import load_tokenizer, resolve
 
     return load_tokenizer(resolve("smollm2"))
