@@ -11,6 +11,7 @@ exactly the script. Where the vocabulary has no marker tokens (EXAONE, DeepSeek-
 the end marker comes in pieces (`</`, `think`, `>`), split across tokens.
 """
 
+import copy
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -86,14 +87,12 @@ FAMILIES = {
 ANSWER = ["\n\n", "It", "'s", " warm"]
 
 
-def _checkpoint(name: str, family: Family) -> str:
+def _checkpoint(name: str, family: Family, smollm2_tokenizer) -> str:
     """A 1-layer random Llama with near-zero logits (the script decides every token)."""
     import torch
     import transformers
 
-    from kestrel.weights.loader import load_tokenizer, resolve
-
-    tokenizer = load_tokenizer(resolve("smollm2"))
+    tokenizer = copy.deepcopy(smollm2_tokenizer)  # the session's: left as it was
     tokenizer.chat_template = family.template.read_text()
     tokenizer.add_tokens(list(family.tokens))
     tokenizer.add_special_tokens({"additional_special_tokens": list(family.special)})
@@ -153,11 +152,11 @@ class Served:
 
 
 @pytest.fixture(scope="module", params=list(FAMILIES))
-def served(request) -> Served:
+def served(request, smollm2_tokenizer) -> Served:
     from transformers import AutoTokenizer
 
     family = FAMILIES[request.param]
-    folder = _checkpoint(request.param, family)
+    folder = _checkpoint(request.param, family, smollm2_tokenizer)
     server = start_server(["-m", folder, "-a", "thinking", "-c", "1024", "-np", "4"])
     assert f"reasoning: {request.param}" in server.log()  # chosen from the template
     yield Served(request.param, family, server, AutoTokenizer.from_pretrained(folder))
