@@ -376,8 +376,9 @@ def test_a_prefix_hit_gives_the_tokens_of_a_cold_prompt(tiny):
 
 # the most a top-5 log-prob may move with keys and values stored in e4m3 (per-head scales from
 # the first chunk) against the model's dtype, on the tiny random checkpoints: 0.33 seen on
-# gemma4's (q/k-normed scores at scale 1, the sharpest softmax), 0.002-0.16 on the others
-FP8_LOGPROB_BOUND = 0.4
+# gemma4's on the CPU and 0.43 on CUDA (q/k-normed scores at scale 1, the sharpest softmax),
+# 0.002-0.16 on the others
+FP8_LOGPROB_BOUND = 0.5
 
 
 def steps_served(model, prompt, kv_cache_dtype: str, device="cpu", steps=8) -> list[tuple]:

@@ -52,6 +52,7 @@ def test_adapter_logits_on_cuda_equal_peft_merged(tmp_path, smollm2_tokenizer):
         dtype="float32",
         lora_modules={"a0": str(tmp_path / "a0")},
         max_lora_rank=8,
+        num_blocks=64,  # a fixed pool: the GPU tests share the card
     )
     prompt = PROMPT[:12]
     params = SamplingParams(temperature=0, max_tokens=4, logprobs=5, ignore_eos=True)
@@ -72,7 +73,14 @@ def test_a_mixed_batch_on_cuda_gives_each_request_its_tokens_alone(tmp_path, smo
     for i in range(3):
         write_adapter(base, tmp_path / f"a{i}", "llama", seed=i)
         adapters[f"a{i}"] = str(tmp_path / f"a{i}")
-    llm = LLM(str(base), progress=False, device="cuda", lora_modules=adapters, max_lora_rank=8)
+    llm = LLM(
+        str(base),
+        progress=False,
+        device="cuda",
+        lora_modules=adapters,
+        max_lora_rank=8,
+        num_blocks=64,  # a fixed pool: the GPU tests share the card
+    )
     prompts = {
         n: [(i * 7 + k) % 500 for i in range(9 + k)] for k, n in enumerate([*adapters, None])
     }
