@@ -172,8 +172,8 @@ def test_prefill_then_decode_matches_transformers(tiny):
 
 def test_sliding_window_chunks_match_transformers(tiny):
     """A prompt longer than the window, prefilled in chunks smaller than, as long as and longer
-    than the window, gives the oracle's logits (DESIGN.md section 1: keys stay until no query of
-    the chunk can see them, the mask enforces the window); and the window changes the logits."""
+    than the window, gives the oracle's logits (docs/architecture.md §1: keys stay until no query
+    of the chunk can see them, the mask enforces the window); and the window changes the logits."""
     family, model = tiny.family, tiny.model
     windows, n = family.sliding_windows, len(family.prompt)
     assert windows, "no sliding window in the family's layers: list in OPT_OUTS"
@@ -221,7 +221,7 @@ def test_prefilling_and_decoding_sequences_share_a_batch(tiny):
         assert_close(out, chunked_logits(model, seq, len(seq)))
 
 
-# --- --max-kv-size: the dense reference of DESIGN.md section 1 ------------------------------------
+# --- --max-kv-size: the dense reference of docs/architecture.md §1 ----------------------------
 
 
 def test_max_kv_size_chunks_match_dense_reference(tiny, kv_chunk):

@@ -116,7 +116,7 @@ def assert_differ(actual: torch.Tensor, other: torch.Tensor, at_least: float = D
     assert gap > at_least, f"outputs differ by at most {gap:.2e}, not more than {at_least:.0e}"
 
 
-# --- `--max-kv-size` checks: the dense reference of DESIGN.md section 1 -------------------------
+# --- `--max-kv-size` checks: the dense reference of docs/architecture.md §1 ---------------------
 
 
 def trimmed_visibility(

@@ -1,4 +1,5 @@
-"""The embedded real checkpoints (DESIGN.md section 4) against transformers on the same GGUF file."""
+"""The embedded real checkpoints (docs/architecture.md §8) against transformers on the same GGUF
+file."""
 
 import functools
 

@@ -1,6 +1,6 @@
-"""`--max-kv-size` trims (DESIGN.md section 1) in the cache: sinks and offset kept, masks sized from
-the keys the cache returned, sliding eviction, checkpoint/restore. Every family checks its outputs
-under trims against a dense reference in tests/family_suite.py (tests/vl_suite.py)."""
+"""`--max-kv-size` trims (docs/architecture.md §1) in the cache: sinks and offset kept, masks
+sized from the keys the cache returned, sliding eviction, checkpoint/restore. Every family checks
+its outputs under trims against a dense reference in tests/family_suite.py (tests/vl_suite.py)."""
 
 import pytest
 import torch

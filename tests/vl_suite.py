@@ -159,7 +159,8 @@ def test_sliding_window_image_chunks_match_transformers(tiny):
 @pytest.mark.parametrize("chunk,keep", [(1, 0), (5, 2), (14, 2)])
 def test_max_kv_size_image_prefill_matches_dense_reference(tiny, chunk, keep):
     """Under --max-kv-size 16 (prompt of ~50 tokens): no shape error, every mask as wide as the
-    keys returned, logits equal transformers' under the dense visibility rule of DESIGN.md."""
+    keys returned, logits equal transformers' under the dense visibility rule
+    of docs/architecture.md §1."""
     n, max_kv = len(tiny.prompt.token_ids), 16
     masks = {t: trimmed_visibility(n, chunk, max_kv, keep, w) for t, w in tiny.windows.items()}
     inputs = hf_inputs(tiny.prompt, tiny.image_token_id)

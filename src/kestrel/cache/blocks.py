@@ -3,8 +3,8 @@
 A sequence's logical block `b` holds positions [b * block_size, (b + 1) * block_size). Its
 `BlockTable` holds the blocks of its live window: the sinks' blocks [0, n_sink) and one contiguous
 run after them. Trimming (`--max-kv-size`) and sliding-window eviction give back every block that
-holds no live key at once; partial blocks stay and the mask hides their dead keys (DESIGN.md
-section 1: the mask comes from positions, not from storage).
+holds no live key at once; partial blocks stay and the mask hides their dead keys
+(docs/architecture.md §1: the mask comes from positions, not from storage).
 
 The `BlockManager` hands out block ids to tables. The scheduler plans each step's chunks with it
 (`blocks_needed`, `grow`), so a step never runs out of blocks in the middle of a forward; the paged

@@ -4,8 +4,8 @@ scheduler plans).
 
 Storage follows positions (a sequence's logical block `b` holds positions [b * block_size,
 (b + 1) * block_size)), so a key's position is known from where it sits and the mask rule of
-DESIGN.md section 1 (window, sinks, live start) is applied to those positions inside the attention
-kernel.
+docs/architecture.md §1 (window, sinks, live start) is applied to those positions inside the
+attention kernel.
 """
 
 import math

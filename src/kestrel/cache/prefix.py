@@ -2,7 +2,7 @@
 
 Block b's key is hash(key of block b - 1, its tokens, the digests of the images that start in
 it), so one key names one prefix at one set of absolute positions, and a hit reuses keys computed
-for exactly those tokens there (DESIGN.md section 1: positions are not storage). The engine runs
+for exactly those tokens there (docs/architecture.md §1). The engine runs
 one model, so the model needs no place in the key.
 
 A cached block whose last holder let go stays in the least-recently-used order and is evicted

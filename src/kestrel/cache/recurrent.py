@@ -1,7 +1,7 @@
 """Per-sequence recurrent state of state-space (Mamba) layers, held in the sequence's SequenceCache.
 
 Recurrent state has no positions: it summarises every token written so far, so `--max-kv-size`
-never trims it (DESIGN.md section 1) and it has no `trim`. The model assigns new tensors on
+never trims it (docs/architecture.md §1) and it has no `trim`. The model assigns new tensors on
 every update and never writes a stored one in place, so `checkpoint()` is free.
 """
 

@@ -7,7 +7,7 @@ The kernel runs one program per (query tile, KV head, part of its group): a tile
 `tile_tokens` consecutive tokens of one sequence times the query heads sharing that KV head (GQA),
 so each K/V block is read once per group (wide heads split the group in parts that fit shared
 memory). It walks the sequence's held blocks (sinks, then the main run), derives every key's
-position from its logical block, and masks with DESIGN.md's rule: pos_k <= pos_q, inside the
+position from its logical block, and masks by docs/architecture.md §1: pos_k <= pos_q, inside the
 window, and pos_k < keep or pos_k >= live_start. The same kernel serves MLA in latent space: one
 KV head whose keys are [latent, rope key] and whose values are the latent, read once.
 

@@ -4,7 +4,7 @@ by `scale_emb`, residual branches scaled by `scale_depth / sqrt(num_hidden_layer
 states divided by `hidden_size / dim_model_base` before the (tied) LM head.
 
 RoPE positions are the batch's absolute positions (the cache's monotonic `offset` onward), so
-they keep growing after a `--max-kv-size` trim (DESIGN.md section 1).
+they keep growing after a `--max-kv-size` trim (docs/architecture.md §1).
 """
 
 import math

@@ -1,6 +1,6 @@
 // Paged attention on the CPU: queries attend their sequence's keys in the block pool where they
-// lie, masked by DESIGN.md's rule from each key's position (pos_k <= pos_q, inside the window,
-// pos_k < keep or pos_k >= live_start), GQA without repeating keys. The same arithmetic as
+// lie, masked (docs/architecture.md §1) from each key's position (pos_k <= pos_q, inside the
+// window, pos_k < keep or pos_k >= live_start), GQA without repeating keys. The same arithmetic as
 // cache/paged.py's paged_attention_torch, its reference; built by kernels/cpu_native.py.
 //
 // One work item is (query tile, KV head, up to 16 of the tile's tokens): the query rows of those

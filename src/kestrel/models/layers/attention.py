@@ -23,7 +23,7 @@ def cached_attention(
 ) -> torch.Tensor:
     """Append k/v to each sequence's cache and attend. q: (T, Hq, D), k/v: (T, Hkv, D) -> (T, Hq, Dv).
 
-    The mask comes from the positions of the keys the cache returned (DESIGN.md section 1).
+    The mask comes from the positions of the keys the cache returned (docs/architecture.md §1).
     `cache_layer_idx` lets a layer read another layer's cache (KV sharing) without appending;
     k/v are then None (values are taken to have q's head dim).
     """

@@ -6,7 +6,7 @@ frequencies to t, h and w (`mrope_section`), Qwen3-VL interleaves them (t h w t 
 A text token has three equal ids, so text is plain RoPE at `position + rope_delta`; an image's
 tokens take a grid of ids and move the count on by max(rows, cols), not by their number, which
 is the delta the text after it carries (kept per sequence in `SequenceCache.rope_delta`).
-Only RoPE reads these ids: caches and masks keep using the monotonic `positions` (DESIGN.md 1).
+Only RoPE reads these ids: caches and masks keep using `positions` (docs/architecture.md §1).
 Follows transformers' Qwen2VLModel.get_rope_index and Qwen3VLTextRotaryEmbedding.
 """
 
