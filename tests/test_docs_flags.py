@@ -5,11 +5,13 @@ drift from the parser."""
 import argparse
 import importlib.util
 import re
+from dataclasses import fields
 from pathlib import Path
 
 import pytest
 
 from kestrel.cli import build_parser
+from kestrel.config import SECTIONS, default_of
 
 ROOT = Path(__file__).resolve().parent.parent
 COMMANDS = ["serve", "run", "generate", "bench", "inspect"]
@@ -99,3 +101,28 @@ def test_marker_expands_in_pages(hook):
     assert "kestrel-flags" not in out and "`--port`" in out and out.endswith("After.\n")
     for name in ["server-flags.md", "cli.md"]:
         assert "<!-- kestrel-flags: " in (ROOT / "docs" / name).read_text()
+
+
+# flags whose default differs from the setting's on purpose: 0 or "" spell "off" on the command
+# line (config.ZERO_IS_NONE, an empty origin list), and flags left unset let config decide
+UNSET = (None, 0, "")
+# a benchmark's own defaults: throughput runs 256 sequences at once, as vLLM's benchmark does
+OWN_DEFAULTS = {"bench": {"max_num_seqs"}}
+
+
+@pytest.mark.parametrize("command", COMMANDS)
+def test_a_flag_defaults_to_its_settings_default(command):
+    """A flag that sets a config field takes its default from config.py, where it is written once:
+    changing it there changes every command's flag."""
+    parser = build_parser()
+    (sub,) = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+    names = {f.name for section in SECTIONS.values() for f in fields(section)}
+    different = [
+        f"{action.option_strings[0]}: {action.default!r}, config: {default_of(action.dest)!r}"
+        for action in sub.choices[command]._actions
+        if action.dest in names
+        and action.default != default_of(action.dest)
+        and action.default not in UNSET
+        and action.dest not in OWN_DEFAULTS.get(command, ())
+    ]
+    assert different == []

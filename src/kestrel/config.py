@@ -5,7 +5,7 @@ set of names (a flag's `dest`, a keyword argument) says where each value goes. P
 scheduler reads its part without importing torch.
 """
 
-from dataclasses import dataclass, field, fields
+from dataclasses import MISSING, dataclass, field, fields
 
 from kestrel.errors import InvalidRequestError
 from kestrel.weights.embedded import DEFAULT_MODEL
@@ -192,6 +192,16 @@ class Config:
 
 
 SECTIONS: dict[str, type] = {f.name: f.default_factory for f in fields(Config)}
+
+
+def default_of(name: str):
+    """The default of setting `name`, written once in its section above; the flags take theirs
+    from here. Raises KeyError for a name no section has."""
+    for section in SECTIONS.values():
+        for f in fields(section):
+            if f.name == name:
+                return f.default if f.default is not MISSING else f.default_factory()
+    raise KeyError(name)
 
 
 # 0 means "off" on the command line (llama-server's habit) for these

@@ -3,6 +3,7 @@ kestrel.config's names, so `config_from_args` reads them)."""
 
 import argparse
 
+from kestrel.config import default_of
 from kestrel.weights.embedded import DEFAULT_MODEL
 
 MODEL_HELP = (
@@ -16,14 +17,14 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("-m", "--model", default=DEFAULT_MODEL, help=MODEL_HELP)
     p.add_argument(
         "--dtype",
-        default="auto",
+        default=default_of("dtype"),
         help="auto (float32 on CPU, bfloat16 on CUDA), float32, bfloat16, float16",
     )
-    p.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N")
+    p.add_argument("--device", default=default_of("device"), help="auto, cpu, cuda, cuda:N")
     p.add_argument(
         "--quantized-weights",
         choices=["auto", "keep", "dequantize"],
-        default="auto",
+        default=default_of("quantized_weights"),
         help="GGUF blocks: keep them packed (less memory; on CUDA, decode reads 4-8 bits a "
         "weight), dequantize them at load, or auto: keep them when the model would not fit "
         "dequantized in half the device's memory",
@@ -31,7 +32,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--max-kv-size", type=int, default=0, help="per-sequence KV bound in tokens (0 = off)"
     )
-    p.add_argument("--keep", type=int, default=4, help="sink tokens kept when trimming")
+    p.add_argument(
+        "--keep", type=int, default=default_of("keep"), help="sink tokens kept when trimming"
+    )
     p.add_argument(
         "--no-prefix-caching",
         dest="prefix_caching",
@@ -45,7 +48,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         "--batch-size",
         dest="prefill_chunk_size",
         type=int,
-        default=512,
+        default=default_of("prefill_chunk_size"),
     )
     p.add_argument(
         "--max-batched-tokens",
@@ -67,14 +70,14 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         "-tp",
         "--tensor-parallel-size",
         type=_positive,
-        default=1,
+        default=default_of("tensor_parallel_size"),
         help="split every layer over this many processes, one device each (CUDA: GPUs 0..N-1)",
     )
     parallel.add_argument(
         "-pp",
         "--pipeline-parallel-size",
         type=_positive,
-        default=1,
+        default=default_of("pipeline_parallel_size"),
         help="split the layers into this many stages, one process and device each",
     )
     parallel.add_argument(
@@ -99,7 +102,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     gpu.add_argument(
         "--gpu-memory-utilization",
         type=float,
-        default=0.9,
+        default=default_of("gpu_memory_utilization"),
         help="fraction of the GPU's memory for weights, activations and the KV pool",
     )
     gpu.add_argument(
@@ -108,18 +111,23 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         action="store_false",
         help="run decode steps eagerly",
     )
-    gpu.add_argument("--block-size", type=int, default=64, help="KV pool block size in tokens")
+    gpu.add_argument(
+        "--block-size",
+        type=int,
+        default=default_of("block_size"),
+        help="KV pool block size in tokens",
+    )
     p.add_argument(
         "--kv-cache-dtype",
         choices=["auto", "bfloat16", "float16", "float32", "fp8", "fp8_e4m3"],
-        default="auto",
+        default=default_of("kv_cache_dtype"),
         help="dtype of the KV cache pool: auto (the model's) or fp8 (e4m3 with a scale per layer "
         "and KV head from the first prompt chunk: twice the tokens in the same memory)",
     )
     p.add_argument(
         "--mamba-ssm-cache-dtype",
         choices=["float32", "bfloat16", "float16"],
-        default="float32",
+        default=default_of("mamba_ssm_cache_dtype"),
         help="dtype of the hybrid models' SSM state (computed in float32 either way)",
     )
 
@@ -164,10 +172,20 @@ def add_speculative_args(p: argparse.ArgumentParser) -> None:
         "repo (with --shape: a shape name)",
     )
     spec.add_argument(
-        "--num-speculative-tokens", type=_count, default=5, help="most tokens proposed per step"
+        "--num-speculative-tokens",
+        type=_count,
+        default=default_of("num_speculative_tokens"),
+        help="most tokens proposed per step",
     )
-    spec.add_argument("--ngram-min", type=_count, default=2, help="shortest n-gram matched")
-    spec.add_argument("--ngram-max", type=_count, default=4, help="longest n-gram matched (first)")
+    spec.add_argument(
+        "--ngram-min", type=_count, default=default_of("ngram_min"), help="shortest n-gram matched"
+    )
+    spec.add_argument(
+        "--ngram-max",
+        type=_count,
+        default=default_of("ngram_max"),
+        help="longest n-gram matched (first)",
+    )
 
 
 def add_lora_args(p: argparse.ArgumentParser) -> None:
@@ -187,8 +205,14 @@ def add_lora_args(p: argparse.ArgumentParser) -> None:
         help="PEFT adapter folders to load at start; a request picks one by its `model` field",
     )
     lora.add_argument(
-        "--max-loras", type=_positive, default=4, help="most adapters in one batch (device slots)"
+        "--max-loras",
+        type=_positive,
+        default=default_of("max_loras"),
+        help="most adapters in one batch (device slots)",
     )
     lora.add_argument(
-        "--max-lora-rank", type=_positive, default=16, help="the largest adapter rank accepted"
+        "--max-lora-rank",
+        type=_positive,
+        default=default_of("max_lora_rank"),
+        help="the largest adapter rank accepted",
     )

@@ -7,6 +7,7 @@ wins over the environment because the variable only sets the flag's default.
 import argparse
 import os
 
+from kestrel.config import default_of
 from kestrel.flags import add_engine_args
 from kestrel.server.reasoning import NAMES as REASONING_PARSERS
 from kestrel.server.tools.parsers import PARSERS
@@ -46,13 +47,13 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
         "--max-num-seqs",
         dest="max_num_seqs",
         type=int,
-        default=8,
+        default=default_of("max_num_seqs"),
         help="max running sequences",
     )
     p.add_argument(
         "--max-queue-depth",
         type=int,
-        default=64,
+        default=default_of("max_queue_depth"),
         help="max waiting requests; beyond it 503 with Retry-After",
     )
     p.add_argument(
@@ -63,7 +64,13 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
         default=-1,
         help="default max tokens per request (-1 = until the context is full)",
     )
-    p.add_argument("-t", "--threads", type=int, default=0, help="CPU threads (0 = torch's default)")
+    p.add_argument(
+        "-t",
+        "--threads",
+        type=int,
+        default=default_of("threads"),
+        help="CPU threads (0 = torch's default)",
+    )
     p.add_argument("--api-key", default=None, help="require this key (Bearer) on all but /health")
     p.add_argument(
         "--allowed-origins", default="", help="comma-separated CORS origins (default: none)"
@@ -77,13 +84,13 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--max-request-bytes",
         type=int,
-        default=8 * 2**20,
+        default=default_of("max_request_bytes"),
         help="larger request bodies get 413 before they are read (default: 8 MiB)",
     )
     p.add_argument(
         "--client-timeout",
         type=float,
-        default=30.0,
+        default=default_of("client_timeout"),
         help="seconds a client has to send its request head, and then its body (slow clients)",
     )
     p.add_argument(
@@ -115,34 +122,39 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--max-engine-restarts",
         type=int,
-        default=3,
+        default=default_of("max_engine_restarts"),
         help="engine restarts allowed within --engine-restart-window; one more and the server "
         "gives up (exits non-zero)",
     )
-    p.add_argument("--engine-restart-window", type=float, default=600.0, help="seconds (see above)")
+    p.add_argument(
+        "--engine-restart-window",
+        type=float,
+        default=default_of("engine_restart_window"),
+        help="seconds (see above)",
+    )
     p.add_argument(
         "--slots",
         action=argparse.BooleanOptionalAction,
-        default=False,
+        default=default_of("slots"),
         help="serve GET /slots, llama-server's slot monitor (default: off, 501)",
     )
     p.add_argument(
         "--tool-call-parser",
-        default="auto",
+        default=default_of("tool_call_parser"),
         choices=["auto", *PARSERS],
         help="the syntax of the model's tool calls (vLLM's names; default: auto, chosen from the "
         "chat template and vocabulary, else hermes)",
     )
     p.add_argument(
         "--reasoning-parser",
-        default="auto",
+        default=default_of("reasoning_parser"),
         choices=REASONING_PARSERS,
         help="split thinking models' reasoning out of the answer (vLLM's names; default: auto, "
         "chosen from the chat template's markers; none: leave it in the content)",
     )
     p.add_argument(
         "--pooling",
-        default="last",
+        default=default_of("pooling"),
         choices=["last", "mean"],
         help="how /v1/embeddings pools a prompt's final-norm hidden states: the last token's "
         "(default, as vLLM for decoder models) or the mean over its tokens",
