@@ -90,7 +90,8 @@ class ReplicaSetClient(EngineClient):
         stats: EngineStats | None = None,
     ):
         super().__init__(info.intake(tokenizer), tokenizer, processor, listener, stats)
-        self.capacity *= len(replicas)  # every replica has its own running slots and queue
+        self.replica_capacity = self.capacity  # each replica's scheduler bounds its own queue
+        self.capacity *= len(replicas)
         self.adapters = dict(info.adapters)
         self.router = PrefixRouter(block_size=info.config.cache.block_size)
         self._spawn = spawn
@@ -136,13 +137,15 @@ class ReplicaSetClient(EngineClient):
         """Route each request to a live replica (one add per replica), or keep it for the next
         replica to come back."""
         live = {s.index: s for s in self._slots if s.status == "ok"}
-        if not live:
-            self._orphans += requests
-            return
         batches: dict[int, list[Request]] = {}
         for request in requests:
-            outstanding = {i: len(s.requests) for i, s in live.items()}
-            slot = live[self.router.route(request.prompt_ids, outstanding)]
+            # a full replica would refuse it (503) while another has room
+            room = {i: len(s.requests) for i, s in live.items()}
+            room = {i: n for i, n in room.items() if n < self.replica_capacity} or room
+            if not room:
+                self._orphans.append(request)
+                continue
+            slot = live[self.router.route(request.prompt_ids, room)]
             slot.requests.add(request.request_id)
             slot.routed += 1
             self._owner[request.request_id] = slot
