@@ -31,7 +31,7 @@ from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any
 
-from kestrel.config import Config
+from kestrel.config import Config, ParallelConfig
 from kestrel.engine.client import EngineStats, LatencyListener
 from kestrel.engine.engine import Engine
 from kestrel.engine.process import (
@@ -202,13 +202,13 @@ def load_replicas(
     """Join (--ray-address) or start a Ray cluster, start -dp replicas and wait until every one
     has loaded (blocking: the server runs this off the event loop)."""
     ray = require_ray()
-    size = config.parallel.data_parallel_size
-    _init(ray, config.parallel.ray_address, size)
+    _init(ray, config.parallel)
     actor = ray.remote(EngineActor).options(**_placement(ray, config), max_concurrency=MAX_CALLS)
 
     def spawn(index: int) -> RayReplica:
         return RayReplica(actor.remote(build))
 
+    size = config.parallel.data_parallel_size
     replicas = [spawn(i) for i in range(size)]
     try:
         infos = [replica.wait_ready() for replica in replicas]
@@ -220,14 +220,15 @@ def load_replicas(
     return ReplicaSetClient(replicas, spawn, infos[0], tokenizer, processor, listener, stats)
 
 
-def _init(ray, address: str | None, size: int) -> None:
+def _init(ray, parallel: ParallelConfig) -> None:
     if ray.is_initialized():
         return  # the server restarts a replica set that died whole: same cluster
-    if address:
-        ray.init(address=address, include_dashboard=False)
+    if parallel.ray_address:
+        ray.init(address=parallel.ray_address, include_dashboard=False)
         return
-    # a local cluster: at least one CPU per CPU replica, so that none waits for a place
-    ray.init(num_cpus=max(os.cpu_count() or 1, size), include_dashboard=False)
+    # a local cluster: room for every CPU replica's threads, so that none waits for a place
+    wanted = parallel.data_parallel_size * max(parallel.threads, 1)
+    ray.init(num_cpus=max(os.cpu_count() or 1, wanted), include_dashboard=False)
 
 
 def _placement(ray, config: Config) -> dict:
