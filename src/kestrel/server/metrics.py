@@ -115,7 +115,12 @@ REPLICA_METRICS = (
     ("kestrel_replica_alive", "gauge", "1 while the replica serves", lambda r: r.status == "ok"),
     ("kestrel_replica_requests_in_flight", "gauge", "routed, unfinished", lambda r: r.in_flight),
     ("kestrel_replica_requests_routed", "counter", "requests routed", lambda r: r.routed),
-    ("kestrel_replica_restarts", "counter", "restarts in the window", lambda r: r.restarts),
+    (
+        "kestrel_replica_restarts",
+        "gauge",
+        "restarts within --engine-restart-window",
+        lambda r: r.restarts,
+    ),
     (
         "kestrel_replica_prefix_cache_queries",
         "counter",
