@@ -103,15 +103,19 @@ class ParallelConfig:
     # so the stages overlap); None: 128 on CUDA, 16 on the CPU
     pp_microbatch_tokens: int | None = None
     enable_expert_parallel: bool = False  # with -tp: whole experts per rank, not slices of each
+    data_parallel_size: int = 1  # serve: engine replicas (Ray actors) behind the one endpoint
+    ray_address: str | None = None  # the Ray cluster of the replicas; None: a local one
 
     def __post_init__(self):
-        for name in ("tensor_parallel_size", "pipeline_parallel_size"):
+        for name in ("tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise InvalidRequestError(f"must be >= 1, not {value!r}", name)
         for name in ("pp_layers", "pp_microbatch_tokens"):
             if getattr(self, name) and self.pipeline_parallel_size == 1:
                 raise InvalidRequestError("only used with --pipeline-parallel-size", name)
+        if self.ray_address and self.data_parallel_size == 1:
+            raise InvalidRequestError("only used with --data-parallel-size", "ray_address")
         if self.pp_microbatch_tokens is not None and self.pp_microbatch_tokens < 1:
             raise InvalidRequestError(
                 f"must be >= 1, not {self.pp_microbatch_tokens!r}", "pp_microbatch_tokens"

@@ -58,6 +58,19 @@ class EngineStats:
         self.finished[reason] = self.finished.get(reason, 0) + 1
 
 
+@dataclass
+class ReplicaStatus:
+    """One data-parallel replica as /health and /metrics show it (engine.replicas)."""
+
+    replica: int  # its index, 0..N-1, kept across restarts
+    status: str  # ok | restarting | failed
+    pid: int | None  # its engine's process (None while it starts)
+    in_flight: int  # requests routed to it and not finished
+    routed: int  # requests routed to it since the server started
+    restarts: int
+    load: EngineLoad
+
+
 class LatencyListener:
     """Receives per-token timings; the server's metrics implement it."""
 
@@ -147,6 +160,10 @@ class EngineClient:
     def num_unfinished(self) -> int:
         """Requests accepted and not yet finished (the admission-control count)."""
         return len(self._streams)
+
+    def replica_status(self) -> list[ReplicaStatus]:
+        """Each data-parallel replica's state (empty: one engine, no replicas)."""
+        return []
 
     async def add(self, requests: list[GenerateRequest]) -> OutputStream:
         """Validate and queue requests as one group; raises InvalidRequestError,

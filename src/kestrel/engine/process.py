@@ -55,7 +55,7 @@ class EngineError(RuntimeError):
 
 
 @dataclass
-class _Ready:
+class EngineInfo:
     """What the server's side needs to validate requests like the Engine would."""
 
     config: Config
@@ -64,6 +64,29 @@ class _Ready:
     multimodal: bool
     hidden_size: int | None
     adapters: dict[str, str] = field(default_factory=dict)  # LoRA adapters loaded at start
+
+    @classmethod
+    def of(cls, engine: Engine) -> EngineInfo:
+        text = engine.intake
+        return cls(
+            engine.config,
+            text.vocab_size,
+            text.ctx_size,
+            text.multimodal,
+            text.hidden_size,
+            engine.lora_adapters(),
+        )
+
+    def intake(self, tokenizer) -> RequestFactory:
+        """The server's RequestFactory: validates and builds requests as the engine's would."""
+        return RequestFactory(
+            tokenizer,
+            self.config,
+            self.vocab_size,
+            self.ctx_size,
+            self.multimodal,
+            self.hidden_size,
+        )
 
 
 # what the server may ask of the engine between steps (`EngineClient._control`)
@@ -91,15 +114,7 @@ class EngineProcessClient(EngineClient):
         self.process = subprocess.Popen([sys.executable, "-c", entry], pass_fds=[theirs.fileno()])
         theirs.close()
         ready = self._load(ours, build)
-        intake = RequestFactory(
-            tokenizer,
-            ready.config,
-            ready.vocab_size,
-            ready.ctx_size,
-            ready.multimodal,
-            ready.hidden_size,
-        )
-        super().__init__(intake, tokenizer, processor, listener, stats)
+        super().__init__(ready.intake(tokenizer), tokenizer, processor, listener, stats)
         self.adapters = dict(ready.adapters)
         self._replies: dict[int, asyncio.Future] = {}
         self._call_ids = itertools.count()
@@ -107,7 +122,7 @@ class EngineProcessClient(EngineClient):
         self._writer: asyncio.StreamWriter | None = None
         self._reader_task: asyncio.Task | None = None
 
-    def _load(self, sock: socket.socket, build) -> _Ready:
+    def _load(self, sock: socket.socket, build) -> EngineInfo:
         """Send `build`, wait (blocking: the caller runs this off the event loop) for ready."""
         try:
             _send(sock, build)
@@ -201,16 +216,7 @@ def child_main(fd: int) -> None:
     try:
         build = _receive(sock)
         engine = build()
-        text = engine.intake
-        ready = _Ready(
-            engine.config,
-            text.vocab_size,
-            text.ctx_size,
-            text.multimodal,
-            text.hidden_size,
-            engine.lora_adapters(),
-        )
-        _send(sock, ("ready", ready))
+        _send(sock, ("ready", EngineInfo.of(engine)))
     except BaseException as error:
         log.exception("the engine failed to load")
         _send(sock, ("failed", _portable(error)))
@@ -261,7 +267,7 @@ def _serve(sock: socket.socket, engine: Engine) -> None:
             if command == "stop":
                 return
             if command == "control":
-                _send(sock, ("reply", *_control(engine, *payload)))
+                _send(sock, ("reply", *run_control(engine, *payload)))
                 continue
             failed = _apply(engine, command, payload)
             if failed:
@@ -269,7 +275,7 @@ def _serve(sock: socket.socket, engine: Engine) -> None:
         if engine.has_unfinished():
             outputs = engine.step()
             sent = engine.snapshot()
-            _send(sock, ("step", [_portable_output(o) for o in outputs], sent, True))
+            _send(sock, ("step", [portable_output(o) for o in outputs], sent, True))
 
 
 def _apply(engine: Engine, command: str, payload) -> list[RequestOutput]:
@@ -279,10 +285,10 @@ def _apply(engine: Engine, command: str, payload) -> list[RequestOutput]:
         for request_id in payload:
             engine.abort(request_id)
         return []
-    return [_portable_output(output) for output in engine.add_all(payload)]
+    return [portable_output(output) for output in engine.add_all(payload)]
 
 
-def _control(engine: Engine, call_id: int, method: str, args: tuple) -> tuple:
+def run_control(engine: Engine, call_id: int, method: str, args: tuple) -> tuple:
     """(call id, result, error) of one of CONTROLS run on the engine."""
     if method not in CONTROLS:
         return call_id, None, EngineError(f"unknown control {method!r}")
@@ -292,7 +298,7 @@ def _control(engine: Engine, call_id: int, method: str, args: tuple) -> tuple:
         return call_id, None, _portable(error)
 
 
-def _portable_output(output: RequestOutput) -> RequestOutput:
+def portable_output(output: RequestOutput) -> RequestOutput:
     if output.error is not None:
         output.error = _portable(output.error)
     return output

@@ -159,8 +159,30 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
         help="how /v1/embeddings pools a prompt's final-norm hidden states: the last token's "
         "(default, as vLLM for decoder models) or the mean over its tokens",
     )
+    add_data_parallel_args(p)
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     apply_llama_env(p)
+
+
+def add_data_parallel_args(p: argparse.ArgumentParser) -> None:
+    from kestrel.flags import _positive
+
+    group = p.add_argument_group("data parallel")
+    group.add_argument(
+        "-dp",
+        "--data-parallel-size",
+        type=_positive,
+        default=1,
+        help="serve this many engine replicas behind the one endpoint (Ray actors, each on its "
+        "own -tp x -pp GPUs, or on the CPU); requests go to the replica that served their "
+        "prefix last, else the least busy (needs ray: pip install 'kestrel[dp]')",
+    )
+    group.add_argument(
+        "--ray-address",
+        default=None,
+        help="the Ray cluster to run -dp replicas on, e.g. ray://head:10001 or auto (default: "
+        "start a local one)",
+    )
 
 
 def served_names(args) -> tuple[str, set[str]]:

@@ -10,7 +10,7 @@ import time
 import uvicorn
 
 from kestrel.config import Config, config_from_args
-from kestrel.engine.client import EngineStats, LatencyListener
+from kestrel.engine.client import EngineClient, EngineStats, LatencyListener
 from kestrel.engine.engine import Engine
 from kestrel.engine.process import EngineProcessClient
 from kestrel.server import faults
@@ -36,6 +36,10 @@ def serve(args) -> int:
         server.should_exit = True
 
     config = server_settings(args)
+    if config.parallel.data_parallel_size > 1:
+        from kestrel.engine.ray_replicas import require_ray
+
+        require_ray()  # before the server starts: a clear error, not a failed load
     load = functools.partial(load_engine, config, args.log_level)
     app = create_app(config.server, load, request_exit=request_exit)
     config = uvicorn.Config(
@@ -98,12 +102,16 @@ def server_settings(args) -> Config:
 
 def load_engine(
     config: Config, log_level: str, listener: LatencyListener, stats: EngineStats
-) -> EngineProcessClient:
-    """The engine in its own process (model, runner, scheduler), with this process's tokenizer
-    and image processor for the routes. The tokenizer is loaded first: a GGUF vocabulary is
-    converted and cached then, and the child finds it cached."""
+) -> EngineClient:
+    """The engine in its own process (model, runner, scheduler), or -dp replicas of it on Ray,
+    with this process's tokenizer and image processor for the routes. The tokenizer is loaded
+    first: a GGUF vocabulary is converted and cached then, and the engines find it cached."""
     tokenizer, processor = load_frontend(config)
     build = functools.partial(build_engine, config, log_level)
+    if config.parallel.data_parallel_size > 1:
+        from kestrel.engine.ray_replicas import load_replicas
+
+        return load_replicas(config, build, tokenizer, processor, listener, stats)
     return EngineProcessClient(build, tokenizer, processor, listener, stats)
 
 

@@ -6,7 +6,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from kestrel.engine.client import EngineClient, EngineStats, LatencyListener
+from kestrel.engine.client import EngineClient, EngineStats, LatencyListener, ReplicaStatus
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 
@@ -106,6 +106,47 @@ class EngineCollector:
         for reason, count in sorted(stats.finished.items()):
             finished.add_metric([reason], count)
         yield finished
+        if engine is not None:
+            yield from replica_metrics(engine.replica_status())
+
+
+# -dp: per-replica samples, labelled `replica` (its index): (name, kind, doc, value of a status)
+REPLICA_METRICS = (
+    ("kestrel_replica_alive", "gauge", "1 while the replica serves", lambda r: r.status == "ok"),
+    ("kestrel_replica_requests_in_flight", "gauge", "routed, unfinished", lambda r: r.in_flight),
+    ("kestrel_replica_requests_routed", "counter", "requests routed", lambda r: r.routed),
+    (
+        "kestrel_replica_restarts",
+        "gauge",
+        "restarts within --engine-restart-window",
+        lambda r: r.restarts,
+    ),
+    (
+        "kestrel_replica_prefix_cache_queries",
+        "counter",
+        "prompt tokens looked up in the replica's prefix cache (since it started)",
+        lambda r: r.load.prefix_queried_tokens,
+    ),
+    (
+        "kestrel_replica_prefix_cache_hits",
+        "counter",
+        "prompt tokens whose KV the replica's prefix cache held (since it started)",
+        lambda r: r.load.prefix_hit_tokens,
+    ),
+)
+
+
+def replica_metrics(replicas: list[ReplicaStatus]):
+    """One labelled family per REPLICA_METRICS entry (none without replicas)."""
+    if not replicas:
+        return
+    for name, kind, doc, value in REPLICA_METRICS:
+        family = (GaugeMetricFamily if kind == "gauge" else CounterMetricFamily)(
+            name, doc, labels=["replica"]
+        )
+        for replica in replicas:
+            family.add_metric([str(replica.replica)], float(value(replica)))
+        yield family
 
 
 def _gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:

@@ -54,14 +54,21 @@ class ServerState:
 
     def ready_engine(self) -> EngineClient:
         """The engine, or 503 while loading, restarting, draining or after the engine died."""
-        if self.status != "ready" or self.engine is None or self.engine.dead is not None:
+        if self.engine is None or self.health() != "ready":
             raise unavailable(f"the server is not ready ({self.health()})")
         return self.engine
 
     def health(self) -> str:
         if self.status == "ready" and self.engine is not None and self.engine.dead is not None:
             return "engine failed"
+        if self.status == "ready" and self.engine is not None and not self._replica_serves():
+            return "restarting"
         return self.status
+
+    def _replica_serves(self) -> bool:
+        """With -dp: some replica is up (the others may be restarting); without: True."""
+        replicas = self.engine.replica_status()
+        return not replicas or any(r.status == "ok" for r in replicas)
 
     def check_model(self, name: str) -> None:
         if name != self.config.model_name and name not in self.config.aliases:

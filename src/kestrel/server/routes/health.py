@@ -12,13 +12,17 @@ router = APIRouter()
 @router.get("/health")
 async def health(http: Request) -> JSONResponse:
     """200 once the model is loaded and a warm-up generation ran; 503 while loading, draining, or
-    after the engine loop died."""
+    after the engine loop died. With -dp, `replicas` lists each replica's status and pid."""
     state = server_state(http)
     status = state.health()
-    return JSONResponse(
-        {"status": "ok" if status == "ready" else status},
-        status_code=200 if status == "ready" else 503,
-    )
+    body = {"status": "ok" if status == "ready" else status}
+    replicas = state.engine.replica_status() if state.engine is not None else []
+    if replicas:  # -dp: each replica's state; the server is ok while one of them serves
+        body["replicas"] = [
+            {k: getattr(r, k) for k in ("replica", "status", "pid", "in_flight", "restarts")}
+            for r in replicas
+        ]
+    return JSONResponse(body, status_code=200 if status == "ready" else 503)
 
 
 @router.get("/metrics")
