@@ -71,3 +71,31 @@ def test_prompt_longer_than_context_is_refused():
     # max_tokens is clamped to what fits
     out = small.generate("Hi", greedy(max_tokens=100, ignore_eos=True))[0]
     assert len(out.prompt_token_ids) + len(out.outputs[0].token_ids) == 16
+
+
+def test_priority_needs_the_priority_policy_and_one_value_per_prompt(llm):
+    with pytest.raises(InvalidRequestError) as error:
+        llm.generate(PROMPTS[:2], greedy(), priority=[0, 3])  # fcfs: only 0 (vLLM's 400)
+    assert error.value.param == "priority"
+    assert not llm.engine.has_unfinished()  # the first prompt was not left queued
+    with pytest.raises(InvalidRequestError) as error:
+        llm.generate(PROMPTS[:2], greedy(), priority=[0])
+    assert error.value.param == "priority"
+
+
+def test_priority_policy_runs_the_lower_value_first_with_the_same_tokens(llm):
+    ranked = LLM(
+        "smollm2",
+        progress=False,
+        max_num_seqs=1,
+        prefill_chunk_size=8,
+        scheduling_policy="priority",
+    )
+    texts = [r.outputs[0].text for r in ranked.generate(PROMPTS, greedy(), priority=[3, 1, 2, 0])]
+    assert texts == [r.outputs[0].text for r in llm.generate(PROMPTS, greedy())]
+    for i, rank in enumerate([5, 0]):  # one slot: the later, lower value runs first
+        ranked.engine.add_request(f"p{i}", PROMPTS[i], greedy(max_tokens=2), priority=rank)
+    finished = []
+    while ranked.engine.has_unfinished():
+        finished += [o.request_id for o in ranked.engine.step() if o.finished]
+    assert finished == ["p1", "p0"]

@@ -28,7 +28,10 @@ class FakeModel:
         self.caches: dict[str, list[int]] = {}
 
     def step(self, scheduler: Scheduler) -> int:
-        plan = scheduler.schedule()
+        return self.apply(scheduler, scheduler.schedule())
+
+    def apply(self, scheduler: Scheduler, plan) -> int:
+        """Run a plan the scheduler made; KV tokens held after it."""
         for request in plan.preempted:
             self.caches.pop(request.request_id, None)
         for chunk in plan.chunks:

@@ -11,6 +11,7 @@ from kestrel.errors import InvalidRequestError
 from kestrel.weights.embedded import DEFAULT_MODEL
 
 SPECULATIVE_METHODS = ("ngram", "draft", "mtp")
+SCHEDULING_POLICIES = ("fcfs", "priority")  # engine/policy.py
 # methods that run a draft beside the model: in the engine of one process, on one device
 DRAFT_METHODS = ("draft", "mtp")
 
@@ -52,6 +53,24 @@ class SchedulerConfig:
     max_queue_depth: int = 64  # requests the scheduler holds beyond the running ones
     max_batched_tokens: int | None = None  # default: one chunk plus one token per running sequence
     kv_capacity: int | None = None  # KV tokens all running sequences may hold; None: unlimited
+    scheduling_policy: str = "fcfs"  # or "priority": requests' `priority`, lower first
+    # priority: a request's effective priority improves by 1 per this many seconds since it
+    # arrived, so none waits forever; None: never (strict priorities)
+    priority_aging_interval: float | None = 10.0
+
+    def __post_init__(self):
+        if self.scheduling_policy not in SCHEDULING_POLICIES:
+            raise InvalidRequestError(
+                f"unknown policy {self.scheduling_policy!r}; supported: "
+                f"{', '.join(SCHEDULING_POLICIES)}",
+                param="scheduling_policy",
+            )
+        interval = self.priority_aging_interval
+        if interval is not None and not (isinstance(interval, int | float) and interval > 0):
+            raise InvalidRequestError(
+                f"must be a positive number of seconds, got {interval!r}",
+                param="priority_aging_interval",
+            )
 
     @property
     def token_budget(self) -> int:
@@ -209,7 +228,7 @@ def default_of(name: str):
 
 
 # 0 means "off" on the command line (llama-server's habit) for these
-ZERO_IS_NONE = {"ctx_size", "max_kv_size", "kv_capacity"}
+ZERO_IS_NONE = {"ctx_size", "max_kv_size", "kv_capacity", "priority_aging_interval"}
 
 
 def build_config(**values) -> Config:

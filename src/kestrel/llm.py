@@ -5,6 +5,7 @@ from dataclasses import dataclass, field
 
 from kestrel.config import DRAFT_METHODS, Config, build_config
 from kestrel.engine.engine import Engine, RequestOutput
+from kestrel.errors import InvalidRequestError
 from kestrel.loading import load_draft, load_model, resolve_device
 from kestrel.media import MediaLimits, image_part_params
 from kestrel.models.qwen_vl_processor import MultimodalPrompt, chat_prompt, load_processor
@@ -89,15 +90,20 @@ class LLM:
             self.engine.shutdown()
 
     def generate(
-        self, prompts, params: SamplingParams | None = None, lora: str | None = None
+        self,
+        prompts,
+        params: SamplingParams | None = None,
+        lora: str | None = None,
+        priority: list[int] | None = None,
     ) -> list[GenerationResult]:
         """Each prompt is a string or a list of token ids; one result per prompt, in order.
         `lora`: the name of a loaded adapter (`LLM(lora_modules={name: path})` or
-        `load_lora`) to generate with; None: the base model."""
+        `load_lora`) to generate with; None: the base model. `priority`: one per prompt
+        (vLLM's), lower first, with `LLM(scheduling_policy="priority")`; None: all 0."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         prompts = [encode(self.tokenizer, p) for p in prompts]
-        return self._run(prompts, params or SamplingParams(), lora)
+        return self._run(prompts, params or SamplingParams(), lora, priority)
 
     def load_lora(self, name: str, path: str) -> None:
         """Load the PEFT adapter folder `path` as `name` (needs enable_lora=True or
@@ -123,16 +129,23 @@ class LLM:
         return apply_chat_template(self.tokenizer, conversation)
 
     def _run(
-        self, prompts: list[list[int] | MultimodalPrompt], params: SamplingParams, lora=None
+        self,
+        prompts: list[list[int] | MultimodalPrompt],
+        params: SamplingParams,
+        lora=None,
+        priority: list[int] | None = None,
     ) -> list[GenerationResult]:
+        priority = _priorities(priority, len(prompts))
+        for rank in priority:  # all checked before any is queued
+            self.engine.intake.check_priority(rank)
         results, outputs = [], {}
-        for prompt in prompts:
+        for prompt, rank in zip(prompts, priority, strict=True):
             ids = prompt.token_ids if isinstance(prompt, MultimodalPrompt) else prompt
             result = GenerationResult(list(ids), [])
             for index in range(params.n):
                 request_id = f"llm-{next(self._ids)}"
                 choice = params.for_choice(index)
-                self.engine.add_request(request_id, prompt, choice, lora=lora)
+                self.engine.add_request(request_id, prompt, choice, lora=lora, priority=rank)
                 wants_logprobs = params.logprobs is not None
                 outputs[request_id] = CompletionOutput(
                     index, logprobs=[] if wants_logprobs else None
@@ -143,6 +156,16 @@ class LLM:
             for step in self.engine.step():
                 _accumulate(outputs[step.request_id], step)
         return results
+
+
+def _priorities(priority: list[int] | None, num_prompts: int) -> list[int]:
+    if priority is None:
+        return [0] * num_prompts
+    if len(priority) != num_prompts:
+        raise InvalidRequestError(
+            f"priority has {len(priority)} values for {num_prompts} prompts", "priority"
+        )
+    return list(priority)
 
 
 def _accumulate(output: CompletionOutput, step: RequestOutput) -> None:

@@ -90,6 +90,7 @@ class GenerateRequest:
     max_kv_size: int | None = None
     embed: bool = False
     lora: str | None = None  # a loaded LoRA adapter's name; None: the base model
+    priority: int = 0  # under --scheduling-policy priority: lower runs sooner
 
 
 class OutputStream:
@@ -232,7 +233,7 @@ class EngineClient:
                 f"no adapter {r.lora!r} is loaded", "model", "model_not_found"
             )
         return self.intake.build(
-            r.request_id, r.prompt, r.params, r.max_kv_size, r.embed, lora=r.lora
+            r.request_id, r.prompt, r.params, r.max_kv_size, r.embed, r.lora, r.priority
         )
 
     def _check_alive(self) -> None:

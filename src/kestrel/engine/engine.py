@@ -165,10 +165,14 @@ class Engine:
         params: SamplingParams,
         max_kv_size: int | None = None,
         lora: str | None = None,
+        priority: int = 0,
     ) -> Request:
-        """Validate and queue a request (`lora`: an adapter's name, None: the base model);
-        raises InvalidRequestError or QueueFullError."""
-        request = self.intake.build(request_id, prompt, params, max_kv_size, lora=lora)
+        """Validate and queue a request (`lora`: an adapter's name, None: the base model;
+        `priority`: lower runs sooner, under the priority policy); raises InvalidRequestError
+        or QueueFullError."""
+        request = self.intake.build(
+            request_id, prompt, params, max_kv_size, lora=lora, priority=priority
+        )
         self.add(request)
         return request
 
@@ -335,9 +339,12 @@ class RequestFactory:
         max_kv_size: int | None = None,
         embed: bool = False,
         lora: str | None = None,
+        priority: int = 0,
     ) -> Request:
         """The request (`embed`: an embedding request, pooled as --pooling says; `lora`: the
-        adapter it runs with); raises InvalidRequestError."""
+        adapter it runs with; `priority`: its place under the priority policy); raises
+        InvalidRequestError."""
+        self.check_priority(priority)
         multimodal = prompt if isinstance(prompt, MultimodalPrompt) else None
         if multimodal is not None and (embed or not self.multimodal):
             what = "embeddings take text only" if embed else "this model does not take images"
@@ -348,7 +355,7 @@ class RequestFactory:
             prompt_ids = encode(self.tokenizer, prompt)
         self._validate(prompt_ids, params, "input" if embed else "prompt")
         if embed:
-            return self._embedding(request_id, prompt_ids, params, lora)
+            return self._embedding(request_id, prompt_ids, params, lora, priority)
         kv_bound = self._kv_bound(max_kv_size)
         return Request(
             request_id,
@@ -360,7 +367,20 @@ class RequestFactory:
             multimodal=multimodal,
             image_keys=multimodal.image_keys() if multimodal is not None else (),
             lora=lora,
+            priority=priority,
         )
+
+    def check_priority(self, priority: int) -> None:
+        """As vLLM: an integer, and under fcfs only 0 (a priority that would be ignored is a
+        400, not a silent no-op)."""
+        if isinstance(priority, bool) or not isinstance(priority, int):
+            raise InvalidRequestError(f"priority must be an integer, got {priority!r}", "priority")
+        if priority and self.config.scheduler.scheduling_policy != "priority":
+            raise InvalidRequestError(
+                f"priority {priority} needs --scheduling-policy priority (LLM: "
+                'scheduling_policy="priority"); under fcfs only priority 0 is accepted',
+                param="priority",
+            )
 
     def _validate(self, prompt_ids: list[int], params: SamplingParams, param: str) -> None:
         if not prompt_ids:
@@ -371,7 +391,9 @@ class RequestFactory:
             )
         check_token_ids(params, self.vocab_size)
 
-    def _embedding(self, request_id: str, prompt_ids: list[int], params, lora=None) -> Request:
+    def _embedding(
+        self, request_id: str, prompt_ids: list[int], params, lora=None, priority: int = 0
+    ) -> Request:
         """An embedding request: no KV bound (a trim would hide tokens from the pooled states),
         so its whole prompt must fit the context; it generates nothing."""
         if len(prompt_ids) > self._context():
@@ -381,7 +403,9 @@ class RequestFactory:
                 code="context_length_exceeded",
             )
         pooling = self.config.model.pooling
-        return Request(request_id, prompt_ids, params, 0, pooling=pooling, lora=lora)
+        return Request(
+            request_id, prompt_ids, params, 0, pooling=pooling, lora=lora, priority=priority
+        )
 
     def _kv_bound(self, requested: int | None) -> int | None:
         """The request's KV bound: its own if smaller than the server's, else the server's."""

@@ -37,6 +37,7 @@ class Request:
     # adapter's (set by the engine): its slot and the root of its prefix-cache keys
     lora: str | None = None
     lora_key: bytes = b""
+    priority: int = 0  # under --scheduling-policy priority: lower runs sooner (vLLM's)
     output_ids: list[int] = field(default_factory=list)
     num_computed: int = 0  # tokens already written into the cache
     num_cached_tokens: int | None = None  # prompt tokens a prefix hit gave it (set at admission)

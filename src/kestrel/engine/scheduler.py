@@ -7,10 +7,11 @@ either (the budget is at least one chunk plus one token per running sequence).
 The scheduler owns KV memory: a `BlockManager` (cache/blocks.py) whose blocks every chunk takes
 before it is planned, trims and sliding windows included. A waiting request starts only when its
 first chunk's blocks are free, and when the running decodes outgrow the pool (or the running
-prefills fill it between them, none able to go on) the newest running requests are preempted: their
-blocks go back (`SchedulerOutput.preempted`, the runner drops their caches) and they wait at the
-front of the queue to be recomputed from their tokens, prompt and output alike, so they finish with
-the output they would have had (vLLM's recompute preemption). A step therefore never runs out of
+prefills fill it between them, none able to go on) the last running requests in the policy's order
+are preempted (under fcfs the newest, under priority the lowest priority: engine/policy.py): their
+blocks go back (`SchedulerOutput.preempted`, the runner drops their caches) and they wait in the
+queue (fcfs: at its front) to be recomputed from their tokens, prompt and output alike, so they
+finish with the output they would have had (vLLM's recompute preemption). A step therefore never runs out of
 blocks in the middle of a forward. A request that holds nothing (new, or preempted) starts from the
 cached blocks of its longest cached prefix (cache/prefix.py), and each step's full blocks are
 cached once the step ran (`computed`). The paged runner's pool is the manager's blocks; the
@@ -31,6 +32,7 @@ from dataclasses import dataclass, field
 
 from kestrel.cache.blocks import BlockManager, tokens_to_trim
 from kestrel.config import SchedulerConfig
+from kestrel.engine.policy import make_policy
 from kestrel.engine.request import Request, Status
 from kestrel.errors import InvalidRequestError
 
@@ -73,6 +75,8 @@ class Scheduler:
         one-token blocks."""
         self.config = config
         self.blocks = blocks or BlockManager(config.kv_capacity)
+        self.policy = make_policy(config)
+        # both in the policy's order: waiting[0] is admitted next, running[-1] preempted first
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preempted = 0  # over the scheduler's life (a metric)
@@ -92,31 +96,31 @@ class Scheduler:
             )
         if len(self.waiting) >= self.config.max_queue_depth:
             raise QueueFullError(f"queue full ({self.config.max_queue_depth} waiting)")
-        self.waiting.append(request)
+        self.policy.enqueue(self.waiting, request)
 
     def schedule(self) -> SchedulerOutput:
         budget = self.config.token_budget
         kv = _KVPlan(self.blocks)
         chunks, preempted = [], []
         drafts = self._propose_all()
-        for request in list(self.running):  # decodes first, oldest first
+        for request in list(self.running):  # decodes first, in the policy's order
             if request.is_prefilling or budget <= 0:
                 continue
             if preempted and request.status is Status.WAITING:
                 continue  # preempted earlier in this loop, to make room for an older one
             draft = self._fit_draft(kv, request, drafts.get(request.request_id, []), budget)
             if not self._make_room(kv, request, 1 + len(draft), preempted):
-                break  # it was the newest: preempted itself
+                break  # it was the last: preempted itself
             chunks.append(ScheduledChunk(request, 1 + len(draft), draft))
             budget -= 1 + len(draft)
-        for request in self.running:  # then prefill chunks, oldest first
+        for request in self.running:  # then prefill chunks, in the same order
             if request.is_prefilling and budget > 0:
                 budget -= self._prefill(kv, request, budget, chunks)
         if not chunks and self.running:
             budget -= self._unstall(kv, budget, chunks, preempted)
         most = min(self.config.max_num_seqs, self.blocks.max_sequences or self.config.max_num_seqs)
         while self.waiting and len(self.running) < most:
-            request = self.waiting[0]  # FIFO: starts when its first chunk fits
+            request = self.waiting[0]  # the policy's next: starts when its first chunk fits
             if request in preempted or not self._adapter_fits(request):
                 break
             self._reuse_prefix(request)
@@ -128,7 +132,7 @@ class Scheduler:
             self._count_prefix(request)
             self.waiting.popleft()
             request.status = Status.RUNNING
-            self.running.append(request)
+            self.policy.admit(self.running, request)
             if budget > 0:
                 budget -= self._prefill(kv, request, budget, chunks)
         return SchedulerOutput(chunks, preempted)
@@ -261,18 +265,19 @@ class Scheduler:
 
     def _unstall(self, kv: "_KVPlan", budget: int, chunks: list, preempted: list) -> int:
         """Nothing was planned though requests run: all of them are prefilling and their partial
-        prompts fill the pool, so none would ever finish. The newest are preempted until the
-        oldest's next chunk fits, and it is planned; tokens planned."""
-        oldest = self.running[0]  # a decode would have been planned, or preempted itself
-        n = min(self._chunk(oldest), budget)
-        if not self._make_room(kv, oldest, n, preempted):
+        prompts fill the pool, so none would ever finish. The last in the policy's order are
+        preempted until the first one's next chunk fits, and it is planned; tokens planned."""
+        first = self.running[0]  # a decode would have been planned, or preempted itself
+        n = min(self._chunk(first), budget)
+        if not self._make_room(kv, first, n, preempted):
             return 0
-        chunks.append(ScheduledChunk(oldest, n))
+        chunks.append(ScheduledChunk(first, n))
         return n
 
     def _make_room(self, kv: "_KVPlan", request: Request, n: int, preempted: list) -> bool:
-        """Preempt the newest running requests until `request` can grow by n tokens; False if
-        `request` itself had to go."""
+        """Preempt the last running requests in the policy's order (the newest, or the lowest
+        priority) until `request` can grow by n tokens; False if `request` itself had to go.
+        Those after `request` are not yet planned this step, so none loses a planned chunk."""
         while kv.fit(request, n) < n:
             victim = self.running[-1]
             self._preempt(kv, victim, preempted)
@@ -286,7 +291,7 @@ class Scheduler:
         kv.free(request)
         request.num_computed = 0  # recomputed from prompt + output when it runs again
         request.status = Status.WAITING
-        self.waiting.appendleft(request)  # newest preempted first, so older ones end up ahead
+        self.policy.requeue(self.waiting, request)
         preempted.append(request)
         self.num_preempted += 1
 

@@ -57,6 +57,22 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
         help="max waiting requests; beyond it 503 with Retry-After",
     )
     p.add_argument(
+        "--scheduling-policy",
+        choices=["fcfs", "priority"],
+        default="fcfs",
+        help="which waiting request runs next and which running one is preempted when KV runs "
+        "out: fcfs (arrival order; a request's priority must be 0) or priority (vLLM's: the "
+        "request's `priority`, lower first; the lowest is preempted)",
+    )
+    p.add_argument(
+        "--priority-aging-interval",
+        type=float,
+        default=10.0,
+        metavar="SECONDS",
+        help="with --scheduling-policy priority: a request's effective priority improves by 1 "
+        "per this many seconds since it arrived, which bounds starvation (0 = off: strict)",
+    )
+    p.add_argument(
         "-n",
         "--n-predict",
         dest="max_tokens",

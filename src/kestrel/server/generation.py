@@ -74,7 +74,8 @@ class Choice:
 class Generation:
     """The engine requests of one HTTP request: prompt i's choice j is choice index i * n + j.
     `embed`: each prompt's embedding instead of generated text (POST /v1/embeddings); `lora`:
-    the LoRA adapter the request's `model` named (None: the base model)."""
+    the LoRA adapter the request's `model` named (None: the base model); `priority`: the
+    request's `priority` (vLLM's: lower runs sooner under --scheduling-policy priority)."""
 
     def __init__(
         self,
@@ -85,6 +86,7 @@ class Generation:
         max_kv_size: int | None = None,
         embed: bool = False,
         lora: str | None = None,
+        priority: int = 0,
     ):
         self.engine = engine
         self.request_id = request_id
@@ -101,6 +103,7 @@ class Generation:
                 max_kv_size,
                 embed,
                 lora,
+                priority,
             )
             for i, prompt in enumerate(prompts)
             for j in range(params.n)

@@ -237,6 +237,7 @@ class _SamplingRequest(_CheckedRequest):
     include_stop_str_in_output: bool = False
     max_kv_size: int | None = Field(None, description="a per-request KV bound, below the server's")
     cache_prompt: bool = True  # llama-server's: False recomputes the prompt (same output)
+    priority: int = 0  # vLLM's: lower runs sooner under --scheduling-policy priority
     # structured output: OpenAI's response_format, vLLM's guided_* and structured_outputs
     response_format: ResponseFormat | None = None
     guided_json: dict | str | None = None
@@ -507,6 +508,7 @@ class EmbeddingRequest(_CheckedRequest):
     encoding_format: Literal["float", "base64"] = "float"
     dimensions: int | None = None
     user: str | None = None  # informational (OpenAI's end-user id); kestrel keeps no record
+    priority: int = 0  # vLLM's: lower runs sooner under --scheduling-policy priority
 
     def inputs(self) -> list[str | list[int]]:
         """One or several inputs, each text or token ids; 400 naming an empty one."""

@@ -52,7 +52,9 @@ async def chat_completions(body: ChatCompletionRequest, http: Request):
     params = thinking.sampling_params(params)
     lora = state.adapter(body.model)
     kv = body.check_kv_size()
-    generation = Generation(engine, new_id("chatcmpl"), [prompt], params, kv, lora=lora)
+    generation = Generation(
+        engine, new_id("chatcmpl"), [prompt], params, kv, lora=lora, priority=body.priority
+    )
     await generation.start()
     if body.stream:
         chunks = _chunks(state, body, generation, tools, legacy, thinking)

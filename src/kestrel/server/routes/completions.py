@@ -27,7 +27,9 @@ async def completions(body: CompletionRequest, http: Request):
     prompts = [encode(state.tokenizer, p) for p in body.prompts()]
     lora = state.adapter(body.model)
     kv = body.check_kv_size()
-    generation = Generation(engine, new_id("cmpl"), prompts, params, kv, lora=lora)
+    generation = Generation(
+        engine, new_id("cmpl"), prompts, params, kv, lora=lora, priority=body.priority
+    )
     await generation.start()  # validates the prompts' token ids before echo decodes them
     echoes = [_echo(state, body, p) for p in body.prompts() for _ in range(params.n)]
     if body.stream:

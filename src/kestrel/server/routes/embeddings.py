@@ -33,7 +33,9 @@ async def embeddings(body: EmbeddingRequest, http: Request):
     prompts = [encode(state.tokenizer, text) for text in inputs]
     lora = state.adapter(body.model)
     params = SamplingParams()
-    generation = Generation(engine, new_id("embd"), prompts, params, embed=True, lora=lora)
+    generation = Generation(
+        engine, new_id("embd"), prompts, params, embed=True, lora=lora, priority=body.priority
+    )
     await generation.start()
     await generation.collect(http)
     return EmbeddingResponse(

@@ -142,6 +142,7 @@ class MessagesRequest(StrictBody):
     tools: list[ToolParam] | None = None
     tool_choice: ToolChoiceParam | None = None
     thinking: ThinkingParam | None = None
+    priority: int = 0  # vLLM's extra: lower runs sooner under --scheduling-policy priority
 
     def template_kwargs(self) -> dict[str, tuple]:
         if self.thinking is None:
@@ -251,7 +252,9 @@ async def create_message(body: MessagesRequest, http: Request):
         thinking = thinking_of(state.reasoning_parser, state.tokenizer, prompt_ids(prompt))
         params = thinking.sampling_params(params)
         lora = state.adapter(body.model)
-        generation = Generation(engine, new_id("msg"), [prompt], params, lora=lora)
+        generation = Generation(
+            engine, new_id("msg"), [prompt], params, lora=lora, priority=body.priority
+        )
         await generation.start()
     if body.stream:
         events = _events(body, generation, tools, thinking)

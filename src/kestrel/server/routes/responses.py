@@ -192,6 +192,7 @@ class ResponsesRequest(StrictBody):
     tool_choice: ToolChoice | None = None
     parallel_tool_calls: bool = True
     reasoning: ReasoningConfig | None = None
+    priority: int = 0  # vLLM's: lower runs sooner under --scheduling-policy priority
 
     def template_kwargs(self) -> dict[str, tuple]:
         effort = self.reasoning and self.reasoning.effort
@@ -331,7 +332,9 @@ async def create_response(body: ResponsesRequest, http: Request):
         thinking = thinking_of(state.reasoning_parser, state.tokenizer, prompt_ids(prompt))
         params = thinking.sampling_params(params)
         lora = state.adapter(body.model)
-        generation = Generation(engine, new_id("resp"), [prompt], params, lora=lora)
+        generation = Generation(
+            engine, new_id("resp"), [prompt], params, lora=lora, priority=body.priority
+        )
         await generation.start()
     conversation = messages[1:] if body.instructions is not None else messages
     answer = Answer(body, generation, conversation, tools, thinking)
