@@ -82,6 +82,16 @@ class QuantFormat:
         that reads the stored bits; None: the caller multiplies the expert dequantized."""
         return None
 
+    def serves_pairs(self, x: torch.Tensor, max_rows: int) -> bool:
+        """Whether `pairs_linear` reads an expert stack's bits for x (T, cols), T <= max_rows."""
+        return False
+
+    def pairs_linear(self, t: Tensors, x, cols: int, experts, scale=None) -> torch.Tensor:
+        """Each (token, expert) pair's x row times expert experts[p]'s weight of the stack `t`
+        (E, rows, ...) transposed, (P, rows), times scale[p] in float32 where given (where
+        `serves_pairs`)."""
+        raise NotImplementedError
+
     def kernel_stack(self, t: Tensors) -> QuantStack | None:
         """An expert stack's tensors `t` (E, rows, ...) as the fused MoE kernels read them
         quantized; None where they do not decode the format (the stack is dequantized)."""
@@ -124,7 +134,9 @@ class GGUFFormat(QuantFormat):
     """llama.cpp's blocks: `qweight` (rows, row bytes) uint8, each row `cols / elements` blocks of
     type `qtype` (kernels/quant.py's `LAYOUTS`; on CUDA Q6_K's padded to 224 bytes). Linears read
     the blocks in the Triton GEMVs on CUDA decode (the k-quants on int8-quantized half x in
-    kernels/gguf_dp4a.py, the rest in kernels/gguf_gemv.py) and in the native matmul on the CPU."""
+    kernels/gguf_dp4a.py, the rest in kernels/gguf_gemv.py) and in the native matmul on the CPU;
+    experts too on the CPU, and on CUDA decode a k-quant stack's (token, expert) pairs in
+    gguf_dp4a's expert GEMV (`pairs_linear`)."""
 
     qtype: str
     kind: ClassVar[str] = "gguf"
@@ -147,11 +159,21 @@ class GGUFFormat(QuantFormat):
             return gguf_dp4a.gemv(x, layer.qweight, self.qtype, layer.cols)
         if gguf_gemv.serves(x, self.qtype):  # decode on CUDA
             return gguf_gemv.gemv(x, layer.qweight, self.qtype, layer.cols)
-        return self.expert_linear({"qweight": layer.qweight}, x, layer.cols)
+        return self._native_mm(x, layer.qweight, layer.cols)
 
     def expert_linear(self, t: Tensors, x: torch.Tensor, cols: int) -> torch.Tensor | None:
+        return self._native_mm(x, t["qweight"], cols)
+
+    def serves_pairs(self, x: torch.Tensor, max_rows: int) -> bool:
+        return gguf_dp4a.serves(x, self.qtype, max_rows)  # k-quants on CUDA
+
+    def pairs_linear(self, t: Tensors, x, cols: int, experts, scale=None) -> torch.Tensor:
+        return gguf_dp4a.expert_gemv(x, t["qweight"], self.qtype, cols, experts, scale)
+
+    def _native_mm(self, x: torch.Tensor, blocks: torch.Tensor, cols: int) -> torch.Tensor | None:
+        """x @ W.T from the blocks in the CPU's native kernels, where they serve the type."""
         if not x.is_cuda and cpu_native.serves(self.qtype):
-            return cpu_native.gguf_mm(x, t["qweight"], self.qtype, cols)
+            return cpu_native.gguf_mm(x, blocks, self.qtype, cols)
         return None
 
     def stacks_rows(self, rows: list[int]) -> bool:

@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kestrel.kernels import gemv, gguf_dp4a
+from kestrel.kernels import gemv
 from kestrel.kernels import moe as moe_kernels
 from kestrel.kernels.fused import ACTIVATIONS, act_mul
 from kestrel.models.base import Slot
@@ -83,9 +83,10 @@ class PackedStack(Quantized):
     """A stacked expert projection kept in its checkpoint's quantized format: each role's tensor
     (`qweight`, the packed values, and the format's scales) as (E, rows, ...), one entry per row
     (`QuantFormat.by_row`), so a quantized MoE checkpoint takes its own size in memory. Decode
-    on CUDA multiplies GGUF k-quant blocks directly (`Experts._pair_gemvs`); elsewhere only the
-    experts a batch chooses are dequantized, while they compute. Indexing gives experts dense,
-    as a stacked weight does."""
+    multiplies the stored bits where the format reads (token, expert) pairs (GGUF k-quant blocks
+    on CUDA: `Experts._pair_gemvs`), the fused kernels read FP8 and MLX stacks
+    (`kernel_stack`); elsewhere only the experts a batch chooses are dequantized, while they
+    compute. Indexing gives experts dense, as a stacked weight does."""
 
     def __init__(self, tensors: dict[str, torch.Tensor], fmt, cols: int, dtype: torch.dtype):
         super().__init__(tensors, fmt, cols)
@@ -174,10 +175,10 @@ class Experts(nn.Module):
         return self.reference(x, weights, ids)
 
     def _reads_blocks(self, x: torch.Tensor, ids: torch.Tensor) -> bool:
-        """Decode (fewer pairs than experts) on CUDA from packed k-quant stacks: the GEMVs read
-        the chosen experts' blocks (kernels/gguf_dp4a.py) instead of dequantizing them."""
+        """Decode (fewer pairs than experts) from packed stacks whose format reads pairs (GGUF
+        k-quants on CUDA): the GEMVs read the chosen experts' bits instead of dequantizing them."""
         return ids.numel() <= self.num_experts and all(
-            isinstance(s, PackedStack) and gguf_dp4a.serves(x, s.qtype, self.num_experts)
+            isinstance(s, PackedStack) and s.fmt.serves_pairs(x, self.num_experts)
             for s in self.stacks
         )
 
@@ -186,10 +187,10 @@ class Experts(nn.Module):
         the activation, then the down projection scaled by the pair's routing weight."""
         flat = ids.reshape(-1)
         w_in, w_down = self.in_proj, self.down_proj
-        h = gguf_dp4a.expert_gemv(x, w_in.qweight, w_in.qtype, w_in.cols, flat)  # (P, 2I or I)
+        h = w_in.fmt.pairs_linear(w_in.tensors(), x, w_in.cols, flat)  # (P, 2I or I)
         h = act_mul(h, self.act_name) if self.gated else self.act(h)
         scale = weights.reshape(-1).float()
-        out = gguf_dp4a.expert_gemv(h, w_down.qweight, w_down.qtype, w_down.cols, flat, scale)
+        out = w_down.fmt.pairs_linear(w_down.tensors(), h, w_down.cols, flat, scale)
         return out.view(*ids.shape, -1).sum(1).to(x.dtype)
 
     def _kernel_stacks(self, ids: torch.Tensor):
