@@ -626,6 +626,7 @@ def weight_check(model, path: Path, types: dict[str, str], arrays: dict) -> dict
     first, as kestrel's do. The name mapping comes from the model built anew (packed layers no
     longer have a `weight` parameter to map)."""
     from kestrel.kernels import quant as kq
+    from kestrel.kernels.formats import GGUFFormat
     from kestrel.models.layers.quant import Quantized
     from kestrel.weights import gguf as kg
     from kestrel.weights.loader import build_model
@@ -643,7 +644,7 @@ def weight_check(model, path: Path, types: dict[str, str], arrays: dict) -> dict
         if isinstance(module, Quantized):
             got = module.weight_rows(slice(None))
             row["packed"] += 1
-            if module.fmt.kind == "gguf" and module.qtype in kq.BLOCKS:
+            if isinstance(module.fmt, GGUFFormat) and module.qtype in kq.BLOCKS:
                 torch_path = kq.dequantize(module.qweight, module.qtype, module.cols)
                 gap = (torch_path - ref).abs().max().item()
                 row["torch_path_max_abs_diff"] = max(row.get("torch_path_max_abs_diff", 0.0), gap)

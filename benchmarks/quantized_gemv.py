@@ -21,7 +21,8 @@ import torch
 import torch.nn.functional as F
 
 from kestrel.kernels import gguf_dp4a, gguf_gemv
-from kestrel.kernels.quant import LAYOUTS, Format
+from kestrel.kernels.formats import FP8Format
+from kestrel.kernels.quant import LAYOUTS
 from kestrel.models.layers.quant import QuantLinear
 
 # (out, in) of Llama-3.1-8B's q, k/v, o, gate/up and down projections
@@ -51,7 +52,7 @@ def quantized(qtype: str, out: int, cols: int, kernel=None):
     if qtype == "FP8":
         w = torch.randn(out, cols, device="cuda").to(torch.float8_e4m3fn)
         scale = torch.rand(out // 128, cols // 128, device="cuda")
-        return w, QuantLinear(w, Format("fp8", block=(128, 128)), cols, scale=scale)
+        return w, QuantLinear(w, FP8Format(block=(128, 128)), cols, scale=scale)
     elements, size = LAYOUTS[qtype]
     blocks = torch.randint(0, 256, (out, cols // elements * size), dtype=torch.uint8).cuda()
     if kernel is not None:

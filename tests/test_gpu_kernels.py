@@ -12,8 +12,8 @@ from tests.quant_writer import fp8_quantize, mlx_quantize
 
 from kestrel.kernels import attention, fused, gemv
 from kestrel.kernels.attention import FP8
+from kestrel.kernels.formats import FP8Format
 from kestrel.kernels.moe import QuantStack, fused_experts, route
-from kestrel.kernels.quant import Format, by_row
 from kestrel.models.layers.moe import Experts, grouped_matmul, route_topk
 
 pytestmark = pytest.mark.gpu
@@ -231,7 +231,7 @@ def quant_stack(kind: str, E: int, N: int, K: int) -> tuple[QuantStack, torch.Te
         w = torch.randn(N, K) * 0.1
         if kind == "fp8":
             q, scale, values = fp8_quantize(w, (128, 128))
-            _, t = by_row(Format("fp8", block=(128, 128)), {"qweight": q, "scale": scale}, N)
+            _, t = FP8Format(block=(128, 128)).by_row({"qweight": q, "scale": scale}, N)
             parts.append({"values": q, "scales": t["scale"]})
         else:
             t, values = mlx_quantize(w, int(kind[-1]), 32)

@@ -53,7 +53,6 @@ from tests.test_models_glm4_moe_lite import MODEL as GLM_CLS
 from tests.test_models_glm4_moe_lite import randomize_correction_bias
 from tests.test_models_llama import CONFIG as LLAMA
 
-from kestrel.kernels.quant import dequantize_rows
 from kestrel.models.layers.moe import PackedStack
 from kestrel.models.layers.quant import QuantLinear
 
@@ -210,7 +209,7 @@ def kestrel_weights(model) -> dict[str, torch.Tensor]:
     for name, module in model.named_modules():
         if isinstance(module, QuantLinear):
             t = {r: getattr(module, r) for r in module.roles}
-            weights[name] = dequantize_rows(module.fmt, t, slice(None), module.in_features)
+            weights[name] = module.fmt.dequantize_rows(t, slice(None), module.in_features)
     return weights
 
 

@@ -32,7 +32,7 @@ from tests.test_models_glm4_moe_lite import randomize_correction_bias
 
 from kestrel.bench.roofline import active_weight_bytes, weight_bytes
 from kestrel.errors import ModelLoadError, UnsupportedModelError
-from kestrel.kernels.quant import Format
+from kestrel.kernels.formats import FP8Format
 from kestrel.models.layers.fused import concat_projection
 from kestrel.models.layers.moe import PackedStack
 from kestrel.models.layers.quant import QuantEmbedding, QuantLinear
@@ -429,7 +429,7 @@ def fp8_projections(rows: list[int], block) -> torch.nn.Module:
     for name, n in zip(("q_proj", "k_proj", "v_proj"), rows, strict=True):
         tiles = block or (n, 256)
         q, scale, _ = fp8_quantize(torch.randn(n, 256), tiles)
-        setattr(module, name, QuantLinear(q, Format("fp8", block=tiles), 256, scale=scale))
+        setattr(module, name, QuantLinear(q, FP8Format(block=tiles), 256, scale=scale))
     return module
 
 

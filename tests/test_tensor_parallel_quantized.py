@@ -13,7 +13,8 @@ from tests.test_gguf_quantized import resident_bytes, tiny_llama_gguf
 from tests.test_tensor_parallel import assert_same_outputs, generate_with
 
 from kestrel.distributed.quantized import columns_of, padded, rows_of
-from kestrel.kernels.quant import Format, align_blocks
+from kestrel.kernels.formats import FP8Format, MLXFormat, NVFP4Format
+from kestrel.kernels.quant import align_blocks
 from kestrel.models.layers.quant import QuantEmbedding, QuantLinear
 
 
@@ -30,18 +31,18 @@ def aligned_layer(qtype: str) -> QuantLinear:
 
 def fp8_layer(block, rows: int = 384, cols: int = 512) -> QuantLinear:
     q, scale, _ = fp8_quantize(torch.randn(rows, cols), block)
-    return QuantLinear(q, Format("fp8", block=block), cols, scale=scale)
+    return QuantLinear(q, FP8Format(block=block), cols, scale=scale)
 
 
 def mlx_layer(rows: int = 40, cols: int = 512) -> QuantLinear:
     t, _ = mlx_quantize(torch.randn(rows, cols), 4, 64)
-    fmt = Format("mlx", bits=4, group=64)
+    fmt = MLXFormat(bits=4, group=64)
     return QuantLinear(t["weight"], fmt, cols, scales=t["scales"], biases=t["biases"])
 
 
 def nvfp4_layer(rows: int = 40, cols: int = 512) -> QuantLinear:
     t, _ = nvfp4_quantize(torch.randn(rows, cols))
-    fmt = Format("nvfp4", group=16)
+    fmt = NVFP4Format(group=16)
     scales = dict(scale=t["weight_scale"], scale_2=t["weight_scale_2"])
     return QuantLinear(t["weight"], fmt, cols, **scales)
 
@@ -73,7 +74,7 @@ def test_a_ranks_rows_and_columns_decode_to_the_whole_layers(kind):
     ids = torch.tensor([3, 4, 5, 17, 30, 31])
     for rows in (slice(128, 256) if kind.startswith("fp8") else slice(8, 24), slice(5, 37), ids):
         part = rows_of(layer, rows)
-        assert isinstance(part, QuantLinear) and part.fmt.kind == layer.fmt.kind
+        assert isinstance(part, QuantLinear) and type(part.fmt) is type(layer.fmt)
         assert torch.equal(weight(part), whole[rows])
     part = columns_of(layer, slice(256, 512))
     assert part.in_features == 256

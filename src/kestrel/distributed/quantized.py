@@ -7,24 +7,15 @@ Each format stores a row's values with scales per row, per group of columns or p
 - rows (column parallel, the vocabulary) cut anywhere. FP8 scale tiles taller than a row stay
   tiles when the cut starts on a tile boundary; otherwise each kept row gets its tile's scale
   (a scale per row, which is exact).
-- columns (row parallel) cut at the format's group (`column_group`): a GGUF block, an MLX or
-  NVFP4 scale group, an FP8 tile's width (tiles as wide as the row cut anywhere). A cut inside
-  a group is refused, naming the layer's format.
+- columns (row parallel) cut at the format's group (`QuantFormat.column_group`): a GGUF block,
+  an MLX or NVFP4 scale group, an FP8 tile's width (tiles as wide as the row cut anywhere). A
+  cut inside a group is refused, naming the layer's format.
 """
 
 import torch
 
-from kestrel.kernels.quant import LAYOUTS, Format
+from kestrel.kernels.formats import QuantFormat
 from kestrel.models.layers.quant import QuantEmbedding, QuantLinear
-
-
-def column_group(fmt: Format, cols: int) -> int:
-    """The columns of a row a cut must keep together."""
-    if fmt.kind == "gguf":
-        return LAYOUTS[fmt.qtype][0]
-    if fmt.kind == "fp8":
-        return 1 if fmt.block[1] >= cols else fmt.block[1]
-    return fmt.group  # MLX, NVFP4: one scale per group
 
 
 def rows_of(layer: QuantLinear | QuantEmbedding, rows) -> QuantLinear | QuantEmbedding:
@@ -37,7 +28,7 @@ def rows_of(layer: QuantLinear | QuantEmbedding, rows) -> QuantLinear | QuantEmb
             tensors[role] = t
         elif t.shape[0] == n:
             tensors[role] = _rows(t, ids)
-        else:  # FP8 scale tiles of fmt.block[0] rows
+        else:  # scale tiles of fmt.row_tile rows (FP8)
             tensors[role], fmt = _tile_rows(t, ids, fmt)
     bias = getattr(layer, "bias", None)
     if bias is not None:
@@ -56,7 +47,7 @@ def padded(layer: QuantLinear | QuantEmbedding, rows: int) -> QuantLinear | Quan
         if _of_the_tensor(role, t):
             tensors[role] = t
             continue
-        total = rows if t.shape[0] == n else -(-rows // fmt.block[0])  # FP8 tiles
+        total = rows if t.shape[0] == n else -(-rows // fmt.row_tile)  # FP8 tiles
         tensors[role] = _as_stored(t, lambda v, k=total: _zero_rows(v, k))
     return _like(layer, tensors, fmt, layer.cols, None)
 
@@ -69,7 +60,7 @@ def columns_of(layer: QuantLinear, cols: slice | torch.Tensor) -> QuantLinear:
     """The Linear's input columns `cols`, a slice or a run of ids (a row-parallel slice; the
     bias left out)."""
     K, fmt = layer.in_features, layer.fmt
-    group = column_group(fmt, K)
+    group = fmt.column_group(K)
     start, stop = _bounds(cols)
     if start % group or (stop % group and stop != K):
         raise ValueError(
@@ -78,8 +69,8 @@ def columns_of(layer: QuantLinear, cols: slice | torch.Tensor) -> QuantLinear:
         )
     tensors = {}
     for role, t in layer.tensors().items():
-        stored = _stored_columns(fmt, role, t, K)  # a column's share of t's columns
-        if stored is None:
+        stored = None if _of_the_tensor(role, t) else fmt.column_share(role, t, K)
+        if stored is None:  # a tensor every column shares
             tensors[role] = t
             continue
         first, end = round(start * stored), round(stop * stored)
@@ -101,27 +92,14 @@ def _of_the_tensor(role: str, t: torch.Tensor) -> bool:
     return t.dim() == 0 or role == "scale_2"
 
 
-def _stored_columns(fmt: Format, role: str, t: torch.Tensor, K: int) -> float | None:
-    """How many of t's columns one column of the weight takes (a fraction for packed values and
-    group scales); None for a tensor every column shares (a scale of the whole row)."""
-    if _of_the_tensor(role, t):
-        return None
-    if fmt.kind == "fp8" and role == "scale":
-        return None if fmt.block[1] >= K else 1 / fmt.block[1]
-    if fmt.kind == "gguf":
-        elements, size = LAYOUTS[fmt.qtype]  # Q6_K_224's padding too
-        return size / elements
-    return t.shape[1] / K  # MLX words, scales, biases; NVFP4 nibbles, scales: even per column
-
-
-def _tile_rows(scale: torch.Tensor, ids: torch.Tensor, fmt: Format):
-    """(the scale rows of rows `ids`, their Format): whole tiles when `ids` run on from a tile's
+def _tile_rows(scale: torch.Tensor, ids: torch.Tensor, fmt: QuantFormat):
+    """(the scale rows of rows `ids`, their format): whole tiles when `ids` run on from a tile's
     first row, else one scale per row."""
-    tall = fmt.block[0]
+    tall = fmt.row_tile
     starts_a_tile = ids[0] % tall == 0 and torch.equal(ids, torch.arange(ids[0], ids[-1] + 1))
     if starts_a_tile:
         return _rows(scale, torch.unique_consecutive(ids // tall)), fmt
-    return _rows(scale, ids // tall), Format("fp8", block=(1, fmt.block[1]))
+    return _rows(scale, ids // tall), fmt.per_row()
 
 
 def _rows(t: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
@@ -145,7 +123,7 @@ def linear_of(table: QuantEmbedding) -> QuantLinear:
     return QuantLinear(tensors.pop("qweight"), table.fmt, table.cols, **tensors)
 
 
-def _like(layer, tensors: dict, fmt: Format, cols: int, bias):
+def _like(layer, tensors: dict, fmt: QuantFormat, cols: int, bias):
     """A layer of `layer`'s kind over these tensors (a Linear with `bias`)."""
     qweight = tensors.pop("qweight")
     if isinstance(layer, QuantEmbedding):

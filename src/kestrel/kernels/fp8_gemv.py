@@ -1,7 +1,7 @@
 """A Triton matrix-vector product straight from FP8 weights (decode on CUDA).
 
 y = x @ W.T for a few rows of x, W (N, K) float8_e4m3fn times a float32 scale per (rows, cols)
-tile (`Format("fp8", block=...)`: 128 x 128 tiles, one per row, or one for the tensor). A
+tile (`FP8Format(block=...)`: 128 x 128 tiles, one per row, or one for the tensor). A
 decode step reads one byte a weight instead of bfloat16's two, and x stays in bfloat16: unlike
 the FP8 tensor-core GEMM (kernels/quant.py's `fp8_block_linear`), nothing quantizes the
 activations, and one kernel replaces that path's three (quantize x, GEMM, slice), whose
@@ -10,7 +10,7 @@ benchmarks/fp8_gemv_tensor_cores.py; for one row of x it is slower and less exac
 in steps of CHUNKS x 16 columns; each thread sums a (row, 16 columns) chunk on its own and
 scales it once (the scale is constant over 16 columns: a tile is 128 wide or the whole row).
 
-The loop is kernels/gemv.py's `row_sums`. The PyTorch path (kernels/quant.py's
+The loop is kernels/gemv.py's `row_sums`. The PyTorch path (kernels/formats.py's
 `dequantize_rows`, then a matmul) is the CPU path and this kernel's oracle in the GPU tests.
 Imports nothing from kestrel outside kestrel.kernels.
 """

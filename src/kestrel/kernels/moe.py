@@ -223,7 +223,7 @@ if triton is not None:
     ):  # fmt: skip
         """W's (BLOCK_K, BLOCK_N) tile at rows `rows` (of the whole stack: expert * N + n) and
         inputs k0 + kk of a `QuantStack`, dequantized in fp32 and rounded to `dt`, as
-        kernels/quant.py's dequantize_rows and the cast after it compute it. The tile lies in
+        kernels/formats.py's dequantize_rows and the cast after it compute it. The tile lies in
         one group (`fused_experts` keeps BLOCK_K a divisor of GROUP): one scale per column."""
         at = rows * groups + k0 // GROUP
         scale = tl.load(s + at, mask=mn, other=0.0).to(tl.float32)[None, :]

@@ -3,18 +3,16 @@
 
 A tensor's blocks are a uint8 tensor (rows, bytes per row) in llama.cpp's block layout; each row
 is `cols / block elements` blocks (on CUDA, Q6_K's padded to 224 bytes: `ALIGNED`). Below
-them, the safetensors formats (MLX affine, FP8, NVFP4), each a function from a weight's
-checkpoint tensors to its float rows. On the CPU the layers' GGUF rows decode in the native
-kernels (kernels/cpu_native.py), which equal these.
+them, the FP8 GEMMs on the tensor cores. On the CPU the layers' GGUF rows decode in the native
+kernels (kernels/cpu_native.py), which equal these. Each quantization method is one class of
+kernels/formats.py, which calls these.
 Imports nothing from kestrel outside kestrel.kernels.
 """
-
-from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
-from kestrel.kernels import cpu_native, fp8_activations
+from kestrel.kernels import fp8_activations
 
 QK_K = 256  # elements per k-quant super-block
 # type name -> (elements per block, bytes per block), as llama.cpp's ggml-common.h
@@ -178,125 +176,6 @@ _DEQUANTIZE = {
     "Q6_K": _q6_k,
     "Q6_K_224": _q6_k_224,
 }
-
-
-# --- safetensors formats -------------------------------------------------------------------------
-# Each format dequantizes the rows `rows` (a slice or a LongTensor of row ids) of one weight from
-# its checkpoint tensors, named by role (`qweight` plus the format's scales), to (n, cols) float32.
-
-
-WHOLE = 1 << 30  # an FP8 scale tile that spans the whole weight along that axis
-
-
-@dataclass(frozen=True)
-class Format:
-    """How one quantized weight decodes. `kind`: "gguf" (`qtype` names the block type), "mlx"
-    (affine, `bits` per value, one scale and bias per `group` inputs), "fp8" (float8_e4m3fn times
-    a scale per `block` = (rows, cols) tile) or "nvfp4" (e2m1 nibbles times an fp8 scale per
-    `group` = 16 inputs times one float32 scale)."""
-
-    kind: str
-    qtype: str = ""
-    bits: int = 0
-    group: int = 0
-    block: tuple[int, int] = (1, 1)
-
-    @property
-    def name(self) -> str:
-        """The type `kestrel inspect` lists (and QuantLinear's `qtype`)."""
-        if self.kind == "mlx":
-            return f"MLX_Q{self.bits}_G{self.group}"
-        if self.kind == "fp8":
-            tile = {(WHOLE, WHOLE): "TENSOR", (1, WHOLE): "CHANNEL"}.get(self.block)
-            return f"FP8_E4M3_{tile or f'{self.block[0]}x{self.block[1]}'}"
-        return self.qtype or self.kind.upper()
-
-
-def dequantize_rows(fmt: Format, t: dict[str, torch.Tensor], rows, cols: int) -> torch.Tensor:
-    """Rows `rows` of the weight held by tensors `t` -> (n, cols) float32."""
-    return _FORMATS[fmt.kind](fmt, t, rows, cols)
-
-
-def _gguf(fmt, t, rows, cols):
-    blocks = t["qweight"][rows]
-    if not blocks.is_cuda and cpu_native.serves(fmt.qtype):
-        return cpu_native.gguf_dequantize(blocks, fmt.qtype, cols)
-    return dequantize(blocks, fmt.qtype, cols)
-
-
-def unpack_bits(words: torch.Tensor, bits: int, cols: int) -> torch.Tensor:
-    """(n, cols * bits / 32) uint32 -> (n, cols) int32: a little-endian bit stream, value i in
-    bits [i * bits, (i + 1) * bits) of the row, as MLX packs it."""
-    b = words.contiguous().view(torch.uint8).to(torch.int32)  # (n, 4 words) bytes, low first
-    if 8 % bits == 0:  # 2, 4, 8: whole values per byte
-        shifts = torch.arange(0, 8, bits, dtype=torch.int32, device=b.device)
-        return ((b.unsqueeze(-1) >> shifts) & ((1 << bits) - 1)).reshape(b.shape[0], cols)
-    start = torch.arange(cols, device=b.device) * bits  # 3, 5, 6: values straddle bytes
-    b = F.pad(b, (0, 1))
-    pair = b[:, start // 8] | (b[:, start // 8 + 1] << 8)
-    return (pair >> (start % 8).to(torch.int32)) & ((1 << bits) - 1)
-
-
-def _mlx(fmt, t, rows, cols):
-    words = t["qweight"].view(torch.int32)[rows]  # CUDA cannot index uint32 tensors
-    q = unpack_bits(words, fmt.bits, cols).float()
-    scales, biases = t["scales"][rows].float(), t["biases"][rows].float()  # (n, cols / group)
-    w = q.reshape(q.shape[0], -1, fmt.group) * scales.unsqueeze(-1) + biases.unsqueeze(-1)
-    return w.reshape(q.shape[0], cols)
-
-
-def _row_ids(rows, n: int, device) -> torch.Tensor:
-    if isinstance(rows, torch.Tensor):
-        return rows.reshape(-1)
-    return torch.arange(n, device=device)[rows]
-
-
-def _fp8(fmt, t, rows, cols):
-    """fp8 * scale, the scale of tile (r // block rows, c // block cols)."""
-    w = t["qweight"][rows].float()  # (n, cols)
-    ids = _row_ids(rows, t["qweight"].shape[0], w.device)
-    col_tiles = torch.arange(cols, device=w.device) // fmt.block[1]
-    return w * t["scale"].float()[ids // fmt.block[0]][:, col_tiles]
-
-
-E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)  # the 3 magnitude bits of FP4 e2m1; bit 3 is sign
-
-
-_TABLES: dict[torch.device, torch.Tensor] = {}
-
-
-def _e2m1_table(device: torch.device) -> torch.Tensor:
-    """The 16 e2m1 codes' values on `device`, made once (no host copy inside a CUDA graph)."""
-    if device not in _TABLES:
-        _TABLES[device] = torch.tensor(E2M1 + tuple(-v for v in E2M1), device=device)
-    return _TABLES[device]
-
-
-def _nvfp4(fmt, t, rows, cols):
-    """Two e2m1 values a byte (the even element in the low nibble) times scale * scale_2."""
-    packed = t["qweight"][rows]  # (n, cols / 2) uint8
-    nibbles = torch.stack([packed & 0x0F, packed >> 4], dim=-1).reshape(packed.shape[0], cols)
-    values = _e2m1_table(packed.device)[nibbles.long()].reshape(packed.shape[0], -1, fmt.group)
-    scale_2 = t["scale_2"].float()  # a scalar, or one per row (`by_row`)
-    scale = t["scale"][rows].float() * (scale_2[rows, None] if scale_2.dim() else scale_2)
-    return (values * scale.unsqueeze(-1)).reshape(packed.shape[0], cols)
-
-
-_FORMATS = {"gguf": _gguf, "mlx": _mlx, "fp8": _fp8, "nvfp4": _nvfp4}
-
-
-def by_row(fmt: Format, t: dict[str, torch.Tensor], rows: int) -> tuple[Format, dict]:
-    """A weight's tensors with one entry per row in each role, (rows, ...), and their `Format`:
-    what an expert stack holds, so that parts with scales of their own (gate and up, each
-    expert) stack along the rows. FP8 tile scales repeat down their tile's rows (4 bytes per row
-    and tile: 3% of the weight's bytes for 128-wide tiles), NVFP4's per-tensor scale_2 becomes
-    one per row; GGUF blocks and MLX groups are per row already."""
-    if fmt.kind == "fp8":
-        tiles = torch.arange(rows, device=t["scale"].device) // fmt.block[0]
-        return Format("fp8", block=(1, fmt.block[1])), {**t, "scale": t["scale"][tiles]}
-    if fmt.kind == "nvfp4":
-        return fmt, {**t, "scale_2": t["scale_2"].reshape(1).expand(rows).contiguous()}
-    return fmt, t
 
 
 def fp8_linear(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor) -> torch.Tensor:

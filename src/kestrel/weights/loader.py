@@ -16,6 +16,7 @@ from tqdm import tqdm
 from kestrel.errors import ModelLoadError
 from kestrel.kernels import cpu_native
 from kestrel.kernels import quant as quant_kernels
+from kestrel.kernels.formats import GGUFFormat
 from kestrel.models.base import CausalLM, Slot
 from kestrel.models.layers.moe import Experts, PackedStack
 from kestrel.models.layers.quant import DENSE_LINEARS, quantized
@@ -386,14 +387,14 @@ class _Target:
         return isinstance(module, Experts) and attr in stacks and not slot.transpose
 
     def pack_experts(self, slot: Slot, fmt, tensors: dict[str, torch.Tensor]) -> bool:
-        """Put one quantized part (its `Format`, its tensors by role) in its place in an expert
+        """Put one quantized part (its format, its tensors by role) in its place in an expert
         stack, packed from its first part on. False where the stack's parts differ in format
         (llama.cpp's mixes may keep gate and up apart, MLX may override one module): the stack is
         then dense, the parts packed so far dequantized into it, and this one is for the caller
         to load dense."""
         module, attr = self._owner(slot.name)
         stack, param = getattr(module, attr), self.params[slot.name]
-        fmt, tensors = quant_kernels.by_row(fmt, tensors, slot.of(param).shape[-2])
+        fmt, tensors = fmt.by_row(tensors, slot.of(param).shape[-2])
         # int32, not uint32: CUDA cannot index uint32 tensors (MLX words)
         tensors = {r: _indexable(t) for r, t in tensors.items()}
         if isinstance(stack, PackedStack) and stack.fmt != fmt:
@@ -481,7 +482,7 @@ def _load_gguf(target: _Target, files, name: str, t, source: ModelSource) -> Non
         if not target.expert_stack(slot):
             target.pack(slot.name, rows, layout)
             return
-        if target.pack_experts(slot, quant_kernels.Format("gguf", qtype=layout), {"qweight": rows}):
+        if target.pack_experts(slot, GGUFFormat(layout), {"qweight": rows}):
             return
         reason = "its expert stack's parts are of different types"
     if qtype not in ("F32", "F16", "BF16"):
@@ -560,7 +561,7 @@ def _load_quantized_part(target, scheme, module, slot, fmt, tensors, names, sour
             return
         reason = "its expert stack's parts are of different formats"
     target.note_dense(fmt.name, reason, names["qweight"])
-    weight = quant_kernels.dequantize_rows(fmt, t, slice(None), shape[1])
+    weight = fmt.dequantize_rows(t, slice(None), shape[1])
     target.copy(slot, target.model.checkpoint_tensor(slot.name, weight), names["qweight"], source)
 
 

@@ -1,21 +1,19 @@
 """Quantized Hugging Face checkpoints: which format a folder declares and which tensors hold each
 quantized weight. Formats: MLX affine (mlx-lm's `quantization` in config.json), FP8 (`quant_method:
 fp8`, block-wise `weight_scale_inv`; compressed-tensors `float-quantized`) and NVFP4 (ModelOpt,
-compressed-tensors `nvfp4-pack-quantized`). The values decode in kernels/quant.py; here the
-checkpoint's tensors are matched to a `Format` and checked against the weight's shape, so a bad
-file fails at load naming the tensor.
+compressed-tensors `nvfp4-pack-quantized`). Each format is a class of kernels/formats.py, which
+says what it stores and how it decodes; here a folder's config is read into one, and the
+checkpoint's tensors are checked against the weight's shape, so a bad file fails at load naming
+the tensor.
 """
 
 import json
-import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from kestrel.errors import ModelLoadError, UnsupportedModelError
-from kestrel.kernels.quant import WHOLE, Format
+from kestrel.kernels.formats import WHOLE, FP8Format, MLXFormat, NVFP4Format, QuantFormat
 
-# safetensors header dtype of the packed values, per format kind
-STORAGE = {"mlx": "U32", "fp8": "F8_E4M3", "nvfp4": "U8"}
 METHODS = (
     "mlx (config.json `quantization`), fp8, compressed-tensors (float-quantized, "
     "nvfp4-pack-quantized), modelopt (FP8, NVFP4)"
@@ -26,15 +24,15 @@ METHODS = (
 class Scheme:
     """A folder's quantization: the format of its quantized weights, the checkpoint suffix of
     each role's tensor (`qweight` is the packed values), suffixes it stores but compute does not
-    read, and per-module MLX overrides (a Format, or None: left in float)."""
+    read, and per-module MLX overrides (a format, or None: left in float)."""
 
-    fmt: Format
+    fmt: QuantFormat
     roles: dict[str, str]
     unused: tuple[str, ...] = ()
-    overrides: dict[str, Format | None] = field(default_factory=dict)
+    overrides: dict[str, QuantFormat | None] = field(default_factory=dict)
     inverse_scale_2: bool = False  # compressed-tensors stores the global scale's reciprocal
 
-    def format_for(self, module: str) -> Format | None:
+    def format_for(self, module: str) -> QuantFormat | None:
         return self.overrides.get(module, self.fmt)
 
     def tensor_names(self, module: str) -> dict[str, str]:
@@ -85,21 +83,21 @@ def _mlx(q: dict) -> Scheme:
     return Scheme(fmt, roles, overrides=overrides)
 
 
-def _mlx_format(q: dict, where: str) -> Format:
+def _mlx_format(q: dict, where: str) -> MLXFormat:
     bits, group = q.get("bits"), q.get("group_size")
     if bits not in (2, 3, 4, 5, 6, 8) or not isinstance(group, int) or group <= 0:
         raise UnsupportedModelError(
             f"MLX quantization {where}: bits {bits!r}, group_size {group!r}; "
             "supported bits 2, 3, 4, 5, 6, 8 and a positive group_size"
         )
-    return Format("mlx", bits=bits, group=group)
+    return MLXFormat(bits=bits, group=group)
 
 
 def _fp8_blocks(q: dict) -> Scheme:
     if q.get("activation_scheme", "dynamic") != "dynamic":
         raise UnsupportedModelError("FP8 activation_scheme 'static': only 'dynamic' is served")
     block = tuple(q.get("weight_block_size") or (WHOLE, WHOLE))  # none: one per tensor
-    return Scheme(Format("fp8", block=block), {"qweight": "weight", "scale": "weight_scale_inv"})
+    return Scheme(FP8Format(block=block), {"qweight": "weight", "scale": "weight_scale_inv"})
 
 
 def _compressed(q: dict) -> Scheme:
@@ -111,7 +109,7 @@ def _compressed(q: dict) -> Scheme:
             block = tuple(w["block_structure"])
         if w.get("num_bits") == 8 and block is not None:
             roles = {"qweight": "weight", "scale": "weight_scale"}
-            return Scheme(Format("fp8", block=block), roles, unused=("input_scale",))
+            return Scheme(FP8Format(block=block), roles, unused=("input_scale",))
     if q.get("format") == "nvfp4-pack-quantized":
         roles = {
             "qweight": "weight_packed",
@@ -119,7 +117,7 @@ def _compressed(q: dict) -> Scheme:
             "scale_2": "weight_global_scale",
         }
         unused = ("input_global_scale",)
-        return Scheme(Format("nvfp4", group=16), roles, unused, inverse_scale_2=True)
+        return Scheme(NVFP4Format(group=16), roles, unused, inverse_scale_2=True)
     raise UnsupportedModelError(
         f"compressed-tensors format {q.get('format')!r} with weights {weights[:1]}: supported "
         "float-quantized FP8 (tensor, channel or block scales) and nvfp4-pack-quantized"
@@ -129,23 +127,23 @@ def _compressed(q: dict) -> Scheme:
 def _modelopt(q: dict) -> Scheme:
     if q.get("quant_algo") == "FP8":  # one scale per tensor
         roles = {"qweight": "weight", "scale": "weight_scale"}
-        return Scheme(Format("fp8", block=(WHOLE, WHOLE)), roles, unused=("input_scale",))
+        return Scheme(FP8Format(block=(WHOLE, WHOLE)), roles, unused=("input_scale",))
     if q.get("quant_algo") != "NVFP4":
         raise UnsupportedModelError(
             f"ModelOpt quant_algo {q.get('quant_algo')!r}: supported FP8 and NVFP4"
         )
     roles = {"qweight": "weight", "scale": "weight_scale", "scale_2": "weight_scale_2"}
-    return Scheme(Format("nvfp4", group=q.get("group_size", 16)), roles, unused=("input_scale",))
+    return Scheme(NVFP4Format(group=q.get("group_size", 16)), roles, unused=("input_scale",))
 
 
-def quantized_modules(scheme: Scheme, headers: dict[str, dict]) -> dict[str, Format]:
-    """module -> Format of every module whose packed values the checkpoint stores in the format's
+def quantized_modules(scheme: Scheme, headers: dict[str, dict]) -> dict[str, QuantFormat]:
+    """module -> format of every module whose packed values the checkpoint stores in the format's
     storage dtype (`headers`: tensor name -> safetensors header entry). Weights stored in float
     (the `ignore` / `modules_to_not_convert` lists) stay float."""
     found = {}
     for name, entry in headers.items():
         module = scheme.module_of(name)
-        if module is None or entry["dtype"] != STORAGE[scheme.fmt.kind]:
+        if module is None or entry["dtype"] != scheme.fmt.storage:
             continue
         fmt = scheme.format_for(module)
         if fmt is None:
@@ -157,7 +155,7 @@ def quantized_modules(scheme: Scheme, headers: dict[str, dict]) -> dict[str, For
     return found
 
 
-def check(fmt: Format, module: str, tensors: dict, names: dict, shape: tuple) -> None:
+def check(fmt: QuantFormat, module: str, tensors: dict, names: dict, shape: tuple) -> None:
     """Fail naming the tensor when a role is missing or its shape does not fit a weight of
     `shape` (rows, cols) in `fmt`."""
     for role, name in names.items():
@@ -165,16 +163,17 @@ def check(fmt: Format, module: str, tensors: dict, names: dict, shape: tuple) ->
             raise ModelLoadError(
                 f"{module}: missing tensor {name} (its {role}) for a {fmt.name} weight"
             )
-    if fmt.group and shape[1] % fmt.group:
+    if not fmt.row_fits(shape[1]):
+        group = fmt.column_group(shape[1])
         raise ModelLoadError(
-            f"tensor {names['qweight']}: {shape[1]} inputs are not whole groups of {fmt.group}"
+            f"tensor {names['qweight']}: {shape[1]} inputs are not whole groups of {group}"
         )
-    for role, expected in _expected_shapes(fmt, shape).items():
+    for role, expected in fmt.expected_shapes(*shape).items():
         got = tuple(tensors[role].shape)
         if _squeezed(got) != _squeezed(expected):  # a per-row scale may be (rows,) or (rows, 1)
             raise ModelLoadError(
                 f"tensor {names[role]} has shape {got}; a {fmt.name} weight of shape {shape} "
-                f"needs {expected}{_why(fmt, role)}"
+                f"needs {expected}{fmt.shape_note(role)}"
             )
 
 
@@ -182,35 +181,12 @@ def _squeezed(shape: tuple) -> tuple:
     return tuple(d for d in shape if d != 1)
 
 
-def _expected_shapes(fmt: Format, shape: tuple) -> dict[str, tuple]:
-    rows, cols = shape
-    if fmt.kind == "mlx":
-        groups = (rows, cols // fmt.group)
-        return {"qweight": (rows, cols * fmt.bits // 32), "scales": groups, "biases": groups}
-    if fmt.kind == "fp8":
-        tiles = (math.ceil(rows / fmt.block[0]), math.ceil(cols / fmt.block[1]))
-        return {"qweight": (rows, cols), "scale": tiles}
-    return {"qweight": (rows, cols // 2), "scale": (rows, cols // fmt.group), "scale_2": (1,)}
-
-
-def _why(fmt: Format, role: str) -> str:
-    if role == "qweight":
-        return f" (uint32 words of {fmt.bits}-bit values)" if fmt.kind == "mlx" else ""
-    if fmt.kind != "fp8":
-        return f" (one per {fmt.group} inputs)"
-    tile = {(WHOLE, WHOLE): "tensor", (1, WHOLE): "row"}.get(fmt.block)
-    return f" (one per {tile or f'{fmt.block[0]}x{fmt.block[1]} tile'})"
-
-
-def layer_tensors(scheme: Scheme, fmt: Format, tensors: dict, shape: tuple) -> dict:
-    """The checkpoint's tensors as the quantized layer holds them: FP8 scales as a float32 2-D
-    tile grid, NVFP4's second scale as a float32 multiplier."""
-    t = dict(tensors)
-    if fmt.kind == "fp8":
-        t["scale"] = t["scale"].float().reshape(_expected_shapes(fmt, shape)["scale"])
-    if fmt.kind == "nvfp4":
-        scale_2 = t["scale_2"].float().reshape(())
-        t["scale_2"] = 1 / scale_2 if scheme.inverse_scale_2 else scale_2
+def layer_tensors(scheme: Scheme, fmt: QuantFormat, tensors: dict, shape: tuple) -> dict:
+    """The checkpoint's tensors as the quantized layer holds them (`QuantFormat.held`: FP8
+    scales as a float32 2-D tile grid, NVFP4's second scale as a float32 multiplier)."""
+    t = fmt.held(tensors, shape)
+    if scheme.inverse_scale_2:  # compressed-tensors' NVFP4 stores the multiplier's reciprocal
+        t["scale_2"] = 1 / t["scale_2"]
     return t
 
 

@@ -99,10 +99,9 @@ def _stack(linears: list) -> Callable:
 
 
 def _stackable(linears: list) -> bool:
-    """Whether Linears stack into one weight: plain ones, GGUF blocks of one type, or FP8 with
-    one tile shape whose tiles never straddle two of them (so their scale grids stack too: each
-    but the last ends on a whole tile; the last may end inside one, as MLA's 576-row kv_a after
-    q_a); all with biases or none."""
+    """Whether Linears stack into one weight: plain ones, or quantized ones of one format whose
+    tensors stack along the rows (`QuantFormat.stacks_rows`: GGUF blocks of one type, FP8 whose
+    tiles never straddle two of them); all with biases or none."""
     first = linears[0]
     if len({linear.bias is None for linear in linears}) > 1:
         return False
@@ -111,9 +110,7 @@ def _stackable(linears: list) -> bool:
     if not all(isinstance(linear, QuantLinear) for linear in linears):
         return False
     alike = all((q.fmt, q.in_features) == (first.fmt, first.in_features) for q in linears)
-    if first.fmt.kind == "fp8":
-        return alike and all(q.out_features % first.fmt.block[0] == 0 for q in linears[:-1])
-    return alike and first.fmt.kind == "gguf"
+    return alike and first.fmt.stacks_rows([q.out_features for q in linears])
 
 
 def _concat_into(linears, name: str) -> torch.Tensor:

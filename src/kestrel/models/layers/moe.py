@@ -21,9 +21,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kestrel.kernels import cpu_native, gemv, gguf_dp4a
+from kestrel.kernels import gemv
 from kestrel.kernels import moe as moe_kernels
-from kestrel.kernels import quant as quant_kernels
 from kestrel.kernels.fused import ACTIVATIONS, act_mul
 from kestrel.models.base import Slot
 from kestrel.models.layers.mlp import GatedMLP
@@ -83,10 +82,11 @@ def _limit_groups(choice: torch.Tensor, n_group: int, topk_group: int, group_sco
 class PackedStack(Quantized):
     """A stacked expert projection kept in its checkpoint's quantized format: each role's tensor
     (`qweight`, the packed values, and the format's scales) as (E, rows, ...), one entry per row
-    (`kernels.quant.by_row`), so a quantized MoE checkpoint takes its own size in memory. Decode
-    on CUDA multiplies GGUF k-quant blocks directly (`Experts._pair_gemvs`); elsewhere only the
-    experts a batch chooses are dequantized, while they compute. Indexing gives experts dense,
-    as a stacked weight does."""
+    (`QuantFormat.by_row`), so a quantized MoE checkpoint takes its own size in memory. Decode
+    multiplies the stored bits where the format reads (token, expert) pairs (GGUF k-quant blocks
+    on CUDA: `Experts._pair_gemvs`), the fused kernels read FP8 and MLX stacks
+    (`kernel_stack`); elsewhere only the experts a batch chooses are dequantized, while they
+    compute. Indexing gives experts dense, as a stacked weight does."""
 
     def __init__(self, tensors: dict[str, torch.Tensor], fmt, cols: int, dtype: torch.dtype):
         super().__init__(tensors, fmt, cols)
@@ -101,30 +101,22 @@ class PackedStack(Quantized):
         chosen = {role: _take(t, experts) for role, t in self.tensors().items()}
         lead = chosen["qweight"].shape[:-1]  # (..., rows)
         rows = {role: t.reshape(-1, *t.shape[len(lead) :]) for role, t in chosen.items()}
-        dense = quant_kernels.dequantize_rows(self.fmt, rows, slice(None), self.cols)
+        dense = self.fmt.dequantize_rows(rows, slice(None), self.cols)
         return dense.to(self.dtype).view(*lead, self.cols)
 
     def matmul(self, x: torch.Tensor, expert: int) -> torch.Tensor:
-        """x (M, cols) times expert `expert`'s weight transposed: GGUF blocks multiply as they are
-        on the CPU."""
-        if self.fmt.kind == "gguf" and not x.is_cuda and cpu_native.serves(self.qtype):
-            return cpu_native.gguf_mm(x, self.qweight[expert], self.qtype, self.cols)
-        return x @ self[expert].t()
+        """x (M, cols) times expert `expert`'s weight transposed: from its stored bits where the
+        format has a kernel for x (GGUF blocks on the CPU), else dequantized."""
+        weight = {role: _take(t, expert) for role, t in self.tensors().items()}
+        out = self.fmt.expert_linear(weight, x, self.cols)
+        return x @ self[expert].t() if out is None else out
 
     def kernel_stack(self) -> moe_kernels.QuantStack | None:
         """The stack as the fused MoE kernels read it quantized (FP8, MLX 4- and 8-bit); None
         for formats or groups they do not decode (GGUF, NVFP4, other MLX widths: dequantized
         instead)."""
-        fmt = self.fmt
-        if fmt.kind == "fp8":
-            stack = moe_kernels.QuantStack(self.qweight, self.scale, None, 0, fmt.block[1])
-        elif fmt.kind == "mlx" and fmt.bits in (4, 8):
-            stack = moe_kernels.QuantStack(
-                self.qweight, self.scales, self.biases, fmt.bits, fmt.group
-            )
-        else:
-            return None
-        return stack if stack.tiles_groups else None
+        stack = self.fmt.kernel_stack(self.tensors())
+        return stack if stack is not None and stack.tiles_groups else None
 
     def extra_repr(self) -> str:
         return f"{tuple(self.shape)}, qtype={self.qtype}"
@@ -183,10 +175,10 @@ class Experts(nn.Module):
         return self.reference(x, weights, ids)
 
     def _reads_blocks(self, x: torch.Tensor, ids: torch.Tensor) -> bool:
-        """Decode (fewer pairs than experts) on CUDA from packed k-quant stacks: the GEMVs read
-        the chosen experts' blocks (kernels/gguf_dp4a.py) instead of dequantizing them."""
+        """Decode (fewer pairs than experts) from packed stacks whose format reads pairs (GGUF
+        k-quants on CUDA): the GEMVs read the chosen experts' bits instead of dequantizing them."""
         return ids.numel() <= self.num_experts and all(
-            isinstance(s, PackedStack) and gguf_dp4a.serves(x, s.qtype, self.num_experts)
+            isinstance(s, PackedStack) and s.fmt.serves_pairs(x, self.num_experts)
             for s in self.stacks
         )
 
@@ -195,10 +187,10 @@ class Experts(nn.Module):
         the activation, then the down projection scaled by the pair's routing weight."""
         flat = ids.reshape(-1)
         w_in, w_down = self.in_proj, self.down_proj
-        h = gguf_dp4a.expert_gemv(x, w_in.qweight, w_in.qtype, w_in.cols, flat)  # (P, 2I or I)
+        h = w_in.fmt.pairs_linear(w_in.tensors(), x, w_in.cols, flat)  # (P, 2I or I)
         h = act_mul(h, self.act_name) if self.gated else self.act(h)
         scale = weights.reshape(-1).float()
-        out = gguf_dp4a.expert_gemv(h, w_down.qweight, w_down.qtype, w_down.cols, flat, scale)
+        out = w_down.fmt.pairs_linear(w_down.tensors(), h, w_down.cols, flat, scale)
         return out.view(*ids.shape, -1).sum(1).to(x.dtype)
 
     def _kernel_stacks(self, ids: torch.Tensor):
