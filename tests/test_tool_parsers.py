@@ -599,3 +599,30 @@ def test_qwen3_coder_grammar_writes_typed_values_as_json(parameters, accepted):
             [{"type": "function", "function": {"name": "f", "parameters": TYPED}}]
         )
         assert json.loads(parser.parse(answer)[1][0].arguments)["b"] == 2
+
+
+GLM_TAGS = ["<arg_key>", "</arg_key>", "<arg_value>", "</arg_value>"]
+
+
+@pytest.mark.parametrize(
+    ("name", "added"),
+    [("hermes", []), ("glm47", GLM_TAGS), ("glm45", GLM_TAGS), ("qwen3_coder", [])],
+)
+def test_a_grammar_forces_markers_the_vocabulary_added_as_tokens(name, added, smollm2_tokenizer):
+    """Qwen's and GLM's tags are added tokens (not special): llguidance matches them by id
+    only, so the grammar must name the token, and the model's tokens then satisfy it."""
+    import copy
+
+    import llguidance.hf
+
+    tokenizer = copy.deepcopy(smollm2_tokenizer)
+    tokenizer.add_tokens(["<tool_call>", "</tool_call>", *added])
+    parser = choose_parser(tokenizer, name)
+    schema = _call_schema(parser)
+    eos = [tokenizer.convert_tokens_to_ids("<|im_end|>")]
+    lltokenizer = llguidance.hf.from_tokenizer(tokenizer, n_vocab=len(tokenizer), eos_token=eos)
+    grammar = llguidance.grammar_from("lark", parser.grammar(schema, False))
+    matcher = LLMatcher(lltokenizer, grammar)
+    ids = tokenizer.encode(_compact_render(parser, [WEATHER]), add_special_tokens=False)
+    assert tokenizer.convert_tokens_to_ids("<tool_call>") in ids
+    assert matcher.consume_tokens(ids) and matcher.is_accepting(), matcher.get_error()

@@ -35,8 +35,8 @@ class Reader:
         rest = self.text[self.at :]
         if rest.startswith(QUOTE):
             return self._string()
-        if not rest or (QUOTE.startswith(rest) and rest.startswith("<")):
-            raise Cut()  # a string's mark may be coming
+        if QUOTE.startswith(rest):
+            raise Cut()  # nothing yet, or a string's mark being written
         if rest[0] in "{[":
             return self._container()
         return self._bare()

@@ -245,6 +245,16 @@ class Tagged(ToolParser):
     def write(self, call: ToolCall) -> str:
         raise NotImplementedError
 
+    @property
+    def tags(self) -> tuple[str, ...]:
+        """The format's tags (tokens in some vocabularies)."""
+        return (self.open, self.close)
+
+    def spelled(self, text: str) -> str:
+        """`text` as a Lark sequence, each of the format's tags in it as `literal` writes it."""
+        parts = re.split(f"({'|'.join(map(re.escape, self.tags))})", text)
+        return " ".join(self.literal(p) if p in self.tags else json.dumps(p) for p in parts if p)
+
     def _call_rule(self) -> str:
         return f"call: {self.literal(self.open)} obj {self.literal(self.close)}"
 
@@ -335,6 +345,7 @@ class Glm45(Tagged):
         "<tool_call><function-name>\n<arg_key>key</arg_key>\n<arg_value>value</arg_value>\n"
         "</tool_call>"
     )
+    tags = ("<tool_call>", "</tool_call>", "<arg_key>", "</arg_key>", "<arg_value>", "</arg_value>")
     _PAIR = re.compile(r"<arg_key>(.*?)</arg_key>\s*<arg_value>(.*?)</arg_value>", re.DOTALL)
     _NAME_END = re.compile(r"\n|<arg_key>")
 
@@ -362,13 +373,25 @@ class Glm45(Tagged):
         for k, tool in enumerate(call_schema["anyOf"]):
             name = tool["properties"]["name"]["const"]
             parameters = tool["properties"]["arguments"]
-            pairs, values = _glm_pairs(parameters, f"v{k}_", self.gap)
+            pairs, values = self._pairs(parameters, f"v{k}_")
             rules += values
-            opening = json.dumps(f"{self.open}{name}{self.gap}")
-            names.append(f"{opening} {pairs} {json.dumps(self.close)}")
+            opening = self.spelled(f"{self.open}{name}{self.gap}")
+            names.append(f"{opening} {pairs} {self.spelled(self.close)}")
         return (
             f"start: {self._calls(parallel)}\ncall: {' | '.join(names)}\n" + "\n".join(rules) + "\n"
         )
+
+    def _pairs(self, parameters: dict, prefix: str) -> tuple[str, list[str]]:
+        required = set(parameters.get("required", ()))
+        pairs, rules = [], []
+        for j, (key, schema) in enumerate(parameters.get("properties", {}).items()):
+            rule = f"{prefix}{j}"
+            opening = self.spelled(f"<arg_key>{key}</arg_key>{self.gap}<arg_value>")
+            pair = f"{opening} {rule} {self.spelled(f'</arg_value>{self.gap}')}"
+            pairs.append(pair if key in required else f"({pair})?")
+            schema = {**schema, "x-guidance": {"whitespace_flexible": False}}
+            rules.append(f"{rule}: %json {json.dumps(schema)}")
+        return " ".join(pairs) or '""', rules
 
     def _calls(self, parallel: bool) -> str:
         separator = f"{self.literal(self.separator)} " if self.separator else ""
@@ -381,19 +404,6 @@ class Glm47(Glm45):
     syntax = (
         "<tool_call><function-name><arg_key>key</arg_key><arg_value>value</arg_value></tool_call>"
     )
-
-
-def _glm_pairs(parameters: dict, prefix: str, gap: str) -> tuple[str, list[str]]:
-    required = set(parameters.get("required", ()))
-    pairs, rules = [], []
-    for j, (key, schema) in enumerate(parameters.get("properties", {}).items()):
-        rule = f"{prefix}{j}"
-        opening = _lark_escape(f"<arg_key>{key}</arg_key>{gap}<arg_value>")
-        pair = f'"{opening}" {rule} "{_lark_escape(f"</arg_value>{gap}")}"'
-        pairs.append(pair if key in required else f"({pair})?")
-        schema = {**schema, "x-guidance": {"whitespace_flexible": False}}
-        rules.append(f"{rule}: %json {json.dumps(schema)}")
-    return " ".join(pairs) or '""', rules
 
 
 class Gemma4(Tagged):
@@ -584,10 +594,6 @@ def _json(value) -> str:
     return json.dumps(value, ensure_ascii=False)
 
 
-def _lark_escape(text: str) -> str:
-    return json.dumps(text)[1:-1]
-
-
 def _glm_value(text: str):
     try:
         return json.loads(text)
@@ -745,17 +751,18 @@ def parser_name(tokenizer, name: str = "auto") -> str:
 
 
 def choose_parser(tokenizer, name: str = "auto") -> ToolParser:
-    """The parser `name` (auto: detected), its markers as special tokens where the vocabulary
-    has them so that a grammar forces the token, not its spelling."""
-    special = {t: tokenizer.convert_tokens_to_ids(t) for t in tokenizer.all_special_tokens}
-    special.update(_added_special(tokenizer))
+    """The parser `name` (auto: detected), its markers as tokens where the vocabulary has them
+    (special or added, as Qwen's `<tool_call>`): llguidance matches such a token by its id, so a
+    grammar must force the token, not its spelling."""
+    tokens = {t: tokenizer.convert_tokens_to_ids(t) for t in tokenizer.all_special_tokens}
+    tokens.update(_added_tokens(tokenizer))
 
     def literal(text: str) -> str:
-        return f"<[{special[text]}]>" if text in special else json.dumps(text)
+        return f"<[{tokens[text]}]>" if text in tokens else json.dumps(text)
 
     return PARSERS[parser_name(tokenizer, name)](literal)
 
 
-def _added_special(tokenizer) -> dict[str, int]:
+def _added_tokens(tokenizer) -> dict[str, int]:
     decoder = getattr(tokenizer, "added_tokens_decoder", {}) or {}
-    return {t.content: i for i, t in decoder.items() if getattr(t, "special", False)}
+    return {t.content: i for i, t in decoder.items()}
