@@ -51,7 +51,14 @@ class Family:
     reasoning: str = "Paris is sunny"
 
 
-SPLIT_END = ["</", "think", ">"]  # `</think>` where the vocabulary has no token for it
+SPLIT_END = ["</", "think", ">"]
+# Gemma 4's tool-call marks, special tokens of its vocabulary
+GEMMA4_TOOL_TOKENS = (
+    "<|tool_call>",
+    "<tool_call|>",
+    '<|"|>',
+    "<|tool_response>",
+)  # `</think>` where the vocabulary has no token for it
 FAMILIES = {
     "qwen3": Family(
         TEMPLATES / "Qwen-Qwen3-0.6B.jinja",
@@ -66,7 +73,7 @@ FAMILIES = {
     "gemma4": Family(
         TEMPLATES / "google-gemma-4-31B-it.jinja",
         ["<|channel>", "thought", "\n", "Paris", " is", " sunny", "<channel|>"],
-        special=("<|channel>", "<channel|>"),
+        special=("<|channel>", "<channel|>", *GEMMA4_TOOL_TOKENS),
         kwargs={"enable_thinking": True},
     ),
     "exaone4": Family(
@@ -214,8 +221,6 @@ def test_an_answer_cut_inside_the_thinking_is_all_reasoning(served):
 
 
 def test_a_tool_call_after_the_thinking_parses(served):
-    if served.name == "gemma4":
-        pytest.skip("Gemma 4's own call syntax has no tool-call parser yet")
     kwargs = {"tools": [WEATHER], "tool_choice": "required", "parallel_tool_calls": False}
     kwargs["max_tokens"] = 64  # the grammar writes the call after the script's thinking
     answer = served.chat(served.family.thinking, **kwargs).choices[0]

@@ -55,3 +55,18 @@ def test_end_of_turn_tokens_stop(smollm2_tokenizer):
 
     ids = stop_token_ids(smollm2_tokenizer, Config())
     assert smollm2_tokenizer.convert_tokens_to_ids("<|im_end|>") in ids
+
+
+def test_gemma4_tool_response_ends_the_turn(smollm2_tokenizer):
+    """Gemma 4 writes `<|tool_response>` after its calls, where its template puts the results
+    (its generation_config lists it among the EOS ids; a GGUF file may not)."""
+    import copy
+
+    tokenizer = copy.deepcopy(smollm2_tokenizer)
+    tokenizer.add_special_tokens({"additional_special_tokens": ["<|tool_response>"]})
+
+    class Config:
+        eos_token_id = 2
+
+    ids = stop_token_ids(tokenizer, Config())
+    assert tokenizer.convert_tokens_to_ids("<|tool_response>") in ids

@@ -2,7 +2,8 @@
 
 from kestrel.errors import InvalidRequestError
 
-# end-of-turn tokens chat models emit instead of (or besides) EOS, as llama.cpp's "EOG" set
+# end-of-turn tokens chat models emit instead of (or besides) EOS, as llama.cpp's "EOG" set;
+# Gemma 4 ends a turn of tool calls with `<|tool_response>`, where its template puts the results
 END_OF_TURN_TOKENS = (
     "<|im_end|>",
     "<end_of_turn>",
@@ -10,6 +11,7 @@ END_OF_TURN_TOKENS = (
     "<|endoftext|>",
     "<|end|>",
     "<turn|>",
+    "<|tool_response>",
 )
 
 

@@ -6,8 +6,11 @@ reads it: `hermes` (Hermes, Qwen 2.5/3, SmolLM3: `<tool_call>{json}</tool_call>`
 (Llama 3.1-3.3: `{"name", "parameters"}`, optionally after `<|python_tag|>`), `mistral`
 (`[TOOL_CALLS][{...}]`, or `[TOOL_CALLS]name[ARGS]{...}` from v11 tokenizers), `gemma` (a
 ```tool_code block of Python calls or JSON) and `glm45` (GLM-4.5/4.6: `<tool_call>name` then
-`<arg_key>`/`<arg_value>` pairs). `choose_parser` picks one from the model's chat template and
-vocabulary (`DETECT`), or by name (`--tool-call-parser`).
+`<arg_key>`/`<arg_value>` pairs; `glm47`, GLM-4.7's spelling of them without newlines), `gemma4`
+(`<|tool_call>call:name{key:value}<tool_call|>`, kestrel.server.tools.gemma4) and `qwen3_coder`
+(Qwen3-Coder, Qwen3.5: `<function=name>` and `<parameter=key>` tags, values typed by the tool's
+schema, kestrel.server.tools.qwen3_coder). `choose_parser` picks one from the model's chat template
+and vocabulary (`DETECT`), or by name (`--tool-call-parser`).
 """
 
 import ast
@@ -15,6 +18,8 @@ import json
 import re
 from dataclasses import dataclass
 from typing import ClassVar
+
+from kestrel.server.tools import gemma4, qwen3_coder
 
 _DECODER = json.JSONDecoder()
 
@@ -175,6 +180,11 @@ class ToolParser:
         """The calls as the model writes them (for earlier assistant turns in the prompt)."""
         raise NotImplementedError
 
+    def for_tools(self, tools: list[dict]) -> "ToolParser":
+        """The parser of a request that offers `tools` (OpenAI function tools): itself, or a
+        copy that reads values by their schema."""
+        return self
+
     def grammar(self, call_schema: dict, parallel: bool) -> str:
         """A Lark grammar of answers made of one call (or, parallel, one or more) whose JSON
         object (name and arguments) matches `call_schema`."""
@@ -234,6 +244,16 @@ class Tagged(ToolParser):
 
     def write(self, call: ToolCall) -> str:
         raise NotImplementedError
+
+    @property
+    def tags(self) -> tuple[str, ...]:
+        """The format's tags (tokens in some vocabularies)."""
+        return (self.open, self.close)
+
+    def spelled(self, text: str) -> str:
+        """`text` as a Lark sequence, each of the format's tags in it as `literal` writes it."""
+        parts = re.split(f"({'|'.join(map(re.escape, self.tags))})", text)
+        return " ".join(self.literal(p) if p in self.tags else json.dumps(p) for p in parts if p)
 
     def _call_rule(self) -> str:
         return f"call: {self.literal(self.open)} obj {self.literal(self.close)}"
@@ -315,16 +335,23 @@ def _python_call(node) -> ToolCall | None:
 
 
 class Glm45(Tagged):
+    """`<tool_call>name` then `<arg_key>`/`<arg_value>` pairs, a newline after the name and each
+    tag (GLM-4.5/4.6) or none (GLM-4.7, `glm47`): both spellings parse, `gap` is the one written."""
+
     name = "glm45"
     open, close = "<tool_call>", "</tool_call>"
+    gap: ClassVar[str] = "\n"
     syntax = (
         "<tool_call><function-name>\n<arg_key>key</arg_key>\n<arg_value>value</arg_value>\n"
         "</tool_call>"
     )
+    tags = ("<tool_call>", "</tool_call>", "<arg_key>", "</arg_key>", "<arg_value>", "</arg_value>")
     _PAIR = re.compile(r"<arg_key>(.*?)</arg_key>\s*<arg_value>(.*?)</arg_value>", re.DOTALL)
+    _NAME_END = re.compile(r"\n|<arg_key>")
 
     def body(self, text: str) -> list[ToolCall]:
-        name, _, rest = text.partition("\n")
+        end = self._NAME_END.search(text)
+        name, rest = (text[: end.start()], text[end.start() :]) if end else (text, "")
         arguments = {key.strip(): _glm_value(value) for key, value in self._PAIR.findall(rest)}
         if self._PAIR.sub("", rest).strip():  # anything but pairs: not a call
             return []
@@ -332,11 +359,12 @@ class Glm45(Tagged):
         return [call] if call else []
 
     def write(self, call: ToolCall) -> str:
+        gap = self.gap
         pairs = "".join(
-            f"<arg_key>{key}</arg_key>\n<arg_value>{_glm_text(value)}</arg_value>\n"
+            f"<arg_key>{key}</arg_key>{gap}<arg_value>{_glm_text(value)}</arg_value>{gap}"
             for key, value in json.loads(call.arguments).items()
         )
-        return f"{call.name}\n{pairs}"
+        return f"{call.name}{gap}{pairs}"
 
     def grammar(self, call_schema: dict, parallel: bool) -> str:
         """One `call` alternative per tool, its arguments in the schema's property order, each
@@ -345,28 +373,225 @@ class Glm45(Tagged):
         for k, tool in enumerate(call_schema["anyOf"]):
             name = tool["properties"]["name"]["const"]
             parameters = tool["properties"]["arguments"]
-            pairs, values = _glm_pairs(parameters, f"v{k}_")
+            pairs, values = self._pairs(parameters, f"v{k}_")
             rules += values
-            opening = json.dumps(f"{self.open}{name}\n")
-            names.append(f"{opening} {pairs} {json.dumps(self.close)}")
-        repeat = ' ("\\n" call)*' if parallel else ""
-        return f"start: call{repeat}\ncall: {' | '.join(names)}\n" + "\n".join(rules) + "\n"
+            opening = self.spelled(f"{self.open}{name}{self.gap}")
+            names.append(f"{opening} {pairs} {self.spelled(self.close)}")
+        return (
+            f"start: {self._calls(parallel)}\ncall: {' | '.join(names)}\n" + "\n".join(rules) + "\n"
+        )
+
+    def _pairs(self, parameters: dict, prefix: str) -> tuple[str, list[str]]:
+        required = set(parameters.get("required", ()))
+        pairs, rules = [], []
+        for j, (key, schema) in enumerate(parameters.get("properties", {}).items()):
+            rule = f"{prefix}{j}"
+            opening = self.spelled(f"<arg_key>{key}</arg_key>{self.gap}<arg_value>")
+            pair = f"{opening} {rule} {self.spelled(f'</arg_value>{self.gap}')}"
+            pairs.append(pair if key in required else f"({pair})?")
+            schema = {**schema, "x-guidance": {"whitespace_flexible": False}}
+            rules.append(f"{rule}: %json {json.dumps(schema)}")
+        return " ".join(pairs) or '""', rules
+
+    def _calls(self, parallel: bool) -> str:
+        separator = f"{self.literal(self.separator)} " if self.separator else ""
+        return f"call ({separator}call)*" if parallel else "call"
 
 
-def _glm_pairs(parameters: dict, prefix: str) -> tuple[str, list[str]]:
+class Glm47(Glm45):
+    name = "glm47"
+    gap = separator = ""
+    syntax = (
+        "<tool_call><function-name><arg_key>key</arg_key><arg_value>value</arg_value></tool_call>"
+    )
+
+
+class Gemma4(Tagged):
+    """`<|tool_call>call:name{key:value,...}<tool_call|>`, calls back to back; the arguments'
+    JSON is read pair by pair (kestrel.server.tools.gemma4), so it streams as it is written. The
+    model then writes `<|tool_response>`, an end-of-turn token (kestrel.tokenizer)."""
+
+    name = "gemma4"
+    open, close = "<|tool_call>", "<tool_call|>"
+    separator = ""
+    special_tokens = True
+    syntax = '<|tool_call>call:<function-name>{<key>:<|"|><string><|"|>,<key>:<number>}<tool_call|>'
+    _HEAD = re.compile(r"\s*call:([\w.-]+)(?=\{)")
+
+    def body(self, text: str) -> list[ToolCall]:
+        head = self._HEAD.match(text)
+        reader = head and gemma4.Reader(text, head.end())
+        try:
+            arguments = reader and reader.value()
+        except (ValueError, gemma4.Cut):
+            return []
+        if not arguments or text[reader.at :].strip():
+            return []
+        return [ToolCall(head[1], arguments)]
+
+    def pending(self, text: str) -> tuple[int, PartialCall] | None:
+        begin = text.rfind(self.open)
+        if begin < 0 or text.find(self.close, begin) >= 0:
+            return None
+        body = text[begin + len(self.open) :]
+        head = self._HEAD.match(body)
+        if not head:
+            return None
+        try:
+            arguments = gemma4.Reader(body, head.end()).value()
+        except gemma4.Cut as cut:
+            arguments = cut.decided
+        except ValueError:
+            return None
+        return len(self.parse(text, final=False)[1]), PartialCall(head[1], arguments, False)
+
+    def write(self, call: ToolCall) -> str:
+        return f"call:{call.name}{gemma4.write(json.loads(call.arguments))}"
+
+    def grammar(self, call_schema: dict, parallel: bool) -> str:
+        """One `call` alternative per tool, its arguments in the template's (sorted) order."""
+        values = gemma4.Grammar(self.literal(gemma4.QUOTE))
+        calls = []
+        for tool in call_schema["anyOf"]:
+            name = tool["properties"]["name"]["const"]
+            parameters = tool["properties"]["arguments"]
+            arguments = values.object(parameters) if "properties" in parameters else "g4_object"
+            head = json.dumps(f"call:{name}")
+            calls.append(f"{self.literal(self.open)} {head} {arguments} {self.literal(self.close)}")
+        start = "call+" if parallel else "call"
+        return f"start: {start}\ncall: {' | '.join(calls)}\n{values.text()}"
+
+
+class Qwen3Coder(Tagged):
+    """`<tool_call>` then `<function=name>` and a `<parameter=key>` block per argument, each
+    value on its own lines, typed by the tool's parameter schema (for_tools;
+    kestrel.server.tools.qwen3_coder). String values stream as they are written; the others
+    once whole."""
+
+    name = "qwen3_coder"
+    open, close = "<tool_call>", "</tool_call>"
+    syntax = (
+        "<tool_call>\n<function=<function-name>>\n<parameter=<key>>\n<value>\n</parameter>\n"
+        "</function>\n</tool_call>"
+    )
+    _FUNCTION = re.compile(r"\s*<function=([^>\n]+)>")
+    _PARAMETER = re.compile(r"\s*<parameter=([^>\n]+)>(.*?)</parameter>", re.DOTALL)
+    _OPEN_PARAMETER = re.compile(r"\s*<parameter=([^>\n]+)>(.*)", re.DOTALL)
+    _VALUE_END = "\n</parameter>"
+
+    def __init__(self, literal=json.dumps, properties: dict[str, dict] | None = None):
+        super().__init__(literal)
+        self.properties = properties or {}  # function name -> its parameters' schemas
+
+    def for_tools(self, tools: list[dict]) -> "Qwen3Coder":
+        properties = {}
+        for tool in tools:
+            parameters = tool["function"].get("parameters") or {}
+            declared = parameters.get("properties") if isinstance(parameters, dict) else None
+            properties[tool["function"]["name"]] = declared if isinstance(declared, dict) else {}
+        return type(self)(self.literal, properties)
+
+    def body(self, text: str) -> list[ToolCall]:
+        head = self._FUNCTION.match(text)
+        if not head:
+            return []
+        pairs, at = self._pairs(head[1], text, head.end())
+        if text[at:].strip() not in ("", "</function>"):  # anything else: not a call
+            return []
+        return [ToolCall(head[1], "{" + ", ".join(pairs) + "}")]
+
+    def _pairs(self, name: str, text: str, at: int) -> tuple[list[str], int]:
+        """The JSON text of each whole parameter from `at`, and where they end."""
+        schemas, pairs = self.properties.get(name, {}), []
+        while match := self._PARAMETER.match(text, at):
+            key, value = match[1].strip(), _one_newline_off(match[2])
+            typed = qwen3_coder.typed(value, schemas.get(key))
+            pairs.append(f"{json.dumps(key, ensure_ascii=False)}: {_json(typed)}")
+            at = match.end()
+        return pairs, at
+
+    def pending(self, text: str) -> tuple[int, PartialCall] | None:
+        begin = text.rfind(self.open)
+        if begin < 0 or text.find(self.close, begin) >= 0:
+            return None
+        body = text[begin + len(self.open) :]
+        head = self._FUNCTION.match(body)
+        if not head:
+            return None
+        pairs, at = self._pairs(head[1], body, head.end())
+        if body[at:].strip().startswith("</function>"):
+            arguments = "{" + ", ".join(pairs) + "}"
+        else:
+            arguments = "{" + ", ".join([*pairs, *self._open_pair(head[1], body[at:])])
+        return len(self.parse(text, final=False)[1]), PartialCall(head[1], arguments, False)
+
+    def _open_pair(self, name: str, text: str) -> list[str]:
+        """The decided JSON text of a parameter being written: its key, and a string's text
+        so far (what may begin the closing tag held back)."""
+        match = self._OPEN_PARAMETER.match(text)
+        if not match:
+            return []
+        key = match[1].strip()
+        head = f"{json.dumps(key, ensure_ascii=False)}: "
+        if not qwen3_coder.stays_text(self.properties.get(name, {}).get(key)):
+            return [head]
+        value = match[2][1:] if match[2].startswith("\n") else match[2]
+        value = value[: len(value) - suffix_prefix(value, self._VALUE_END)]
+        return [head + json.dumps(value, ensure_ascii=False)[:-1]]
+
+    def write(self, call: ToolCall) -> str:
+        parameters = "".join(
+            f"<parameter={key}>\n{qwen3_coder.value_text(value)}\n</parameter>\n"
+            for key, value in json.loads(call.arguments).items()
+        )
+        return f"\n<function={call.name}>\n{parameters}</function>\n"
+
+    def grammar(self, call_schema: dict, parallel: bool) -> str:
+        """One `call` alternative per tool, its parameters in the schema's order: strings as
+        text, other types as JSON of their schema."""
+        rules, calls = ["Q_TEXT: /(?s:.*)/"], []
+        for k, tool in enumerate(call_schema["anyOf"]):
+            name = tool["properties"]["name"]["const"]
+            parameters = _qwen_parameters(tool["properties"]["arguments"], f"q{k}_", rules)
+            head = json.dumps(f"\n<function={name}>\n")
+            tail = f'"</function>\\n" {self.literal(self.close)}'
+            calls.append(f"{self.literal(self.open)} {head} {parameters} {tail}")
+        repeat = f" ({json.dumps(self.separator)} call)*" if parallel else ""
+        return f"start: call{repeat}\ncall: {' | '.join(calls)}\n" + "\n".join(rules) + "\n"
+
+
+def _qwen_parameters(parameters: dict, prefix: str, rules: list[str]) -> str:
     required = set(parameters.get("required", ()))
-    pairs, rules = [], []
+    parts = []
     for j, (key, schema) in enumerate(parameters.get("properties", {}).items()):
         rule = f"{prefix}{j}"
-        pair = f'"<arg_key>{_lark_escape(key)}</arg_key>\\n<arg_value>" {rule} "</arg_value>\\n"'
-        pairs.append(pair if key in required else f"({pair})?")
-        schema = {**schema, "x-guidance": {"whitespace_flexible": False}}
-        rules.append(f"{rule}: %json {json.dumps(schema)}")
-    return " ".join(pairs) or '""', rules
+        rules.extend(_qwen_value(rule, schema))
+        part = f"{json.dumps(f'<parameter={key}>' + chr(10))} {rule}"
+        parts.append(part if key in required else f"({part})?")
+    return " ".join(parts) or '""'
 
 
-def _lark_escape(text: str) -> str:
-    return json.dumps(text)[1:-1]
+def _qwen_value(rule: str, schema: dict) -> list[str]:
+    """Rules of a parameter's value and its closing tag."""
+    end = json.dumps("\n</parameter>\n")
+    if not qwen3_coder.is_text(schema):
+        compact = {**schema, "x-guidance": {"whitespace_flexible": False}}
+        return [f"{rule}: {rule}_json {end}", f"{rule}_json: %json {json.dumps(compact)}"]
+    if "enum" in schema or "const" in schema:
+        values = schema["enum"] if "enum" in schema else [schema["const"]]
+        texts = [json.dumps(qwen3_coder.value_text(v) + "\n</parameter>\n") for v in values]
+        return [f"{rule}: {' | '.join(texts)}"]
+    return [f"{rule}[lazy]: Q_TEXT {end}"]
+
+
+def _one_newline_off(value: str) -> str:
+    """A parameter's text without the newline after its open tag and before its close tag."""
+    value = value[1:] if value.startswith("\n") else value
+    return value[:-1] if value.endswith("\n") else value
+
+
+def _json(value) -> str:
+    return json.dumps(value, ensure_ascii=False)
 
 
 def _glm_value(text: str):
@@ -494,14 +719,17 @@ def _list_items(text: str, end: int) -> list[str]:
 
 
 PARSERS: dict[str, type[ToolParser]] = {
-    p.name: p for p in (Hermes, Llama3Json, Mistral, Gemma, Glm45)
+    p.name: p for p in (Hermes, Llama3Json, Mistral, Gemma, Glm45, Glm47, Gemma4, Qwen3Coder)
 }
 
 # auto: (where to look, what to find, parser), the first match wins; else hermes, whose syntax
 # the prompt then teaches (kestrel.server.tools.prompt)
 DETECT = (
     ("vocab", "[TOOL_CALLS]", "mistral"),
+    ("template", "<|tool_call>", "gemma4"),
+    ("template", "</arg_key><arg_value>", "glm47"),
     ("template", "<arg_key>", "glm45"),
+    ("template", "<parameter=", "qwen3_coder"),
     ("vocab", "<|python_tag|>", "llama3_json"),
     ("template", "<tool_call>", "hermes"),
     ("template", "tool_code", "gemma"),
@@ -523,17 +751,18 @@ def parser_name(tokenizer, name: str = "auto") -> str:
 
 
 def choose_parser(tokenizer, name: str = "auto") -> ToolParser:
-    """The parser `name` (auto: detected), its markers as special tokens where the vocabulary
-    has them so that a grammar forces the token, not its spelling."""
-    special = {t: tokenizer.convert_tokens_to_ids(t) for t in tokenizer.all_special_tokens}
-    special.update(_added_special(tokenizer))
+    """The parser `name` (auto: detected), its markers as tokens where the vocabulary has them
+    (special or added, as Qwen's `<tool_call>`): llguidance matches such a token by its id, so a
+    grammar must force the token, not its spelling."""
+    tokens = {t: tokenizer.convert_tokens_to_ids(t) for t in tokenizer.all_special_tokens}
+    tokens.update(_added_tokens(tokenizer))
 
     def literal(text: str) -> str:
-        return f"<[{special[text]}]>" if text in special else json.dumps(text)
+        return f"<[{tokens[text]}]>" if text in tokens else json.dumps(text)
 
     return PARSERS[parser_name(tokenizer, name)](literal)
 
 
-def _added_special(tokenizer) -> dict[str, int]:
+def _added_tokens(tokenizer) -> dict[str, int]:
     decoder = getattr(tokenizer, "added_tokens_decoder", {}) or {}
-    return {t.content: i for i, t in decoder.items() if getattr(t, "special", False)}
+    return {t.content: i for i, t in decoder.items()}

@@ -102,7 +102,7 @@ def offer(
     be parallel; `param` names a tool's fields in errors."""
     check_functions(functions, param)
     tools = [{"type": "function", "function": f} for f in functions]
-    return ToolUse(parser, tools, _choice(choice, functions), parallel)
+    return ToolUse(parser.for_tools(tools), tools, _choice(choice, functions), parallel)
 
 
 def check_functions(functions: list[dict], param: ParamOf = chat_param) -> None:
