@@ -7,7 +7,7 @@ also how its packing and paging are tested against the reference runner without 
 
 Speculative decoding: a chunk with a draft (ScheduledChunk.draft) feeds its pending token and the
 k proposed ones like a small prefill chunk, in the same forward as every other chunk, and its
-k + 1 rows are all sampled: sampling.verify_draft keeps the proposed tokens the model would have
+k + 1 rows are all sampled: sampling.verify_rows keeps the proposed tokens the model would have
 produced, and the cache's offset steps back over the rejected ones (the scheduler gives back
 their blocks); a later token writes over their keys before any query may see them.
 """
@@ -37,7 +37,7 @@ from kestrel.engine.scheduler import ScheduledChunk
 from kestrel.kernels import cpu_native
 from kestrel.kernels.attention import tile_rows
 from kestrel.models.batch import ForwardBatch, ImageRows
-from kestrel.sampling import SamplingParams, top_logprobs, verify_draft
+from kestrel.sampling import SamplingParams
 
 log = logging.getLogger("kestrel.paged_runner")
 
@@ -615,71 +615,6 @@ class PagedRunner(ModelRunner):
         rows = torch.tensor(last + verify, device=logits.device)
         return logits.index_select(0, rows), (hidden, spans)
 
-    # -- sampling on the device ---------------------------------------------------------------
-
-    def _verify(self, chunks: list[ScheduledChunk], logits: torch.Tensor) -> list[StepResult]:
-        """Each speculative chunk's tokens from its k + 1 rows of (R, V) `logits`, its cache's
-        offset stepped back over the rejected draft tokens. Greedy rows' argmaxes come in one
-        host read; the rest verify row by row (penalties, seeds, temperature)."""
-        if not chunks:
-            return []
-        fast = [_batchable(c.request) and c.request.params.greedy for c in chunks]
-        argmax = argmax_rows(logits).tolist() if any(fast) and not self.fault_hook else None
-        results, at = [], 0
-        for chunk, is_fast in zip(chunks, fast, strict=True):
-            rows = logits[at : at + len(chunk.draft) + 1]
-            at += len(rows)
-            picks = argmax[at - len(rows) : at] if is_fast and argmax is not None else None
-            results.append(self._verify_one(chunk, rows, picks))
-        return results
-
-    def _verify_one(self, chunk: ScheduledChunk, rows: torch.Tensor, picks) -> StepResult:
-        """(k+1, V) rows -> the chunk's tokens (`picks`: the rows' argmaxes, for greedy)."""
-        request = chunk.request
-        try:
-            if self.fault_hook:
-                self.fault_hook("sample", request)
-            if picks is not None:
-                tokens = _accept_greedy(chunk.draft, picks)
-            else:
-                generator = self._generator(request)
-                params, prompt, output = request.params, request.prompt_ids, request.output_ids
-                tokens = verify_draft(rows, chunk.draft, params, generator, prompt, output)
-        except Exception as error:
-            log.exception("request %s failed in sampling", request.request_id)
-            return StepResult(request, error=error)
-        self.caches[request.request_id].offset -= len(chunk.draft) + 1 - len(tokens)
-        k = request.params.logprobs
-        logprobs = (
-            None
-            if k is None
-            else [top_logprobs(r, t, k) for r, t in zip(rows, tokens, strict=False)]
-        )
-        first = None if logprobs is None else logprobs[0]
-        return StepResult(request, tokens[0], first, tokens=tokens, token_logprobs=logprobs)
-
-    def _sample_batch(
-        self, requests: list[Request], raw: torch.Tensor, logits: torch.Tensor
-    ) -> list[StepResult]:
-        """Greedy and plain temperature/top-k/top-p/min-p rows are sampled together on the device
-        (one host read for all); rows with penalties, biases, seeds or log-probs go one by one.
-        `logits` are the grammar-masked `raw` ones (the same tensor without constraints)."""
-        if not requests:
-            return []
-        simple = [i for i, r in enumerate(requests) if _batchable(r) and not self.fault_hook]
-        results: list[StepResult | None] = [None] * len(requests)
-        if simple:
-            rows = logits[: len(requests)]
-            if len(simple) < len(requests):
-                rows = rows.index_select(0, torch.tensor(simple, device=logits.device))
-            tokens = sample_rows(rows, [requests[i].params for i in simple])
-            for i, token in zip(simple, tokens.tolist(), strict=True):
-                results[i] = StepResult(requests[i], token)
-        for i, request in enumerate(requests):
-            if results[i] is None:
-                results[i] = self._sample(request, logits[i], raw[i])
-        return results
-
 
 def build_batch(
     p: Packed, pool, tile_tokens: int, device, use_triton: bool, states: StatePool | None = None
@@ -774,68 +709,3 @@ def _pending_ids(request: Request, n: int) -> list[int]:
         return request.output_ids[start - len(prompt) : start - len(prompt) + n]
     ids = prompt[start : start + n]
     return ids + request.output_ids[: n - len(ids)] if len(ids) < n else ids
-
-
-def _accept_greedy(draft: list[int], picks: list[int]) -> list[int]:
-    """The greedy verification of `draft` by the argmaxes of its k + 1 rows: the draft tokens
-    up to the first that differs from the argmax, then that row's argmax."""
-    for i, token in enumerate(draft):
-        if picks[i] != token:
-            return draft[:i] + [picks[i]]
-    return draft + [picks[-1]]
-
-
-def _batchable(request: Request) -> bool:
-    p = request.params
-    return (
-        p.seed is None
-        and p.logprobs is None
-        and not p.logit_bias
-        and p.repetition_penalty == 1.0
-        and not p.presence_penalty
-        and not p.frequency_penalty
-    )
-
-
-ARGMAX_CHUNKS = 64
-
-
-def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
-    """(B, V) -> (B,) each row's first largest index, in two passes where V splits into
-    ARGMAX_CHUNKS chunks: PyTorch reduces a row with one block of threads, so a single
-    sequence's argmax runs on one SM (a 128k vocabulary on the H200: 26 us of GPU time, 16 in
-    two passes)."""
-    b, v = logits.shape
-    if v % ARGMAX_CHUNKS:
-        return logits.argmax(-1)
-    best, at = logits.view(b, ARGMAX_CHUNKS, v // ARGMAX_CHUNKS).max(-1)  # (B, chunks)
-    chunk = best.argmax(-1, keepdim=True)  # the first chunk holding the largest value
-    return (chunk * (v // ARGMAX_CHUNKS) + at.gather(-1, chunk))[:, 0]
-
-
-def sample_rows(logits: torch.Tensor, params: list) -> torch.Tensor:
-    """(B, V) logits -> (B,) tokens: argmax where temperature is 0, else temperature, top-k,
-    top-p and min-p as masks and an exponential race (Gumbel-max) draw, all on the device."""
-    greedy = argmax_rows(logits)
-    if all(p.greedy for p in params):
-        return greedy
-    dev = logits.device
-    temp = torch.tensor([p.temperature or 1.0 for p in params], device=dev)[:, None]
-    x = logits.float() / temp
-    vocab = x.shape[-1]
-    top_k = torch.tensor([p.top_k if 0 < p.top_k < vocab else vocab for p in params], device=dev)
-    top_p = torch.tensor([p.top_p for p in params], device=dev)[:, None]
-    min_p = torch.tensor([p.min_p for p in params], device=dev)[:, None]
-    sorted_x, order = x.sort(-1, descending=True)
-    rank = torch.arange(vocab, device=dev)[None, :]
-    sorted_x = sorted_x.masked_fill(rank >= top_k[:, None], float("-inf"))  # as sampling.truncate:
-    probs = sorted_x.softmax(-1)  # top-k, then top-p and min-p on what is left
-    drop = probs.cumsum(-1) - probs >= top_p
-    drop[:, 0] = False
-    sorted_x = sorted_x.masked_fill(drop, float("-inf"))
-    probs = sorted_x.softmax(-1)
-    sorted_x = sorted_x.masked_fill(probs < min_p * probs[:, :1], float("-inf"))
-    race = sorted_x.softmax(-1) / torch.empty_like(probs).exponential_()
-    drawn = order.gather(-1, race.argmax(-1, keepdim=True))[:, 0]
-    is_greedy = torch.tensor([p.greedy for p in params], device=dev)
-    return torch.where(is_greedy, greedy, drawn)
