@@ -18,6 +18,7 @@ import math
 import os
 from array import array
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 
@@ -52,6 +53,47 @@ MICROBATCH_TOKENS = {"cuda": 128, "cpu": 16}
 MICROBATCHES_PER_STAGE = 2
 
 
+class TokenColumns(NamedTuple):
+    """A packed batch's per-token columns, in the one order the host lists, the device copy and
+    the CUDA graphs' static inputs share: (T,) each."""
+
+    ids: object
+    positions: object
+    slots: object  # each token's flat KV slot (PagedAttention.slot_mapping)
+    rope_ids: object  # text RoPE ids: position + rope_delta
+    chunk_ends: object  # the last position of each token's chunk
+
+
+class PackedSeq(NamedTuple):
+    """A sequence of a packed batch: its block table and its mask rule's inputs."""
+
+    blocks: list[int]
+    n_sink: int
+    main_start: int
+    live_start: int
+    keep: int
+
+
+class SeqColumns(NamedTuple):
+    """A batch's per-sequence columns, named as PagedAttention's fields: (S,) each."""
+
+    num_blocks: object
+    n_sink: object
+    main_start: object
+    live_start: object
+    keep: object
+
+    @classmethod
+    def of(cls, seqs: list[PackedSeq]) -> "SeqColumns":
+        return cls(
+            num_blocks=[len(s.blocks) for s in seqs],
+            n_sink=[s.n_sink for s in seqs],
+            main_start=[s.main_start for s in seqs],
+            live_start=[s.live_start for s in seqs],
+            keep=[s.keep for s in seqs],
+        )
+
+
 @dataclass
 class PagedBatch(ForwardBatch):
     """A ForwardBatch whose attention runs over the pool (`cached_attention` dispatches to it)."""
@@ -67,7 +109,7 @@ class Packed:
     rope_ids: list[int] = field(default_factory=list)  # text RoPE ids: position + rope_delta
     slots: list[int] = field(default_factory=list)
     tiles: list[tuple[int, int, int]] = field(default_factory=list)  # (seq, start, len)
-    seqs: list[tuple] = field(default_factory=list)  # (blocks, n_sink, main_start, live, keep)
+    seqs: list[PackedSeq] = field(default_factory=list)
     state_slots: list[int] = field(default_factory=list)  # per sequence (0: no recurrent state)
     rows: list[int] = field(default_factory=list)  # sampling rows (one per plain chunk)
     verify_rows: list[int] = field(default_factory=list)  # speculative chunks' k + 1 rows each
@@ -87,17 +129,19 @@ class Packed:
             first = max(start, lo)
             tiles.append((i, first - lo, min(start + n, hi) - first))
         rows = lambda r: [i - lo for i in r if lo <= i < hi]  # noqa: E731
+        tokens = TokenColumns(*(column[lo:hi] for column in self.token_columns()))
         return Packed(
-            *(column[lo:hi] for column in (self.ids, self.positions, self.chunk_ends)),
-            self.rope_ids[lo:hi],
-            self.slots[lo:hi],
-            tiles,
-            [self.seqs[s] for s in kept],
-            [self.state_slots[s] for s in kept],
-            rows(self.rows),
-            rows(self.verify_rows),
-            rows(self.pool_rows),
+            **tokens._asdict(),
+            tiles=tiles,
+            seqs=[self.seqs[s] for s in kept],
+            state_slots=[self.state_slots[s] for s in kept],
+            rows=rows(self.rows),
+            verify_rows=rows(self.verify_rows),
+            pool_rows=rows(self.pool_rows),
         )
+
+    def token_columns(self) -> TokenColumns:
+        return TokenColumns(self.ids, self.positions, self.slots, self.rope_ids, self.chunk_ends)
 
 
 @dataclass
@@ -105,9 +149,9 @@ class GraphInputs:
     """The input tensors of one graph width's CUDA graphs, for up to `big` sequences (a graph
     reads its inputs where they were at capture: they live as long as it does)."""
 
-    tokens: torch.Tensor  # (5, big * width): ids, positions, slots, RoPE ids, chunk ends
+    tokens: torch.Tensor  # (5, big * width): TokenColumns' rows
     tile_len: torch.Tensor  # (big * tiles,): each query tile's tokens (0: padding)
-    seqs: torch.Tensor  # (6, big): num_blocks, n_sink, main, live, keep, recurrent-state slot
+    seqs: torch.Tensor  # (6, big): SeqColumns' rows, then each recurrent-state slot
     table: torch.Tensor  # (big, table width): block tables
     rows: torch.Tensor  # (big * width,): every row (all of them give logits)
     tile_seq: torch.Tensor  # (big * tiles,): each tile's sequence (constant)
@@ -123,16 +167,16 @@ class GraphInputs:
         tile = torch.arange(big * tiles, device=device)
         seq = tile // tiles
         return cls(
-            zeros(5, big * width),
-            zeros(big * tiles),
-            zeros(6, big),
-            zeros(big, table_width),
-            torch.arange(big * width, device=device),
-            seq,
-            seq * width + tile % tiles * tile_tokens,
-            torch.zeros(big * width, hidden_size, dtype=dtype, device=device),
-            tile_tokens,
-            tiles,
+            tokens=zeros(len(TokenColumns._fields), big * width),
+            tile_len=zeros(big * tiles),
+            seqs=zeros(len(SeqColumns._fields) + 1, big),
+            table=zeros(big, table_width),
+            rows=torch.arange(big * width, device=device),
+            tile_seq=seq,
+            tile_start=seq * width + tile % tiles * tile_tokens,
+            hidden=torch.zeros(big * width, hidden_size, dtype=dtype, device=device),
+            tile_tokens=tile_tokens,
+            tiles=tiles,
         )
 
 
@@ -149,13 +193,15 @@ def make_runner(model, device: torch.device, config: Config, max_model_len: int)
         return PagedRunner(
             model,
             device,
-            sched.max_num_seqs,
-            sched.token_budget,
-            max_model_len,
-            config.cache,
-            config.model.cuda_graphs,
-            config.scheduler.kv_capacity,
-            config.speculation.num_speculative_tokens if config.speculation.speculative else 0,
+            max_num_seqs=sched.max_num_seqs,
+            token_budget=sched.token_budget,
+            max_model_len=max_model_len,
+            cache=config.cache,
+            cuda_graphs=config.model.cuda_graphs,
+            kv_capacity=config.scheduler.kv_capacity,
+            speculative_tokens=config.speculation.num_speculative_tokens
+            if config.speculation.speculative
+            else 0,
             keep_hidden=config.speculation.speculative == "mtp",
             microbatch_tokens=config.parallel.pp_microbatch_tokens
             or MICROBATCH_TOKENS.get(device.type, MICROBATCH_TOKENS["cpu"]),
@@ -452,7 +498,15 @@ class PagedRunner(ModelRunner):
             p.rope_ids.extend(range(first_id, first_id + n))
             p.slots.extend(cache.slots(cache.offset, n))
             blocks, n_sink, main_start = cache.table()
-            p.seqs.append((blocks, n_sink, main_start, cache.live_start, cache.keep))
+            p.seqs.append(
+                PackedSeq(
+                    blocks=blocks,
+                    n_sink=n_sink,
+                    main_start=main_start,
+                    live_start=cache.live_start,
+                    keep=cache.keep,
+                )
+            )
             p.state_slots.append(cache.state_slot)
             p.tiles.append((s, start, n))
             if chunk.draft:
@@ -464,7 +518,9 @@ class PagedRunner(ModelRunner):
 
     def _to_batch(self, p: Packed, tile_tokens: int | None) -> PagedBatch:
         tile_tokens = tile_tokens or self.tile_tokens
-        batch = build_batch(p, self.pool, tile_tokens, self.device, self.use_triton, self.states)
+        batch = build_batch(
+            p, self.pool, tile_tokens, self.device, use_triton=self.use_triton, states=self.states
+        )
         # an FP8 pool's scales come from the first batch it stores (pipeline micro-batches: the
         # first of them); the batches after read and write with those
         batch.attention.calibrate, self.pool.calibrated = not self.pool.calibrated, True
@@ -501,7 +557,13 @@ class PagedRunner(ModelRunner):
         tile_tokens = min(self.tile_tokens, 1 << (width - 1).bit_length())
         hidden_size = self.model.config.get_text_config().hidden_size
         self.static[width] = GraphInputs.allocate(
-            width, sizes[-1], tile_tokens, self.table_width, hidden_size, self.dtype, self.device
+            width=width,
+            big=sizes[-1],
+            tile_tokens=tile_tokens,
+            table_width=self.table_width,
+            hidden_size=hidden_size,
+            dtype=self.dtype,
+            device=self.device,
         )
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
@@ -518,35 +580,31 @@ class PagedRunner(ModelRunner):
 
     def _static_batch(self, width: int, b: int) -> PagedBatch:
         g = self.static[width]
-        ids, pos, slots, rope, ends = (row[: b * width] for row in g.tokens)
-        nb, n_sink, main, live, keep, state_slots = (row[:b] for row in g.seqs)
+        tokens = TokenColumns(*(row[: b * width] for row in g.tokens))
+        *per_seq, state_slots = (row[:b] for row in g.seqs)
         tiles = b * g.tiles
         meta = PagedAttention(
-            self.pool,
-            slots,
-            pos,
-            g.tile_seq[:tiles],
-            g.tile_start[:tiles],
-            g.tile_len[:tiles],
-            g.table[:b],
-            nb,
-            n_sink,
-            main,
-            live,
-            keep,
-            g.tile_tokens,
-            True,
+            pool=self.pool,
+            slot_mapping=tokens.slots,
+            positions=tokens.positions,
+            tile_seq=g.tile_seq[:tiles],
+            tile_start=g.tile_start[:tiles],
+            tile_len=g.tile_len[:tiles],
+            block_tables=g.table[:b],
+            **SeqColumns(*per_seq)._asdict(),
+            tile_tokens=g.tile_tokens,
+            use_triton=True,
         )
         groups = None
         if self.states is not None and width == 1:  # every row a sequence of one token
             groups = [(g.tile_seq[:b, None], PoolStates(self.states, state_slots))]
         return PagedBatch(
-            ids,
-            pos,
-            [],
-            g.rows[: b * width],  # every row's logits
-            rope,
-            chunk_ends=ends,
+            input_ids=tokens.ids,
+            positions=tokens.positions,
+            chunks=[],
+            logits_rows=g.rows[: b * width],  # every row's logits
+            rope_positions=tokens.rope_ids,
+            chunk_ends=tokens.chunk_ends,
             state_groups=groups,
             keep_hidden=self.keep_hidden,
             prev_hidden=g.hidden[: b * width] if self.takes_hidden else None,
@@ -571,30 +629,27 @@ class PagedRunner(ModelRunner):
         every row of each speculative chunk (as the eager step's `rows` order them); and the
         graph's (T, H) hidden states with each chunk's (start, length) in them."""
         b, g = len(p.seqs), self.static[width]
-        blocks_width = max(len(s[0]) for s in p.seqs)
+        blocks_width = max(len(s.blocks) for s in p.seqs)
         # the per-token rows, the per-tile lengths, the per-sequence rows, then the block table
         host = array("q")
-        fills = ((p.ids, False), (p.positions, True), (p.slots, False), (p.rope_ids, True))
-        for column, repeat in (*fills, (p.chunk_ends, True)):
+        for column, repeat in zip(p.token_columns(), PADDING_REPEATS, strict=True):
             host.extend(_padded(column, p.tiles, width, size, repeat))
         tt = g.tile_tokens
         for *_, n in p.tiles:  # a chunk shorter than the width leaves its last tiles empty
             host.extend(min(max(n - j * tt, 0), tt) for j in range(g.tiles))
         host.extend([0] * ((size - b) * g.tiles))
         pad = [0] * (size - b)
-        host.extend(len(s[0]) for s in p.seqs)
-        host.extend(pad)
-        for k in range(1, 5):  # n_sink, main_start, live_start, keep
-            host.extend(s[k] for s in p.seqs)
+        for column in (*SeqColumns.of(p.seqs), p.state_slots):
+            host.extend(column)
             host.extend(pad)
-        host.extend(p.state_slots)
-        host.extend(pad)
-        for blocks, *_ in p.seqs:
-            host.extend(blocks)
-            host.extend([0] * (blocks_width - len(blocks)))
+        for s in p.seqs:
+            host.extend(s.blocks)
+            host.extend([0] * (blocks_width - len(s.blocks)))
         host = torch.frombuffer(host, dtype=torch.long)
-        n, tiles = 5 * size * width, size * g.tiles
-        g.tokens[:, : size * width].copy_(host[:n].view(5, -1), non_blocking=True)
+        n, tiles = len(TokenColumns._fields) * size * width, size * g.tiles
+        g.tokens[:, : size * width].copy_(
+            host[:n].view(len(TokenColumns._fields), -1), non_blocking=True
+        )
         g.tile_len[:tiles].copy_(host[n : n + tiles], non_blocking=True)
         n += tiles
         g.seqs[:, :size].copy_(host[n : n + 6 * size].view(6, size), non_blocking=True)
@@ -625,15 +680,11 @@ def build_batch(
         for s, start, n in p.tiles
         for i in range(0, n, tile_tokens)
     ]
-    width = max(len(s[0]) for s in p.seqs)
-    table = [blocks + [0] * (width - len(blocks)) for blocks, *_ in p.seqs]
-    per_seq = [
-        list(col)
-        for col in zip(*[(len(b), ns, ms, ls, k) for b, ns, ms, ls, k in p.seqs], strict=False)
-    ]
+    width = max(len(s.blocks) for s in p.seqs)
+    table = [s.blocks + [0] * (width - len(s.blocks)) for s in p.seqs]
     tile_columns = map(list, zip(*tiles, strict=False))
     rows = p.rows + p.verify_rows + p.pool_rows  # sampling rows first (ModelRunner._forward)
-    flat = [p.ids, p.positions, p.chunk_ends, p.rope_ids, p.slots, rows, *tile_columns, *per_seq]
+    flat = [*p.token_columns(), rows, *tile_columns, *SeqColumns.of(p.seqs)]
     # recurrent-state groups: chunks of one length together (one-token chunks first), as (first
     # row, state slot) runs
     by_length = sorted(range(len(p.tiles)), key=lambda s: p.tiles[s][2]) if states else []
@@ -646,35 +697,40 @@ def build_batch(
         host.extend(row)
     dev = torch.frombuffer(host, dtype=torch.long).to(device, non_blocking=True)
     parts = [t[: len(f)] for t, f in zip(dev[: sum(sizes)].split(sizes), flat, strict=True)]
-    ids, positions, ends, rope, slots, rows, t_seq, t_start, t_len, nb, n_sink, main, live, keep = (
-        parts[:14]
-    )
+    tokens, parts = TokenColumns(*parts[:5]), parts[5:]
+    (rows, tile_seq, tile_start, tile_len), parts = parts[:4], parts[4:]
+    seqs, parts = SeqColumns(*parts[:5]), parts[5:]
     groups = None
     if states is not None:
-        groups = state_groups(sorted(n for *_, n in p.tiles), states, *parts[14:])
-    tables = dev[sum(sizes) :].view(len(p.seqs), width)
+        groups = state_groups(sorted(n for *_, n in p.tiles), states, *parts)
     meta = PagedAttention(
-        pool,
-        slots,
-        positions,
-        t_seq,
-        t_start,
-        t_len,
-        tables,
-        nb,
-        n_sink,
-        main,
-        live,
-        keep,
-        tile_tokens,
-        use_triton,
+        pool=pool,
+        slot_mapping=tokens.slots,
+        positions=tokens.positions,
+        tile_seq=tile_seq,
+        tile_start=tile_start,
+        tile_len=tile_len,
+        block_tables=dev[sum(sizes) :].view(len(p.seqs), width),
+        **seqs._asdict(),
+        tile_tokens=tile_tokens,
+        use_triton=use_triton,
     )
+    rope = tokens.rope_ids
     if p.explicit_rope:  # multimodal prompt chunks: (3, T) M-RoPE ids
         rope = rope.expand(3, -1).clone()
         for start, chunk_ids in p.explicit_rope:
             rope[:, start : start + chunk_ids.shape[1]] = chunk_ids
-    images = ImageRows.packed(p.images, device)
-    return PagedBatch(ids, positions, [], rows, rope, images, ends, groups, attention=meta)
+    return PagedBatch(
+        input_ids=tokens.ids,
+        positions=tokens.positions,
+        chunks=[],
+        logits_rows=rows,
+        rope_positions=rope,
+        images=ImageRows.packed(p.images, device),
+        chunk_ends=tokens.chunk_ends,
+        state_groups=groups,
+        attention=meta,
+    )
 
 
 def state_groups(lengths: list[int], states: StatePool, starts, slots) -> list:
@@ -688,6 +744,12 @@ def state_groups(lengths: list[int], states: StatePool, starts, slots) -> list:
         groups.append((rows, PoolStates(states, slots[i:j])))
         i = j
     return groups
+
+
+# per TokenColumns column, whether a graph's padding rows repeat a chunk's last value (else 0)
+PADDING_REPEATS = TokenColumns(
+    ids=False, positions=True, slots=False, rope_ids=True, chunk_ends=True
+)
 
 
 def _padded(column: list[int], tiles, width: int, size: int, repeat: bool) -> list[int]:
