@@ -177,11 +177,11 @@ def draft_runner(
     return DraftRunner(
         draft,
         device,
-        sched.max_num_seqs,
-        sched.token_budget,
-        max_len + k + 1,
-        cache,
-        config.model.cuda_graphs,
+        max_num_seqs=sched.max_num_seqs,
+        token_budget=sched.token_budget,
+        max_model_len=max_len + k + 1,
+        cache=cache,
+        cuda_graphs=config.model.cuda_graphs,
         speculative_tokens=k,  # catch-up chunks of up to k + 1 tokens run in graphs too
         **kwargs,
     )
