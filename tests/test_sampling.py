@@ -19,6 +19,12 @@ from kestrel.sampling import (
 )
 
 LOGITS = torch.tensor([2.0, 1.0, 0.5, -1.0, 3.0])
+DEVICES = [
+    "cpu",
+    pytest.param(
+        "cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+    ),
+]
 
 
 @pytest.mark.parametrize(
@@ -142,14 +148,15 @@ def test_top_p_and_min_p_after_top_k_mask_as_over_the_whole_vocabulary():
             assert kept(logits, params) == keep.tolist()
 
 
-def test_top_k_keeps_every_tied_token_in_the_draw():
+@pytest.mark.parametrize("device", DEVICES)
+def test_top_k_keeps_every_tied_token_in_the_draw(device):
     """The tie rule (vLLM's threshold): top-k keeps every token whose logit equals the k-th
     largest, so with k = 2 and three tokens tied second, all four are drawn, never the fifth."""
-    logits = torch.tensor([3.0, 1.0, 1.0, 1.0, -2.0])
+    logits = torch.tensor([3.0, 1.0, 1.0, 1.0, -2.0], device=device)
     params = SamplingParams(temperature=2.0, top_k=2)
     assert kept(logits, params) == [True, True, True, True, False]
     tokens = sample_rows(logits.expand(4000, -1), [Row(params)] * 4000)
-    counts = torch.bincount(tokens, minlength=5).tolist()
+    counts = torch.bincount(tokens.cpu(), minlength=5).tolist()
     assert all(n > 0 for n in counts[:4]) and counts[4] == 0, counts
 
 
@@ -180,11 +187,12 @@ def test_seed_makes_sampling_reproducible():
     assert len(set(draws())) > 1
 
 
-def test_a_seeded_row_draws_the_same_tokens_whatever_batch_holds_it():
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_seeded_row_draws_the_same_tokens_whatever_batch_holds_it(device):
     """A seed reproduces its tokens alone, or at any place in a batch of other rows (seeded or
     not, other params), step after step."""
     torch.manual_seed(0)
-    logits = torch.randn(6, 300)
+    logits = torch.randn(6, 300).to(device)
     params = SamplingParams(temperature=0.9, top_p=0.95, seed=3)
     others = [SamplingParams(temperature=0), SamplingParams(top_k=5), SamplingParams(seed=8)]
 
