@@ -77,9 +77,8 @@ def processed(logits, params, prompt_ids=(), output_ids=()) -> torch.Tensor:
 
 def kept(logits, params) -> list[bool]:
     """Which tokens truncation keeps, in vocabulary order."""
-    sorted_x, order = truncate_rows(logits[None] / params.temperature, [Row(params)])
-    unsorted = torch.empty_like(sorted_x).scatter_(-1, order, sorted_x)[0]
-    return (~torch.isinf(unsorted)).tolist()
+    out = truncate_rows(logits[None] / params.temperature, [Row(params)])[0]
+    return (~torch.isinf(out)).tolist()
 
 
 def test_greedy_takes_the_argmax():
@@ -155,6 +154,8 @@ def test_top_k_keeps_every_tied_token_in_the_draw(device):
     logits = torch.tensor([3.0, 1.0, 1.0, 1.0, -2.0], device=device)
     params = SamplingParams(temperature=2.0, top_k=2)
     assert kept(logits, params) == [True, True, True, True, False]
+    # the ties past top-k's window of k logits still count in top-p's mass
+    assert kept(logits, SamplingParams(top_k=2, top_p=0.99)) == [True, True, True, True, False]
     tokens = sample_rows(logits.expand(4000, -1), [Row(params)] * 4000)
     counts = torch.bincount(tokens.cpu(), minlength=5).tolist()
     assert all(n > 0 for n in counts[:4]) and counts[4] == 0, counts
@@ -163,6 +164,12 @@ def test_top_k_keeps_every_tied_token_in_the_draw(device):
 def test_top_p_keeps_the_token_that_crosses_p():
     logits = torch.log(torch.tensor([0.5, 0.3, 0.2]))
     assert kept(logits, SamplingParams(top_p=0.7)) == [True, True, False]
+
+
+def test_top_p_keeps_every_token_tied_with_the_one_that_crosses_p():
+    logits = torch.log(torch.tensor([0.4, 0.2, 0.2, 0.2]))
+    assert kept(logits, SamplingParams(top_p=0.5)) == [True, True, True, True]
+    assert kept(logits, SamplingParams(top_p=0.3)) == [True, False, False, False]
 
 
 def test_a_batch_draws_each_row_from_its_own_distribution():

@@ -6,7 +6,7 @@ repetition/presence/frequency penalties, temperature (`process_rows`), top-k, to
 (`truncate_rows`), then a draw (`sample_rows`): an exponential race on the device, a seeded
 request's noise from its own generator so that its seed gives the same tokens whatever batch it
 is in. Top-k keeps every token tied with the k-th largest logit (vLLM's threshold; llama.cpp
-keeps exactly k). `verify_rows` is speculative decoding's acceptance over the same steps.
+keeps exactly k), top-p every token tied with the one that crosses p. `verify_rows` is speculative decoding's acceptance over the same steps.
 Log-probs (`logprob_rows`) are those of the model's raw distribution, before any of them.
 """
 
@@ -224,76 +224,93 @@ def process_rows(logits: torch.Tensor, rows: list[Row]) -> torch.Tensor:
     return x
 
 
-def _entries(x: torch.Tensor, entries: list[tuple]) -> tuple[tuple, torch.Tensor]:
-    """[(row, token, value, ...)] host lists -> ((rows, tokens) index, (n, values) float32), on
-    x's device: the scatters' inputs in two copies."""
-    index = torch.tensor([e[:2] for e in entries], dtype=torch.long).T.to(x.device)
-    values = torch.tensor([e[2:] for e in entries], dtype=torch.float32).to(x.device)
-    return (index[0], index[1]), values
+def _scatter_index(x: torch.Tensor, rows: list[int], tokens: list[int]) -> tuple:
+    """(rows, tokens) host columns -> the (row, token) index into x, on its device in one copy."""
+    index = torch.tensor([rows, tokens], dtype=torch.long).to(x.device)
+    return index[0], index[1]
+
+
+def _column(x: torch.Tensor, values: list[float]) -> torch.Tensor:
+    return torch.tensor(values, dtype=torch.float32).to(x.device)
 
 
 def _add_logit_bias(x: torch.Tensor, rows: list[Row]) -> None:
-    bias = [(i, t, v) for i, r in enumerate(rows) for t, v in (r.params.logit_bias or {}).items()]
-    if bias:
-        index, values = _entries(x, bias)
-        x[index] += values[:, 0]
+    at, tokens, bias = [], [], []
+    for i, row in enumerate(rows):
+        for token, value in (row.params.logit_bias or {}).items():
+            at.append(i)
+            tokens.append(token)
+            bias.append(value)
+    if at:
+        x[_scatter_index(x, at, tokens)] += _column(x, bias)
 
 
 def _apply_repetition_penalty(x: torch.Tensor, rows: list[Row]) -> None:
     """Divides the positive logits, multiplies the negative ones, of tokens in prompt or output."""
-    seen = [
-        (i, t, r.params.repetition_penalty)
-        for i, r in enumerate(rows)
-        if r.params.repetition_penalty != 1.0
-        for t in set(r.prompt_ids) | set(r.output_ids)
-    ]
-    if seen:
-        index, values = _entries(x, seen)
-        logits, penalty = x[index], values[:, 0]
+    at, tokens = [], []
+    for i, row in enumerate(rows):
+        if row.params.repetition_penalty != 1.0:
+            seen = set(row.prompt_ids).union(row.output_ids)
+            at += [i] * len(seen)
+            tokens += seen
+    if at:
+        index = _scatter_index(x, at, tokens)
+        penalty = _column(x, [row.params.repetition_penalty for row in rows])[index[0]]
+        logits = x[index]
         x[index] = torch.where(logits > 0, logits / penalty, logits * penalty)
 
 
 def _apply_presence_frequency(x: torch.Tensor, rows: list[Row]) -> None:
     """Subtracts presence once and frequency per occurrence, for tokens of the output only."""
-    counted = [
-        (i, t, n, r.params.frequency_penalty, r.params.presence_penalty)
-        for i, r in enumerate(rows)
-        if r.counts_output
-        for t, n in Counter(r.output_ids).items()
-    ]
-    if counted:
-        index, values = _entries(x, counted)
-        count, frequency, presence = values.unbind(1)
-        x[index] -= frequency * count + presence
+    at, tokens, counts = [], [], []
+    for i, row in enumerate(rows):
+        if row.counts_output:
+            seen = Counter(row.output_ids)
+            at += [i] * len(seen)
+            tokens += seen.keys()
+            counts += seen.values()
+    if at:
+        index = _scatter_index(x, at, tokens)
+        frequency = _column(x, [row.params.frequency_penalty for row in rows])[index[0]]
+        presence = _column(x, [row.params.presence_penalty for row in rows])[index[0]]
+        x[index] -= frequency * _column(x, counts) + presence
 
 
-def truncate_rows(x: torch.Tensor, rows: list[Row]) -> tuple[torch.Tensor, torch.Tensor]:
-    """(B, V) tempered logits -> the (B, V) logits in descending order with the top-k, top-p and
-    min-p tails at -inf, and the (B, V) token ids of their columns.
+def truncate_rows(x: torch.Tensor, rows: list[Row]) -> torch.Tensor:
+    """(B, V) tempered logits -> (B, V) with the top-k, top-p and min-p tails at -inf, in that
+    order, each a floor on the logits. The tie rule is vLLM's: top-k keeps every token tied with
+    the k-th largest logit (llama.cpp keeps exactly k, cutting the tie by its sort), and top-p
+    every token tied with the one whose probability crosses p (kept, as the likeliest always is).
+    Top-p sees only what top-k kept; min-p drops tokens below min_p times the likeliest one's
+    probability. Rows with top-k read a top-k window of the logits; only top-p without top-k
+    sorts a whole row."""
+    vocab, params = x.shape[-1], [row.params for row in rows]
+    top_k = [p.top_k if 0 < p.top_k < vocab else 0 for p in params]
+    top_p = [p.top_p < 1 for p in params]
+    if not any(top_k) and not any(top_p) and not any(p.min_p for p in params):
+        return x
+    columns = [top_k, [p.top_p if p.top_p < 1 else 2.0 for p in params], [p.min_p for p in params]]
+    k, p, min_p = torch.tensor(columns, device=x.device)[:, :, None]  # (B, 1) each
+    full = any(uses_p and not uses_k for uses_k, uses_p in zip(top_k, top_p, strict=True))
+    # (B, W) the largest logits in order: W = V, or the largest k (1: the max, for min-p)
+    window = x.sort(-1, descending=True).values if full else x.topk(max(1, *top_k)).values
+    floor = torch.where(k > 0, window.gather(-1, (k.long() - 1).clamp(min=0)), float("-inf"))
+    if any(top_p):
+        floor = torch.maximum(floor, _top_p_floor(x, window, floor, p))
+    floor = torch.maximum(floor, window[:, :1] + min_p.log())  # log 0: -inf, no floor
+    return x.masked_fill(x < floor, float("-inf"))
 
-    Top-k is a threshold, as vLLM's: every token tied with the k-th largest logit stays (llama.cpp
-    keeps exactly k, cutting a tie by its sort). Top-p then keeps the tokens before the one that
-    crosses p, that one too, and always the likeliest; min-p drops what is left below min_p times
-    the likeliest token's probability. Top-p and min-p see only what the steps before kept."""
-    vocab = x.shape[-1]
-    columns = [
-        [r.params.top_k if 0 < r.params.top_k < vocab else vocab for r in rows],
-        [r.params.top_p if r.params.top_p < 1 else 2.0 for r in rows],  # 2: off, whatever sums
-        [r.params.min_p for r in rows],
-    ]
-    top_k, top_p, min_p = torch.tensor(columns, device=x.device)[:, :, None]
-    sorted_x, order = x.sort(-1, descending=True)
-    kth = sorted_x.gather(-1, top_k.long() - 1)
-    sorted_x = sorted_x.masked_fill(sorted_x < kth, float("-inf"))
-    if any(r.params.top_p < 1 for r in rows):
-        probs = sorted_x.softmax(-1)
-        drop = probs.cumsum(-1) - probs >= top_p
-        drop[:, 0] = False  # the likeliest token stays even when p is below float32's precision
-        sorted_x = sorted_x.masked_fill(drop, float("-inf"))
-    if any(r.params.min_p > 0 for r in rows):
-        probs = sorted_x.softmax(-1)
-        sorted_x = sorted_x.masked_fill(probs < min_p * probs[:, :1], float("-inf"))
-    return sorted_x, order
+
+def _top_p_floor(x, window, floor, top_p) -> torch.Tensor:
+    """(B, 1) the logit of the token whose probability crosses `top_p` (-inf where top_p is 2,
+    off), over the tokens at or above `floor`: the (B, W) descending `window` holds them all but
+    those tied with the floor past its end, which count in the normaliser."""
+    largest = window[:, :1]
+    total = (x - largest).exp().masked_fill(x < floor, 0).sum(-1, keepdim=True)
+    probs = (window - largest).exp().masked_fill(window < floor, 0) / total
+    before = probs.cumsum(-1) - probs  # the mass of the tokens ranked above each
+    crossing = ((before < top_p).sum(-1, keepdim=True) - 1).clamp(min=0)  # p below float32: 0
+    return torch.where(top_p < 1, window.gather(-1, crossing), float("-inf"))
 
 
 def sample_rows(logits: torch.Tensor, rows: list[Row]) -> torch.Tensor:
@@ -304,18 +321,14 @@ def sample_rows(logits: torch.Tensor, rows: list[Row]) -> torch.Tensor:
     greedy = [row.params.greedy for row in rows]
     if all(greedy):
         return argmax_rows(x)
-    sorted_x, order = truncate_rows(x, rows)
-    noise = _noise(x, rows)
-    if any(row.generator is not None for row in rows):
-        noise = noise.gather(-1, order)  # each token keeps its own draw, whatever its rank
-    drawn = order.gather(-1, _race(sorted_x.softmax(-1), noise)[:, None])[:, 0]
+    drawn = _race(truncate_rows(x, rows).softmax(-1), _noise(x, rows))
     if not any(greedy):
         return drawn
     return torch.where(torch.tensor(greedy, device=x.device), argmax_rows(x), drawn)
 
 
 def _noise(x: torch.Tensor, rows: list[Row]) -> torch.Tensor:
-    """(B, V) Exp(1) draws in vocabulary order: a seeded row's from its own generator (so a seed
+    """(B, V) Exp(1) draws: a seeded row's from its own generator (so a seed
     draws the same tokens whatever batch holds it), the others' from the device's default."""
     noise = torch.empty_like(x, dtype=torch.float32).exponential_()
     for i, row in enumerate(rows):
@@ -381,8 +394,7 @@ def _after(row: Row, accepted: list[int]) -> Row:
 def _rejection_sample(x: torch.Tensor, rows: list[Row], proposed: list[int]):
     """(R, V) processed logits -> (R,) each row's token if its proposal is rejected (drawn from
     its distribution without the proposal) and (R,) whether the proposal is accepted (u < p)."""
-    sorted_x, order = truncate_rows(x, rows)
-    probs = torch.zeros_like(sorted_x).scatter_(-1, order, sorted_x.softmax(-1))  # (R, V)
+    probs = truncate_rows(x, rows).softmax(-1)  # (R, V)
     draft_rows = [i for i, t in enumerate(proposed) if t >= 0]
     index = (
         torch.tensor(draft_rows, device=x.device),
