@@ -8,7 +8,7 @@ from kestrel.cache import paged
 from kestrel.cache.blocks import BlockManager
 from kestrel.cache.paged import BlockPool, PagedSequenceCache
 from kestrel.cache.sequence import CacheSpec, KVShape
-from kestrel.engine.paged_runner import Packed, build_batch
+from kestrel.engine.paged_runner import Packed, PackedSeq, build_batch
 from kestrel.kernels import fused
 from kestrel.kernels.attention import FP8, KVStore, quantize
 
@@ -37,7 +37,7 @@ def random_sequences(pool: BlockPool, chunk: int, lengths=(37, 90, 70)):
         held = dict(cache.blocks.held)
         p.slots += [held[q // bs] * bs + q % bs for q in range(cache.offset, cache.offset + chunk)]
         blocks, n_sink, main_start = cache.table()
-        p.seqs.append((blocks, n_sink, main_start, cache.live_start, cache.keep))
+        p.seqs.append(PackedSeq(blocks, n_sink, main_start, cache.live_start, cache.keep))
         p.tiles.append((s, start, chunk))
         p.rows.append(start + chunk - 1)
     return p

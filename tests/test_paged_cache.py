@@ -22,12 +22,12 @@ from transformers import (
 from kestrel.cache.blocks import BlockManager
 from kestrel.cache.paged import PagedSequenceCache
 from kestrel.config import CacheConfig, SchedulerConfig
-from kestrel.engine.paged_runner import PagedRunner, argmax_rows
+from kestrel.engine.paged_runner import PagedRunner
 from kestrel.engine.request import Request
 from kestrel.engine.runner import ModelRunner, run_step
 from kestrel.engine.scheduler import ScheduledChunk, Scheduler
 from kestrel.models.nemotron_nas import NemotronNasConfig
-from kestrel.sampling import SamplingParams
+from kestrel.sampling import SamplingParams, argmax_rows
 from kestrel.weights.loader import build_model
 from test_models_glm4_moe_lite import CONFIG as GLM4_MOE_LITE
 from test_models_jamba import CONFIG as JAMBA

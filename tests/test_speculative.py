@@ -26,7 +26,7 @@ from kestrel.engine.request import Request
 from kestrel.engine.scheduler import Scheduler
 from kestrel.engine.speculative import NgramProposer
 from kestrel.errors import InvalidRequestError
-from kestrel.sampling import SamplingParams, verify_draft
+from kestrel.sampling import Row, SamplingParams, verify_rows
 
 # (transformers class, config) of each family: llama-shaped, every layer sliding (blocks evicted
 # behind the window), mixed sliding/global, MoE with sliding layers, MLA with MoE
@@ -325,9 +325,16 @@ def chi_square(counts: list[int], probs: torch.Tensor) -> float:
     )
 
 
-def draw(draft: list[int], params: SamplingParams, seed: int = 0) -> list[list[int]]:
-    generator = torch.Generator().manual_seed(seed)
-    return [verify_draft(LOGITS, draft, params, generator, [], []) for _ in range(N_SAMPLES)]
+def verify(logits, draft: list[int], params: SamplingParams) -> list[int]:
+    """One chunk's verification through the batched verifier."""
+    return verify_rows(logits, [draft], [Row(params)])[0]
+
+
+def draw(draft: list[int], params: SamplingParams) -> list[list[int]]:
+    """N_SAMPLES verifications of one draft over LOGITS, as one batch of as many chunks."""
+    torch.manual_seed(0)
+    logits = torch.cat([LOGITS, LOGITS[:1]]).repeat(N_SAMPLES, 1)  # + the bonus row
+    return verify_rows(logits, [draft] * N_SAMPLES, [Row(params)] * N_SAMPLES)
 
 
 @pytest.mark.parametrize("draft_token", [0, 2])  # the likeliest token, and an unlikely one
@@ -352,9 +359,15 @@ def test_greedy_verification_accepts_up_to_the_first_mismatch():
     logits = torch.zeros(4, 6)
     for row, token in enumerate([3, 1, 4, 5]):
         logits[row, token] = 1.0
-    assert verify_draft(logits, [3, 1, 4], params, None, [], []) == [3, 1, 4, 5]
-    assert verify_draft(logits, [3, 2, 4], params, None, [], []) == [3, 1]
-    assert verify_draft(logits, [0, 1, 4], params, None, [], []) == [3]
+    assert verify(logits, [3, 1, 4], params) == [3, 1, 4, 5]
+    assert verify(logits, [3, 2, 4], params) == [3, 1]
+    assert verify(logits, [0, 1, 4], params) == [3]
+    drafts = [[3, 1, 4], [3, 2, 4], [0, 1, 4]]  # the same three chunks in one batch
+    assert verify_rows(logits.repeat(3, 1), drafts, [Row(params)] * 3) == [
+        [3, 1, 4, 5],
+        [3, 1],
+        [3],
+    ]
 
 
 def test_a_verified_row_is_penalised_for_the_draft_tokens_accepted_before_it():
@@ -364,8 +377,18 @@ def test_a_verified_row_is_penalised_for_the_draft_tokens_accepted_before_it():
     logits[0, 3] = 5.0
     logits[1, 3], logits[1, 4] = 2.0, 1.5  # 3 wins unless penalised by the accepted 3
     params = SamplingParams(temperature=0, frequency_penalty=1.0)
-    assert verify_draft(logits, [3, 3], params, None, [], []) == [3, 4]
-    assert verify_draft(logits, [3, 3], SamplingParams(temperature=0), None, [], [])[:2] == [3, 3]
+    assert verify(logits, [3, 3], params) == [3, 4]
+    assert verify(logits, [3, 3], SamplingParams(temperature=0))[:2] == [3, 3]
+
+
+def test_a_batch_verifies_greedy_and_sampled_chunks_each_by_its_rule():
+    """A greedy chunk beside a sampled one: the greedy one accepts its argmaxes exactly; the
+    sampled one never accepts a token its top-k masks (row 0 keeps only 0 and 3)."""
+    torch.manual_seed(0)
+    greedy, sampled = SamplingParams(temperature=0), SamplingParams(top_k=2)
+    for _ in range(50):
+        tokens = verify_rows(torch.cat([LOGITS, LOGITS]), [[0], [1]], [Row(greedy), Row(sampled)])
+        assert tokens[0] == [0, 1] and tokens[1][0] in (0, 3)
 
 
 # -- the proposer and the scheduler alone ---------------------------------------------------------

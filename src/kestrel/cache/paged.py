@@ -196,7 +196,7 @@ class PagedSequenceCache(SequenceCache):
         self.blocks.restore(blocks)
 
 
-@dataclass
+@dataclass(kw_only=True)
 class PagedAttention:
     """Attention metadata of one packed batch over a `BlockPool` (the explicit argument that
     `cached_attention` dispatches to). All tensors are on the pool's device.

@@ -7,7 +7,7 @@ one shadow request per target request. Each step a shadow catches up on the toke
 target added since (the accepted draft tokens and the one after them; the whole prompt the first
 time), in the same forward for every sequence, then decodes k - 1 more, batched: k forwards of the
 draft per step. Its proposals are greedy (the draft's argmax), a deterministic proposal, so the
-target's verification (sampling.verify_draft) is exact under temperature too. Where the target
+target's verification (sampling.verify_rows) is exact under temperature too. Where the target
 rejected a draft token the shadow steps back to the last token both agree on: its blocks past it
 go back and its offset returns there, the same rollback as the target's.
 
@@ -177,11 +177,11 @@ def draft_runner(
     return DraftRunner(
         draft,
         device,
-        sched.max_num_seqs,
-        sched.token_budget,
-        max_len + k + 1,
-        cache,
-        config.model.cuda_graphs,
+        max_num_seqs=sched.max_num_seqs,
+        token_budget=sched.token_budget,
+        max_model_len=max_len + k + 1,
+        cache=cache,
+        cuda_graphs=config.model.cuda_graphs,
         speculative_tokens=k,  # catch-up chunks of up to k + 1 tokens run in graphs too
         **kwargs,
     )

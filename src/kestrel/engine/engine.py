@@ -259,19 +259,19 @@ class Engine:
         self, request: Request, text="", ids=(), logprobs=(), error=None, embedding=None
     ) -> RequestOutput:
         return RequestOutput(
-            request.request_id,
-            text,
-            list(ids),
-            list(logprobs),
-            request.finished,
-            request.finish_reason,
-            error,
-            len(request.prompt_ids),
-            len(request.output_ids),
-            request.num_cached_tokens or 0,
-            embedding,
-            request.num_draft_tokens,
-            request.num_accepted_tokens,
+            request_id=request.request_id,
+            new_text=text,
+            new_token_ids=list(ids),
+            new_logprobs=list(logprobs),
+            finished=request.finished,
+            finish_reason=request.finish_reason,
+            error=error,
+            num_prompt_tokens=len(request.prompt_ids),
+            num_generated_tokens=len(request.output_ids),
+            num_cached_tokens=request.num_cached_tokens or 0,
+            embedding=embedding,
+            num_draft_tokens=request.num_draft_tokens,
+            num_accepted_tokens=request.num_accepted_tokens,
         )
 
     def abort(self, request_id: str) -> bool:

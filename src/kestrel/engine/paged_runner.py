@@ -7,7 +7,7 @@ also how its packing and paging are tested against the reference runner without 
 
 Speculative decoding: a chunk with a draft (ScheduledChunk.draft) feeds its pending token and the
 k proposed ones like a small prefill chunk, in the same forward as every other chunk, and its
-k + 1 rows are all sampled: sampling.verify_draft keeps the proposed tokens the model would have
+k + 1 rows are all sampled: sampling.verify_rows keeps the proposed tokens the model would have
 produced, and the cache's offset steps back over the rejected ones (the scheduler gives back
 their blocks); a later token writes over their keys before any query may see them.
 """
@@ -18,6 +18,7 @@ import math
 import os
 from array import array
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 
@@ -37,7 +38,7 @@ from kestrel.engine.scheduler import ScheduledChunk
 from kestrel.kernels import cpu_native
 from kestrel.kernels.attention import tile_rows
 from kestrel.models.batch import ForwardBatch, ImageRows
-from kestrel.sampling import SamplingParams, top_logprobs, verify_draft
+from kestrel.sampling import SamplingParams
 
 log = logging.getLogger("kestrel.paged_runner")
 
@@ -50,6 +51,47 @@ VERIFY_GRAPH_TOKENS = 256  # the verify graphs' most rows (their logits stay in 
 # by reading the weights, which every micro-batch reads again), and the most per stage
 MICROBATCH_TOKENS = {"cuda": 128, "cpu": 16}
 MICROBATCHES_PER_STAGE = 2
+
+
+class TokenColumns(NamedTuple):
+    """A packed batch's per-token columns, in the one order the host lists, the device copy and
+    the CUDA graphs' static inputs share: (T,) each."""
+
+    ids: object
+    positions: object
+    slots: object  # each token's flat KV slot (PagedAttention.slot_mapping)
+    rope_ids: object  # text RoPE ids: position + rope_delta
+    chunk_ends: object  # the last position of each token's chunk
+
+
+class PackedSeq(NamedTuple):
+    """A sequence of a packed batch: its block table and its mask rule's inputs."""
+
+    blocks: list[int]
+    n_sink: int
+    main_start: int
+    live_start: int
+    keep: int
+
+
+class SeqColumns(NamedTuple):
+    """A batch's per-sequence columns, named as PagedAttention's fields: (S,) each."""
+
+    num_blocks: object
+    n_sink: object
+    main_start: object
+    live_start: object
+    keep: object
+
+    @classmethod
+    def of(cls, seqs: list[PackedSeq]) -> "SeqColumns":
+        return cls(
+            num_blocks=[len(s.blocks) for s in seqs],
+            n_sink=[s.n_sink for s in seqs],
+            main_start=[s.main_start for s in seqs],
+            live_start=[s.live_start for s in seqs],
+            keep=[s.keep for s in seqs],
+        )
 
 
 @dataclass
@@ -67,7 +109,7 @@ class Packed:
     rope_ids: list[int] = field(default_factory=list)  # text RoPE ids: position + rope_delta
     slots: list[int] = field(default_factory=list)
     tiles: list[tuple[int, int, int]] = field(default_factory=list)  # (seq, start, len)
-    seqs: list[tuple] = field(default_factory=list)  # (blocks, n_sink, main_start, live, keep)
+    seqs: list[PackedSeq] = field(default_factory=list)
     state_slots: list[int] = field(default_factory=list)  # per sequence (0: no recurrent state)
     rows: list[int] = field(default_factory=list)  # sampling rows (one per plain chunk)
     verify_rows: list[int] = field(default_factory=list)  # speculative chunks' k + 1 rows each
@@ -87,17 +129,19 @@ class Packed:
             first = max(start, lo)
             tiles.append((i, first - lo, min(start + n, hi) - first))
         rows = lambda r: [i - lo for i in r if lo <= i < hi]  # noqa: E731
+        tokens = TokenColumns(*(column[lo:hi] for column in self.token_columns()))
         return Packed(
-            *(column[lo:hi] for column in (self.ids, self.positions, self.chunk_ends)),
-            self.rope_ids[lo:hi],
-            self.slots[lo:hi],
-            tiles,
-            [self.seqs[s] for s in kept],
-            [self.state_slots[s] for s in kept],
-            rows(self.rows),
-            rows(self.verify_rows),
-            rows(self.pool_rows),
+            **tokens._asdict(),
+            tiles=tiles,
+            seqs=[self.seqs[s] for s in kept],
+            state_slots=[self.state_slots[s] for s in kept],
+            rows=rows(self.rows),
+            verify_rows=rows(self.verify_rows),
+            pool_rows=rows(self.pool_rows),
         )
+
+    def token_columns(self) -> TokenColumns:
+        return TokenColumns(self.ids, self.positions, self.slots, self.rope_ids, self.chunk_ends)
 
 
 @dataclass
@@ -105,9 +149,9 @@ class GraphInputs:
     """The input tensors of one graph width's CUDA graphs, for up to `big` sequences (a graph
     reads its inputs where they were at capture: they live as long as it does)."""
 
-    tokens: torch.Tensor  # (5, big * width): ids, positions, slots, RoPE ids, chunk ends
+    tokens: torch.Tensor  # (5, big * width): TokenColumns' rows
     tile_len: torch.Tensor  # (big * tiles,): each query tile's tokens (0: padding)
-    seqs: torch.Tensor  # (6, big): num_blocks, n_sink, main, live, keep, recurrent-state slot
+    seqs: torch.Tensor  # (6, big): SeqColumns' rows, then each recurrent-state slot
     table: torch.Tensor  # (big, table width): block tables
     rows: torch.Tensor  # (big * width,): every row (all of them give logits)
     tile_seq: torch.Tensor  # (big * tiles,): each tile's sequence (constant)
@@ -123,16 +167,16 @@ class GraphInputs:
         tile = torch.arange(big * tiles, device=device)
         seq = tile // tiles
         return cls(
-            zeros(5, big * width),
-            zeros(big * tiles),
-            zeros(6, big),
-            zeros(big, table_width),
-            torch.arange(big * width, device=device),
-            seq,
-            seq * width + tile % tiles * tile_tokens,
-            torch.zeros(big * width, hidden_size, dtype=dtype, device=device),
-            tile_tokens,
-            tiles,
+            tokens=zeros(len(TokenColumns._fields), big * width),
+            tile_len=zeros(big * tiles),
+            seqs=zeros(len(SeqColumns._fields) + 1, big),
+            table=zeros(big, table_width),
+            rows=torch.arange(big * width, device=device),
+            tile_seq=seq,
+            tile_start=seq * width + tile % tiles * tile_tokens,
+            hidden=torch.zeros(big * width, hidden_size, dtype=dtype, device=device),
+            tile_tokens=tile_tokens,
+            tiles=tiles,
         )
 
 
@@ -149,13 +193,15 @@ def make_runner(model, device: torch.device, config: Config, max_model_len: int)
         return PagedRunner(
             model,
             device,
-            sched.max_num_seqs,
-            sched.token_budget,
-            max_model_len,
-            config.cache,
-            config.model.cuda_graphs,
-            config.scheduler.kv_capacity,
-            config.speculation.num_speculative_tokens if config.speculation.speculative else 0,
+            max_num_seqs=sched.max_num_seqs,
+            token_budget=sched.token_budget,
+            max_model_len=max_model_len,
+            cache=config.cache,
+            cuda_graphs=config.model.cuda_graphs,
+            kv_capacity=config.scheduler.kv_capacity,
+            speculative_tokens=config.speculation.num_speculative_tokens
+            if config.speculation.speculative
+            else 0,
             keep_hidden=config.speculation.speculative == "mtp",
             microbatch_tokens=config.parallel.pp_microbatch_tokens
             or MICROBATCH_TOKENS.get(device.type, MICROBATCH_TOKENS["cpu"]),
@@ -452,7 +498,15 @@ class PagedRunner(ModelRunner):
             p.rope_ids.extend(range(first_id, first_id + n))
             p.slots.extend(cache.slots(cache.offset, n))
             blocks, n_sink, main_start = cache.table()
-            p.seqs.append((blocks, n_sink, main_start, cache.live_start, cache.keep))
+            p.seqs.append(
+                PackedSeq(
+                    blocks=blocks,
+                    n_sink=n_sink,
+                    main_start=main_start,
+                    live_start=cache.live_start,
+                    keep=cache.keep,
+                )
+            )
             p.state_slots.append(cache.state_slot)
             p.tiles.append((s, start, n))
             if chunk.draft:
@@ -464,7 +518,9 @@ class PagedRunner(ModelRunner):
 
     def _to_batch(self, p: Packed, tile_tokens: int | None) -> PagedBatch:
         tile_tokens = tile_tokens or self.tile_tokens
-        batch = build_batch(p, self.pool, tile_tokens, self.device, self.use_triton, self.states)
+        batch = build_batch(
+            p, self.pool, tile_tokens, self.device, use_triton=self.use_triton, states=self.states
+        )
         # an FP8 pool's scales come from the first batch it stores (pipeline micro-batches: the
         # first of them); the batches after read and write with those
         batch.attention.calibrate, self.pool.calibrated = not self.pool.calibrated, True
@@ -501,7 +557,13 @@ class PagedRunner(ModelRunner):
         tile_tokens = min(self.tile_tokens, 1 << (width - 1).bit_length())
         hidden_size = self.model.config.get_text_config().hidden_size
         self.static[width] = GraphInputs.allocate(
-            width, sizes[-1], tile_tokens, self.table_width, hidden_size, self.dtype, self.device
+            width=width,
+            big=sizes[-1],
+            tile_tokens=tile_tokens,
+            table_width=self.table_width,
+            hidden_size=hidden_size,
+            dtype=self.dtype,
+            device=self.device,
         )
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
@@ -518,35 +580,31 @@ class PagedRunner(ModelRunner):
 
     def _static_batch(self, width: int, b: int) -> PagedBatch:
         g = self.static[width]
-        ids, pos, slots, rope, ends = (row[: b * width] for row in g.tokens)
-        nb, n_sink, main, live, keep, state_slots = (row[:b] for row in g.seqs)
+        tokens = TokenColumns(*(row[: b * width] for row in g.tokens))
+        *per_seq, state_slots = (row[:b] for row in g.seqs)
         tiles = b * g.tiles
         meta = PagedAttention(
-            self.pool,
-            slots,
-            pos,
-            g.tile_seq[:tiles],
-            g.tile_start[:tiles],
-            g.tile_len[:tiles],
-            g.table[:b],
-            nb,
-            n_sink,
-            main,
-            live,
-            keep,
-            g.tile_tokens,
-            True,
+            pool=self.pool,
+            slot_mapping=tokens.slots,
+            positions=tokens.positions,
+            tile_seq=g.tile_seq[:tiles],
+            tile_start=g.tile_start[:tiles],
+            tile_len=g.tile_len[:tiles],
+            block_tables=g.table[:b],
+            **SeqColumns(*per_seq)._asdict(),
+            tile_tokens=g.tile_tokens,
+            use_triton=True,
         )
         groups = None
         if self.states is not None and width == 1:  # every row a sequence of one token
             groups = [(g.tile_seq[:b, None], PoolStates(self.states, state_slots))]
         return PagedBatch(
-            ids,
-            pos,
-            [],
-            g.rows[: b * width],  # every row's logits
-            rope,
-            chunk_ends=ends,
+            input_ids=tokens.ids,
+            positions=tokens.positions,
+            chunks=[],
+            logits_rows=g.rows[: b * width],  # every row's logits
+            rope_positions=tokens.rope_ids,
+            chunk_ends=tokens.chunk_ends,
             state_groups=groups,
             keep_hidden=self.keep_hidden,
             prev_hidden=g.hidden[: b * width] if self.takes_hidden else None,
@@ -571,30 +629,27 @@ class PagedRunner(ModelRunner):
         every row of each speculative chunk (as the eager step's `rows` order them); and the
         graph's (T, H) hidden states with each chunk's (start, length) in them."""
         b, g = len(p.seqs), self.static[width]
-        blocks_width = max(len(s[0]) for s in p.seqs)
+        blocks_width = max(len(s.blocks) for s in p.seqs)
         # the per-token rows, the per-tile lengths, the per-sequence rows, then the block table
         host = array("q")
-        fills = ((p.ids, False), (p.positions, True), (p.slots, False), (p.rope_ids, True))
-        for column, repeat in (*fills, (p.chunk_ends, True)):
+        for column, repeat in zip(p.token_columns(), PADDING_REPEATS, strict=True):
             host.extend(_padded(column, p.tiles, width, size, repeat))
         tt = g.tile_tokens
         for *_, n in p.tiles:  # a chunk shorter than the width leaves its last tiles empty
             host.extend(min(max(n - j * tt, 0), tt) for j in range(g.tiles))
         host.extend([0] * ((size - b) * g.tiles))
         pad = [0] * (size - b)
-        host.extend(len(s[0]) for s in p.seqs)
-        host.extend(pad)
-        for k in range(1, 5):  # n_sink, main_start, live_start, keep
-            host.extend(s[k] for s in p.seqs)
+        for column in (*SeqColumns.of(p.seqs), p.state_slots):
+            host.extend(column)
             host.extend(pad)
-        host.extend(p.state_slots)
-        host.extend(pad)
-        for blocks, *_ in p.seqs:
-            host.extend(blocks)
-            host.extend([0] * (blocks_width - len(blocks)))
+        for s in p.seqs:
+            host.extend(s.blocks)
+            host.extend([0] * (blocks_width - len(s.blocks)))
         host = torch.frombuffer(host, dtype=torch.long)
-        n, tiles = 5 * size * width, size * g.tiles
-        g.tokens[:, : size * width].copy_(host[:n].view(5, -1), non_blocking=True)
+        n, tiles = len(TokenColumns._fields) * size * width, size * g.tiles
+        g.tokens[:, : size * width].copy_(
+            host[:n].view(len(TokenColumns._fields), -1), non_blocking=True
+        )
         g.tile_len[:tiles].copy_(host[n : n + tiles], non_blocking=True)
         n += tiles
         g.seqs[:, :size].copy_(host[n : n + 6 * size].view(6, size), non_blocking=True)
@@ -615,71 +670,6 @@ class PagedRunner(ModelRunner):
         rows = torch.tensor(last + verify, device=logits.device)
         return logits.index_select(0, rows), (hidden, spans)
 
-    # -- sampling on the device ---------------------------------------------------------------
-
-    def _verify(self, chunks: list[ScheduledChunk], logits: torch.Tensor) -> list[StepResult]:
-        """Each speculative chunk's tokens from its k + 1 rows of (R, V) `logits`, its cache's
-        offset stepped back over the rejected draft tokens. Greedy rows' argmaxes come in one
-        host read; the rest verify row by row (penalties, seeds, temperature)."""
-        if not chunks:
-            return []
-        fast = [_batchable(c.request) and c.request.params.greedy for c in chunks]
-        argmax = argmax_rows(logits).tolist() if any(fast) and not self.fault_hook else None
-        results, at = [], 0
-        for chunk, is_fast in zip(chunks, fast, strict=True):
-            rows = logits[at : at + len(chunk.draft) + 1]
-            at += len(rows)
-            picks = argmax[at - len(rows) : at] if is_fast and argmax is not None else None
-            results.append(self._verify_one(chunk, rows, picks))
-        return results
-
-    def _verify_one(self, chunk: ScheduledChunk, rows: torch.Tensor, picks) -> StepResult:
-        """(k+1, V) rows -> the chunk's tokens (`picks`: the rows' argmaxes, for greedy)."""
-        request = chunk.request
-        try:
-            if self.fault_hook:
-                self.fault_hook("sample", request)
-            if picks is not None:
-                tokens = _accept_greedy(chunk.draft, picks)
-            else:
-                generator = self._generator(request)
-                params, prompt, output = request.params, request.prompt_ids, request.output_ids
-                tokens = verify_draft(rows, chunk.draft, params, generator, prompt, output)
-        except Exception as error:
-            log.exception("request %s failed in sampling", request.request_id)
-            return StepResult(request, error=error)
-        self.caches[request.request_id].offset -= len(chunk.draft) + 1 - len(tokens)
-        k = request.params.logprobs
-        logprobs = (
-            None
-            if k is None
-            else [top_logprobs(r, t, k) for r, t in zip(rows, tokens, strict=False)]
-        )
-        first = None if logprobs is None else logprobs[0]
-        return StepResult(request, tokens[0], first, tokens=tokens, token_logprobs=logprobs)
-
-    def _sample_batch(
-        self, requests: list[Request], raw: torch.Tensor, logits: torch.Tensor
-    ) -> list[StepResult]:
-        """Greedy and plain temperature/top-k/top-p/min-p rows are sampled together on the device
-        (one host read for all); rows with penalties, biases, seeds or log-probs go one by one.
-        `logits` are the grammar-masked `raw` ones (the same tensor without constraints)."""
-        if not requests:
-            return []
-        simple = [i for i, r in enumerate(requests) if _batchable(r) and not self.fault_hook]
-        results: list[StepResult | None] = [None] * len(requests)
-        if simple:
-            rows = logits[: len(requests)]
-            if len(simple) < len(requests):
-                rows = rows.index_select(0, torch.tensor(simple, device=logits.device))
-            tokens = sample_rows(rows, [requests[i].params for i in simple])
-            for i, token in zip(simple, tokens.tolist(), strict=True):
-                results[i] = StepResult(requests[i], token)
-        for i, request in enumerate(requests):
-            if results[i] is None:
-                results[i] = self._sample(request, logits[i], raw[i])
-        return results
-
 
 def build_batch(
     p: Packed, pool, tile_tokens: int, device, use_triton: bool, states: StatePool | None = None
@@ -690,15 +680,11 @@ def build_batch(
         for s, start, n in p.tiles
         for i in range(0, n, tile_tokens)
     ]
-    width = max(len(s[0]) for s in p.seqs)
-    table = [blocks + [0] * (width - len(blocks)) for blocks, *_ in p.seqs]
-    per_seq = [
-        list(col)
-        for col in zip(*[(len(b), ns, ms, ls, k) for b, ns, ms, ls, k in p.seqs], strict=False)
-    ]
+    width = max(len(s.blocks) for s in p.seqs)
+    table = [s.blocks + [0] * (width - len(s.blocks)) for s in p.seqs]
     tile_columns = map(list, zip(*tiles, strict=False))
     rows = p.rows + p.verify_rows + p.pool_rows  # sampling rows first (ModelRunner._forward)
-    flat = [p.ids, p.positions, p.chunk_ends, p.rope_ids, p.slots, rows, *tile_columns, *per_seq]
+    flat = [*p.token_columns(), rows, *tile_columns, *SeqColumns.of(p.seqs)]
     # recurrent-state groups: chunks of one length together (one-token chunks first), as (first
     # row, state slot) runs
     by_length = sorted(range(len(p.tiles)), key=lambda s: p.tiles[s][2]) if states else []
@@ -711,35 +697,40 @@ def build_batch(
         host.extend(row)
     dev = torch.frombuffer(host, dtype=torch.long).to(device, non_blocking=True)
     parts = [t[: len(f)] for t, f in zip(dev[: sum(sizes)].split(sizes), flat, strict=True)]
-    ids, positions, ends, rope, slots, rows, t_seq, t_start, t_len, nb, n_sink, main, live, keep = (
-        parts[:14]
-    )
+    tokens, parts = TokenColumns(*parts[:5]), parts[5:]
+    (rows, tile_seq, tile_start, tile_len), parts = parts[:4], parts[4:]
+    seqs, parts = SeqColumns(*parts[:5]), parts[5:]
     groups = None
     if states is not None:
-        groups = state_groups(sorted(n for *_, n in p.tiles), states, *parts[14:])
-    tables = dev[sum(sizes) :].view(len(p.seqs), width)
+        groups = state_groups(sorted(n for *_, n in p.tiles), states, *parts)
     meta = PagedAttention(
-        pool,
-        slots,
-        positions,
-        t_seq,
-        t_start,
-        t_len,
-        tables,
-        nb,
-        n_sink,
-        main,
-        live,
-        keep,
-        tile_tokens,
-        use_triton,
+        pool=pool,
+        slot_mapping=tokens.slots,
+        positions=tokens.positions,
+        tile_seq=tile_seq,
+        tile_start=tile_start,
+        tile_len=tile_len,
+        block_tables=dev[sum(sizes) :].view(len(p.seqs), width),
+        **seqs._asdict(),
+        tile_tokens=tile_tokens,
+        use_triton=use_triton,
     )
+    rope = tokens.rope_ids
     if p.explicit_rope:  # multimodal prompt chunks: (3, T) M-RoPE ids
         rope = rope.expand(3, -1).clone()
         for start, chunk_ids in p.explicit_rope:
             rope[:, start : start + chunk_ids.shape[1]] = chunk_ids
-    images = ImageRows.packed(p.images, device)
-    return PagedBatch(ids, positions, [], rows, rope, images, ends, groups, attention=meta)
+    return PagedBatch(
+        input_ids=tokens.ids,
+        positions=tokens.positions,
+        chunks=[],
+        logits_rows=rows,
+        rope_positions=rope,
+        images=ImageRows.packed(p.images, device),
+        chunk_ends=tokens.chunk_ends,
+        state_groups=groups,
+        attention=meta,
+    )
 
 
 def state_groups(lengths: list[int], states: StatePool, starts, slots) -> list:
@@ -753,6 +744,12 @@ def state_groups(lengths: list[int], states: StatePool, starts, slots) -> list:
         groups.append((rows, PoolStates(states, slots[i:j])))
         i = j
     return groups
+
+
+# per TokenColumns column, whether a graph's padding rows repeat a chunk's last value (else 0)
+PADDING_REPEATS = TokenColumns(
+    ids=False, positions=True, slots=False, rope_ids=True, chunk_ends=True
+)
 
 
 def _padded(column: list[int], tiles, width: int, size: int, repeat: bool) -> list[int]:
@@ -774,68 +771,3 @@ def _pending_ids(request: Request, n: int) -> list[int]:
         return request.output_ids[start - len(prompt) : start - len(prompt) + n]
     ids = prompt[start : start + n]
     return ids + request.output_ids[: n - len(ids)] if len(ids) < n else ids
-
-
-def _accept_greedy(draft: list[int], picks: list[int]) -> list[int]:
-    """The greedy verification of `draft` by the argmaxes of its k + 1 rows: the draft tokens
-    up to the first that differs from the argmax, then that row's argmax."""
-    for i, token in enumerate(draft):
-        if picks[i] != token:
-            return draft[:i] + [picks[i]]
-    return draft + [picks[-1]]
-
-
-def _batchable(request: Request) -> bool:
-    p = request.params
-    return (
-        p.seed is None
-        and p.logprobs is None
-        and not p.logit_bias
-        and p.repetition_penalty == 1.0
-        and not p.presence_penalty
-        and not p.frequency_penalty
-    )
-
-
-ARGMAX_CHUNKS = 64
-
-
-def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
-    """(B, V) -> (B,) each row's first largest index, in two passes where V splits into
-    ARGMAX_CHUNKS chunks: PyTorch reduces a row with one block of threads, so a single
-    sequence's argmax runs on one SM (a 128k vocabulary on the H200: 26 us of GPU time, 16 in
-    two passes)."""
-    b, v = logits.shape
-    if v % ARGMAX_CHUNKS:
-        return logits.argmax(-1)
-    best, at = logits.view(b, ARGMAX_CHUNKS, v // ARGMAX_CHUNKS).max(-1)  # (B, chunks)
-    chunk = best.argmax(-1, keepdim=True)  # the first chunk holding the largest value
-    return (chunk * (v // ARGMAX_CHUNKS) + at.gather(-1, chunk))[:, 0]
-
-
-def sample_rows(logits: torch.Tensor, params: list) -> torch.Tensor:
-    """(B, V) logits -> (B,) tokens: argmax where temperature is 0, else temperature, top-k,
-    top-p and min-p as masks and an exponential race (Gumbel-max) draw, all on the device."""
-    greedy = argmax_rows(logits)
-    if all(p.greedy for p in params):
-        return greedy
-    dev = logits.device
-    temp = torch.tensor([p.temperature or 1.0 for p in params], device=dev)[:, None]
-    x = logits.float() / temp
-    vocab = x.shape[-1]
-    top_k = torch.tensor([p.top_k if 0 < p.top_k < vocab else vocab for p in params], device=dev)
-    top_p = torch.tensor([p.top_p for p in params], device=dev)[:, None]
-    min_p = torch.tensor([p.min_p for p in params], device=dev)[:, None]
-    sorted_x, order = x.sort(-1, descending=True)
-    rank = torch.arange(vocab, device=dev)[None, :]
-    sorted_x = sorted_x.masked_fill(rank >= top_k[:, None], float("-inf"))  # as sampling.truncate:
-    probs = sorted_x.softmax(-1)  # top-k, then top-p and min-p on what is left
-    drop = probs.cumsum(-1) - probs >= top_p
-    drop[:, 0] = False
-    sorted_x = sorted_x.masked_fill(drop, float("-inf"))
-    probs = sorted_x.softmax(-1)
-    sorted_x = sorted_x.masked_fill(probs < min_p * probs[:, :1], float("-inf"))
-    race = sorted_x.softmax(-1) / torch.empty_like(probs).exponential_()
-    drawn = order.gather(-1, race.argmax(-1, keepdim=True))[:, 0]
-    is_greedy = torch.tensor([p.greedy for p in params], device=dev)
-    return torch.where(is_greedy, greedy, drawn)

@@ -12,6 +12,7 @@ other, samples nothing, and gets the L2-normalized pool of its final-norm hidden
 prompt token's, or the mean over its tokens, summed chunk by chunk so that it equals one pass.
 """
 
+import itertools
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -27,7 +28,7 @@ from kestrel.engine.scheduler import ScheduledChunk, Scheduler
 from kestrel.models.base import CausalLM
 from kestrel.models.batch import ForwardBatch, SeqChunk
 from kestrel.models.layers.qwen_vision import VisionFeatures
-from kestrel.sampling import make_generator, sample, top_logprobs
+from kestrel.sampling import Row, logprob_rows, make_generator, sample_rows, verify_rows
 
 log = logging.getLogger("kestrel.runner")
 
@@ -97,9 +98,7 @@ class ModelRunner:
         logits, hidden = self._forward(batch, len(sampling))
         self._advance(chunks)
         masked, failed = self._apply_masks(masks, logits)
-        results = [
-            self._sample(request, masked[i], logits[i]) for i, request in enumerate(sampling)
-        ]
+        results = self._sample_batch(sampling, logits, masked)
         return self._finish(chunks, self._accept(results, failed), hidden)
 
     def _forward(self, batch: ForwardBatch, num_sampling: int):
@@ -207,21 +206,88 @@ class ModelRunner:
             rope = torch.cat([rope, tail.expand(3, -1)], dim=1)
         return rope.to(self.device), images
 
-    def _sample(self, request: Request, logits: torch.Tensor, raw: torch.Tensor) -> StepResult:
-        """A token drawn from (V,) `logits` (grammar-masked); log-probs from the `raw` ones."""
-        try:
-            if self.fault_hook:
-                self.fault_hook("sample", request)
-            params = request.params
-            generator = self._generator(request)
-            token = sample(logits, params, generator, request.prompt_ids, request.output_ids)
-            logprobs = (
-                None if params.logprobs is None else top_logprobs(raw, token, params.logprobs)
+    # -- sampling: one batch of rows (kestrel.sampling), both runners --------------------------
+
+    def _sample_batch(
+        self, requests: list[Request], raw: torch.Tensor, logits: torch.Tensor
+    ) -> list[StepResult]:
+        """A token per request from its row of (S, V) `logits` (grammar-masked), drawn as one
+        batch with one host read; log-probs from the `raw` ones."""
+        errors = self._sample_faults(requests)
+        keep = [i for i, r in enumerate(requests) if r.request_id not in errors]
+        drawn = {}
+        if keep:
+            rows = [self._row(requests[i]) for i in keep]
+            tokens = sample_rows(_take(logits, keep), rows).tolist()
+            ks = [row.params.logprobs for row in rows]
+            logprobs = logprob_rows(_take(raw, keep), tokens, ks)
+            drawn = dict(zip(keep, zip(tokens, logprobs, strict=True), strict=True))
+        return [
+            StepResult(r, *drawn[i]) if i in drawn else StepResult(r, error=errors[r.request_id])
+            for i, r in enumerate(requests)
+        ]
+
+    def _verify(self, chunks: list[ScheduledChunk], logits: torch.Tensor) -> list[StepResult]:
+        """Each speculative chunk's tokens from its k + 1 rows of (R, V) `logits`, verified as one
+        batch."""
+        errors = self._sample_faults([c.request for c in chunks])
+        starts = list(itertools.accumulate((len(c.draft) + 1 for c in chunks), initial=0))
+        keep = [s for s, c in enumerate(chunks) if c.request.request_id not in errors]
+        index = [r for s in keep for r in range(starts[s], starts[s + 1])]
+        verified = (
+            self._verify_rows([chunks[s] for s in keep], _take(logits, index)) if keep else {}
+        )
+        return [
+            verified.get(c.request.request_id)
+            or StepResult(c.request, error=errors[c.request.request_id])
+            for c in chunks
+        ]
+
+    def _verify_rows(self, chunks: list[ScheduledChunk], logits: torch.Tensor) -> dict:
+        """{request id: its StepResult} of chunks whose rows fill `logits`; each cache's offset
+        steps back over its rejected draft tokens."""
+        rows = [self._row(c.request) for c in chunks]
+        tokens = verify_rows(logits, [c.draft for c in chunks], rows)
+        logprobs = self._verify_logprobs(logits, chunks, tokens)
+        results = {}
+        for chunk, kept, lp in zip(chunks, tokens, logprobs, strict=True):
+            request = chunk.request
+            self.caches[request.request_id].offset -= len(chunk.draft) + 1 - len(kept)
+            first = None if lp is None else lp[0]
+            results[request.request_id] = StepResult(
+                request, kept[0], first, tokens=kept, token_logprobs=lp
             )
-            return StepResult(request, token, logprobs)
-        except Exception as error:
-            log.exception("request %s failed in sampling", request.request_id)
-            return StepResult(request, error=error)
+        return results
+
+    def _verify_logprobs(self, logits, chunks, tokens) -> list[list | None]:
+        """Per chunk, the log-probs of its verified tokens from its rows of `logits` (None: not
+        asked)."""
+        flat, ks = [], []
+        for chunk, kept in zip(chunks, tokens, strict=True):
+            rejected = len(chunk.draft) + 1 - len(kept)
+            flat += kept + [0] * rejected
+            ks += [chunk.request.params.logprobs] * len(kept) + [None] * rejected
+        per_row, out, at = logprob_rows(logits, flat, ks), [], 0
+        for chunk, kept in zip(chunks, tokens, strict=True):
+            asked = chunk.request.params.logprobs is not None
+            out.append(per_row[at : at + len(kept)] if asked else None)
+            at += len(chunk.draft) + 1
+        return out
+
+    def _sample_faults(self, requests: list[Request]) -> dict[str, BaseException]:
+        """{request id: error} of the requests whose sampling the test fault hook fails."""
+        errors = {}
+        for request in requests if self.fault_hook else []:
+            try:
+                self.fault_hook("sample", request)
+            except Exception as error:
+                log.exception("request %s failed in sampling", request.request_id)
+                errors[request.request_id] = error
+        return errors
+
+    def _row(self, request: Request) -> Row:
+        params = request.params
+        return Row(params, self._generator(request), request.prompt_ids, request.output_ids)
 
     # -- structured output ----------------------------------------------------------------------
 
@@ -257,8 +323,11 @@ class ModelRunner:
             self.caches[request.request_id] = SequenceCache(self.model.cache_specs())
         return self.caches[request.request_id]
 
-    def _generator(self, request: Request) -> torch.Generator:
-        """The request's sampler state: made at its first sample, kept across preemption."""
+    def _generator(self, request: Request) -> torch.Generator | None:
+        """A seeded request's sampler state: made at its first draw, kept across preemption
+        (None: unseeded, its rows draw from the device's default generator)."""
+        if request.params.seed is None:
+            return None
         if request.request_id not in self.generators:
             self.generators[request.request_id] = make_generator(request.params.seed, self.device)
         return self.generators[request.request_id]
@@ -298,6 +367,13 @@ class ModelRunner:
 
     def kv_tokens_in_use(self) -> int:
         return sum(cache.live_tokens for cache in self.caches.values())
+
+
+def _take(x: torch.Tensor, rows: list[int]) -> torch.Tensor:
+    """`rows` of x (x itself when they are all of its rows, in order)."""
+    if rows == list(range(x.shape[0])):
+        return x
+    return x.index_select(0, torch.tensor(rows, device=x.device))
 
 
 def run_step(scheduler: Scheduler, runner: ModelRunner) -> list[StepResult]:

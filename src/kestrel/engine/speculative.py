@@ -4,7 +4,7 @@ n-gram prompt lookup: the continuation, in the sequence's own tokens (prompt and
 latest earlier occurrence of its last n tokens, trying the longest n first. It costs no forward
 and proposes well when the output copies the input (code edits, summaries, RAG answers). The
 runner verifies every proposed token in one forward (engine/paged_runner.py) and keeps only
-those the target model would have produced (sampling.verify_draft), so the output is unchanged.
+those the target model would have produced (sampling.verify_rows), so the output is unchanged.
 """
 
 from array import array
