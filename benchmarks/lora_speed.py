@@ -10,6 +10,7 @@ batch >= 0.8x, single stream >= 0.9x.
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 import tempfile
@@ -98,7 +99,8 @@ def main() -> None:
         print(json.dumps(run_one(args)), flush=True)
         return
     results = {side: _side(side) for side in ("base", "lora")}
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
+    git = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
+    commit = os.environ.get("KESTREL_COMMIT") or git.stdout.strip()  # a copy's git may be stale
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
     for kind in ("batch", "single"):
         line = {
@@ -112,7 +114,7 @@ def main() -> None:
             "lora_tok_s": round(results["lora"][kind], 1),
             "ratio": round(results["lora"][kind] / results["base"][kind], 3),
             "device": device,
-            "commit": commit.stdout.strip(),
+            "commit": commit,
         }
         print(json.dumps(line), flush=True)
 
