@@ -173,9 +173,10 @@ def test_fast_cpu_runner_decodes_as_the_reference_runner(
     assert reference.generate(ids, params)[0].outputs[0].token_ids == fast_tokens
 
 
-# the most a top-5 log-prob moved over 64 steps: 0.46 on SmolLM2-135M, 0.40 on gemma3-270m (small
-# models, whose keys e4m3's 3 mantissa bits round by up to 1/16)
-REAL_FP8_BOUND = 0.5
+# the most a top-5 log-prob moved over 64 steps: 0.46-0.52 on SmolLM2-135M (the CPU's kernels and
+# the libraries' versions move it), 0.40 on gemma3-270m (small models, whose keys e4m3's 3
+# mantissa bits round by up to 1/16)
+REAL_FP8_BOUND = 0.6
 FP8_PROMPT = (
     "The history of the printing press begins in the fifteenth century, when Johannes Gutenberg "
     "combined movable metal type, oil-based ink and a screw press. Within fifty years"
