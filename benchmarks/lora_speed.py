@@ -66,10 +66,23 @@ def throughput(llm: LLM, batch: int, tokens: int, adapters: list[str | None]) ->
 
 def measure(llm: LLM, names: list[str | None], args) -> dict[str, float]:
     throughput(llm, min(args.batch, 8), 8, names)  # warm-up (Triton compiles)
-    return {
+    result = {
         "batch": throughput(llm, args.batch, args.tokens, names),
         "single": throughput(llm, 1, args.tokens, names[:1]),
     }
+    if args.profile:
+        profile_batch(llm, names, args)
+    return result
+
+
+def profile_batch(llm: LLM, names: list[str | None], args) -> None:
+    """The GPU kernels of a short batch run that took longest, on stderr (this side's name)."""
+    from profile_steps import kernel_table  # benchmarks/ is the script's folder
+
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        throughput(llm, args.batch, 16, names)
+    print(f"--- {args.run}: batch {args.batch}, 16 tokens", file=sys.stderr)
+    print(kernel_table(prof, 25), file=sys.stderr, flush=True)
 
 
 def run_one(args) -> dict[str, float]:
@@ -93,6 +106,7 @@ def main() -> None:
     p.add_argument("--rank", type=int, default=16)
     p.add_argument("--batch", type=int, default=64)
     p.add_argument("--tokens", type=int, default=128)
+    p.add_argument("--profile", action="store_true", help="each side's top kernels, on stderr")
     p.add_argument("--run", choices=["base", "lora"], help=argparse.SUPPRESS)  # one side
     args = p.parse_args()
     if args.run:
@@ -120,8 +134,8 @@ def main() -> None:
 
 
 def _side(side: str) -> dict[str, float]:
-    run = subprocess.run(
-        [sys.executable, *sys.argv, "--run", side], capture_output=True, text=True, check=True
+    run = subprocess.run(  # stderr passes through: the --profile tables
+        [sys.executable, *sys.argv, "--run", side], stdout=subprocess.PIPE, text=True, check=True
     )
     return json.loads(run.stdout.strip().splitlines()[-1])
 
