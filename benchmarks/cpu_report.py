@@ -41,7 +41,7 @@ def speeds(records: list[dict], system: str) -> dict[str, dict]:
 def ratio_line(alias: str, ours: dict, theirs: dict, peer: str) -> dict:
     """kestrel / peer from the medians, each measurement against `theirs[name]` (a streams
     figure against the peer's single stream); `paired`: the range of run-by-run ratios."""
-    line = {"model": alias, "system": f"kestrel/{peer}", "metric": "ratios", "paired": {}}
+    line, paired_ranges = {"model": alias, "system": f"kestrel/{peer}", "metric": "ratios"}, {}
     for name, mine in ours.items():
         single = "decode" if name == "decode_streams" else name
         if single not in theirs:
@@ -53,8 +53,8 @@ def ratio_line(alias: str, ours: dict, theirs: dict, peer: str) -> dict:
         pairs = zip(*runs, strict=False)
         paired = [a / b for a, b in pairs]
         if paired:
-            line["paired"][field] = [min(paired), max(paired)]
-    return line
+            paired_ranges[field] = [min(paired), max(paired)]
+    return line | {"paired": paired_ranges}
 
 
 def fastest(records: list[dict], peers: list[str]) -> tuple[dict, dict]:
