@@ -10,8 +10,9 @@ the tied head reads 0.4x the bytes of the real model's, and RoPE runs unscaled (
 scaling, which changes no tensor size or step cost) over 8,192 positions. Random weights decode
 as fast as trained ones.
 
-Idempotent: the file is cached as benchmarks/.models/llama-1b-q4km.gguf (ignored by git) and made
-only when missing, in about 10 minutes on 2 cores (peak 2.3 GB of disk and memory beside it):
+Idempotent: the file (0.67 GB) is cached as benchmarks/.models/llama-1b-q4km.gguf (ignored by
+git) and made only when missing, in about 4 minutes on 2 cores, with 2.2 GB of memory and 2.8 GB
+of scratch disk beside it:
 
     LLAMA_CPP_CONVERT=.venv/llama.cpp/convert_hf_to_gguf.py \\
         benchmarks/.venv/bin/python benchmarks/make_1b_gguf.py      # prints the file's path
