@@ -11,7 +11,7 @@ SOURCES = [
     for part in ("src", "tests", "benchmarks")
     for p in (ROOT / part).rglob("*")
     if p.suffix in {".py", ".cpp", ".sh", ".md"}
-    and ".venv" not in p.parts
+    and not any(part.startswith(".venv") for part in p.parts)  # .venv, benchmarks/.venv-default
     and p != Path(__file__).resolve()
 ]
 
