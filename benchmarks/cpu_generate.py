@@ -509,7 +509,15 @@ class Model:
             self._add({"system": system.name, "during": during} | crash.record | system.info())
             system.close()
             return None
-        return None if record is None else {"system": system.name} | record | system.info()
+        if record is None:
+            return None
+        record = {"system": system.name} | record | system.info()
+        # progress on stderr: the records come once every run of the model is done
+        print(
+            f"{self.alias} {label(record)} {key(record)}: {record['tok_s']:.1f} tok/s",
+            file=sys.stderr,
+        )
+        return record
 
     def close(self) -> None:
         for system in self.systems:
