@@ -13,7 +13,7 @@ import torch
 import kestrel.engine.engine as engine_module
 from kestrel.config import build_config
 from kestrel.engine.paged_runner import make_runner
-from kestrel.engine.runner import ModelRunner
+from kestrel.engine.reference_runner import ModelRunner
 from kestrel.sampling import SamplingParams
 from kestrel.weights.loader import load
 

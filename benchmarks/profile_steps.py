@@ -50,7 +50,7 @@ def main() -> None:
     n = args.num_requests
     runner = make_kestrel_runner(args, model, config, device, args.max_num_seqs)
     conf = bench_config(args, args.max_num_seqs)
-    scheduler = Scheduler(conf.scheduler, runner.block_manager(None))
+    scheduler = Scheduler(conf.scheduler, runner.kv_memory(None))
     params = SamplingParams(temperature=0, ignore_eos=True, max_tokens=None)
     g = torch.Generator().manual_seed(0)
     for i in range(n):
@@ -59,15 +59,13 @@ def main() -> None:
     times, profiled = defaultdict(list), {}
     while scheduler.has_work():
         plan = scheduler.schedule()
-        for request in plan.preempted:
-            runner.evict(request.request_id)
         kind = step_kind(plan)
         profile = kind not in profiled and len(times[kind]) == 2  # the third of its kind
         torch.cuda.synchronize()
         start = time.perf_counter()
         cuda = [torch.profiler.ProfilerActivity.CUDA]
         with torch.profiler.profile(activities=cuda) if profile else nullcontext() as prof:
-            results = runner.execute(plan.chunks)
+            results = runner.step(plan)
             torch.cuda.synchronize()
         if profile:
             profiled[kind] = kernel_table(prof, args.table_rows)

@@ -21,7 +21,7 @@ import torch
 from kestrel.config import build_config
 from kestrel.engine.engine import Engine
 from kestrel.engine.request import Request
-from kestrel.engine.scheduler import ScheduledChunk
+from kestrel.engine.scheduler import ScheduledChunk, take_blocks
 from kestrel.loading import resolve_device, resolve_dtype
 from kestrel.sampling import SamplingParams
 from kestrel.weights.shapes import load_shape
@@ -35,7 +35,8 @@ def step_ms(engine: Engine, k: int, context: int, repeats: int) -> float:
     request = prefilled(engine, f"k{k}", context)
     times: list[float] = []
     for _ in range(repeats + 3):  # the first three warm up (kernels compile, graphs load)
-        chunk = ScheduledChunk(request, 1 + k, [3] * k)
+        table = take_blocks(scheduler.blocks, request, 1 + k)  # as the scheduler plans it
+        chunk = ScheduledChunk(request, 1 + k, [3] * k, table=table)
         (result,) = timed(engine, lambda c=chunk: runner.execute([c]), times)
         tokens = result.tokens or [result.token]
         scheduler.computed([chunk], set(), {request.request_id: len(tokens) - 1})
@@ -51,7 +52,7 @@ def mtp_round_ms(engine: Engine, context: int, repeats: int) -> float:
     request = prefilled(engine, "mtp", context)  # the proposer catches up on the prompt
     times: list[float] = []
     for _ in range(repeats + 3):
-        chunk = ScheduledChunk(request, 1)
+        chunk = ScheduledChunk(request, 1, table=take_blocks(scheduler.blocks, request, 1))
         (result,) = runner.execute([chunk])
         scheduler.computed([chunk], set())
         request.output_ids.append(result.token)
@@ -66,7 +67,7 @@ def prefilled(engine: Engine, request_id: str, context: int) -> Request:
     request = Request(request_id, [1] * context, SamplingParams(temperature=0), 512)
     engine.scheduler.add(request)
     plan = engine.scheduler.schedule()
-    engine.runner.execute(plan.chunks)
+    engine.runner.step(plan)
     engine.scheduler.computed(plan.chunks, set())
     request.output_ids.append(2)
     return request

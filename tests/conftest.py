@@ -7,15 +7,22 @@ import torch
 
 torch.manual_seed(0)
 torch.set_num_threads(min(4, os.cpu_count() or 1))
+# GGUF decode on the CPU in the float path, exact to the file's weights, so the oracle comparisons
+# keep their tolerances (servers started by the tests inherit it); the int8 path users get by
+# default is tested on its own (test_cpu_native.py's kernels, test_cpu_int8.py's real models)
+os.environ.setdefault("KESTREL_CPU_INT8", "0")
 
 
 def pytest_collection_modifyitems(config, items):
-    if torch.cuda.is_available():
-        return
-    skip = pytest.mark.skip(reason="needs a CUDA GPU")
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    skips = {
+        "gpu": (gpus < 1, pytest.mark.skip(reason="needs a CUDA GPU")),
+        "two_gpus": (gpus < 2, pytest.mark.skip(reason="needs two CUDA GPUs")),
+    }
     for item in items:
-        if "gpu" in item.keywords:
-            item.add_marker(skip)
+        for marker, (missing, skip) in skips.items():
+            if missing and marker in item.keywords:
+                item.add_marker(skip)
 
 
 @pytest.fixture(scope="session")

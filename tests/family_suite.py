@@ -320,14 +320,15 @@ def served(model, requests, prefix_caching: bool, device="cpu", block_size=4) ->
     """Serve `requests` one after another through the scheduler and the paged runner (on CUDA
     with its graphs), as a server would; each one's (output ids, first-step log-probs, cached
     tokens)."""
-    from tests.test_paged_cache import run_to_end
+    from tests.test_paged_cache import run_to_end, scheduler_for
 
     cache = CacheConfig(block_size=block_size, num_blocks=64, prefix_caching=prefix_caching)
     graphs = device == "cuda"
     runner = PagedRunner(model, torch.device(device), 4, 12, 256, cache, cuda_graphs=graphs)
+    scheduler = scheduler_for(runner, max_num_seqs=4, prefill_chunk_size=8)
     first_logprobs = {}
-    for request in requests:  # the runner (its blocks, their cache) outlives each scheduler
-        run_to_end(runner, [request], first_logprobs, max_num_seqs=4, prefill_chunk_size=8)
+    for request in requests:  # the scheduler (its blocks, their cache) serves them all
+        run_to_end(runner, [request], first_logprobs, scheduler)
     return [(r.output_ids, first_logprobs[r.request_id], r.num_cached_tokens) for r in requests]
 
 
@@ -393,7 +394,7 @@ def steps_served(model, prompt, kv_cache_dtype: str, device="cpu", steps=8) -> l
     graphs = device == "cuda"
     runner = PagedRunner(model, torch.device(device), 4, 12, 256, cache, cuda_graphs=graphs)
     config = SchedulerConfig(max_num_seqs=4, prefill_chunk_size=8)
-    scheduler = Scheduler(config, runner.block_manager(None))
+    scheduler = Scheduler(config, runner.kv_memory(None))
     request = Request("r", list(prompt), SamplingParams(temperature=0, logprobs=5), steps)
     scheduler.add(request)
     answers = []

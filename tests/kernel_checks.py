@@ -23,13 +23,13 @@ def random_sequences(pool: BlockPool, chunk: int, lengths=(37, 90, 70)):
     trimmed = PagedSequenceCache([CacheSpec("full")], full.table("trimmed"))
     sliding = PagedSequenceCache([CacheSpec("sliding", 20)], window.table("sliding"))
     for cache, length in zip((plain, trimmed, sliding), lengths, strict=True):
-        cache.reserve(length)
+        cache.blocks.reserve(0, length)  # as the scheduler plans them
         cache.advance(length)
-    trimmed.trim_front(51, keep=3)
+    trimmed.blocks.trim_front(trimmed.offset, 51, keep=3)
     p = Packed()
     bs = pool.block_size
     for s, cache in enumerate((plain, trimmed, sliding)):
-        cache.reserve(chunk)
+        cache.blocks.reserve(cache.offset, chunk)
         start = len(p.ids)
         p.ids += [0] * chunk
         p.positions += list(range(cache.offset, cache.offset + chunk))

@@ -4,6 +4,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import torch
+import transformers
 
 from kestrel.cache.sequence import SequenceCache
 from kestrel.models.batch import ForwardBatch, SeqChunk
@@ -38,6 +39,22 @@ def reference_logits(folder: Path, model_cls, ids: list[int]) -> torch.Tensor:
     model = model_cls.from_pretrained(folder, torch_dtype=torch.float32).eval()
     with torch.no_grad():
         return model(torch.tensor([ids])).logits[0].float()
+
+
+def tiny_llama(folder: Path):
+    """A 2-layer random llama on SmolLM2's vocabulary, saved in `folder` and loaded into kestrel:
+    the engine-level tests' model."""
+    config = transformers.LlamaConfig(
+        vocab_size=49152,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        max_position_embeddings=128,
+    )
+    return load_kestrel(save_tiny(transformers.LlamaForCausalLM, config, folder))
 
 
 def load_kestrel(folder: Path):

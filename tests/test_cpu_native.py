@@ -68,19 +68,57 @@ def test_dequantize_equals_the_pytorch_decoding(qtype):
 @pytest.mark.parametrize("qtype", cpu_native.QTYPES)
 @pytest.mark.parametrize("rows", [1, 2, 3, 7, 8, 15, 32, 33])
 def test_matmul_from_the_blocks_equals_dequantize_then_matmul(qtype, rows):
-    """37 output rows: not a multiple of the four a thread takes at once."""
+    """37 output rows: not a multiple of the four a thread takes at once. The float path."""
     torch.manual_seed(0)
     blocks = blocks_of(qtype, 37, 512)
     x = torch.randn(rows, 512)
     expected = x @ dequantize(blocks, qtype, 512).T
-    torch.testing.assert_close(
-        cpu_native.gguf_mm(x, blocks, qtype, 512), expected, rtol=1e-5, atol=1e-5
-    )
+    out = cpu_native.gguf_mm(x, blocks, qtype, 512, int8=False)
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("qtype", cpu_native.QTYPES)
+@pytest.mark.parametrize("rows", [1, 2, 3, 7, 8, 15, 32])
+def test_int8_activations_are_exact_where_they_are_integers(qtype, rows):
+    """Activations that quantize without loss (integers, each block of 32 reaching 127: scale 1)
+    meet the weights exactly: every block's integers, scales and biases are the file's."""
+    torch.manual_seed(0)
+    blocks = blocks_of(qtype, 37, 512)
+    x = torch.randint(-127, 128, (rows, 512)).float()
+    x[:, 5::32] = 127.0
+    expected = x.double() @ dequantize(blocks, qtype, 512).double().T
+    out = cpu_native.gguf_mm(x, blocks, qtype, 512, int8=True)
+    torch.testing.assert_close(out.double(), expected, rtol=1e-5, atol=1e-3)
+
+
+@pytest.mark.parametrize("qtype", cpu_native.QTYPES)
+def test_int8_activations_stay_near_the_float_path(qtype):
+    """Rounding activations to 1/254 of their block's range moves each output by about that
+    much of its size (this bounds it at 4%, measured at 0.5-1%)."""
+    torch.manual_seed(1)
+    blocks = blocks_of(qtype, 64, 1024)
+    x = torch.randn(4, 1024)
+    exact = x.double() @ dequantize(blocks, qtype, 1024).double().T
+    error = cpu_native.gguf_mm(x, blocks, qtype, 1024, int8=True).double() - exact
+    assert 0 < error.abs().max() < 0.04 * exact.abs().max()
+
+
+def test_int8_activations_are_chosen_by_the_environment(monkeypatch):
+    for choice, expected in (("0", False), ("1", True)):
+        monkeypatch.setenv("KESTREL_CPU_INT8", choice)
+        cpu_native.int8_activations.cache_clear()
+        assert cpu_native.int8_activations() is expected
+    monkeypatch.setenv("KESTREL_CPU_INT8", "yes")
+    cpu_native.int8_activations.cache_clear()
+    with pytest.raises(ValueError, match="KESTREL_CPU_INT8 must be auto, 0 or 1"):
+        cpu_native.int8_activations()
+    monkeypatch.delenv("KESTREL_CPU_INT8")
+    cpu_native.int8_activations.cache_clear()
 
 
 def test_bfloat16_activations_come_back_as_bfloat16():
     blocks, x = blocks_of("Q4_K", 16, 256), torch.randn(2, 256)
-    out = cpu_native.gguf_mm(x.bfloat16(), blocks, "Q4_K", 256)
+    out = cpu_native.gguf_mm(x.bfloat16(), blocks, "Q4_K", 256, int8=False)
     expected = x.bfloat16().float() @ dequantize(blocks, "Q4_K", 256).T
     assert out.dtype == torch.bfloat16
     torch.testing.assert_close(out.float(), expected, rtol=2e-2, atol=2e-2)

@@ -10,8 +10,9 @@ import torch.nn.functional as F
 from kestrel.cache.sequence import SequenceCache
 from kestrel.config import CacheConfig, SchedulerConfig
 from kestrel.engine.paged_runner import PagedRunner
+from kestrel.engine.reference_runner import ModelRunner
 from kestrel.engine.request import Request
-from kestrel.engine.runner import ModelRunner, run_step
+from kestrel.engine.runner import run_step
 from kestrel.engine.scheduler import ScheduledChunk, Scheduler
 from kestrel.models.batch import ForwardBatch
 from kestrel.sampling import SamplingParams
@@ -46,7 +47,7 @@ def run(runner, requests: list[Request], **config) -> tuple[dict[str, torch.Tens
     requests generate their max_tokens greedily beside them), and how many preemptions there
     were."""
     config = SchedulerConfig(**config)
-    scheduler = Scheduler(config, runner.block_manager(config.kv_capacity))
+    scheduler = Scheduler(config, runner.kv_memory(config.kv_capacity))
     for request in requests:
         scheduler.add(request)
     vectors = {}

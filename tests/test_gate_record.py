@@ -99,3 +99,11 @@ def test_every_gpu_test_is_in_the_gpu_test_set():
         if marked.search(p.read_text()) and not p.match("test_gpu_*.py")
     ]
     assert outside == []
+
+
+def test_the_one_gpu_set_needs_only_one_gpu():
+    """The gate runs on one card, where a test needing a second would skip and leave the record
+    unclean: those are marked `two_gpus` and live in tests/test_two_gpus.py."""
+    needs_two = re.compile(r"mark\.two_gpus|device_count\(\)\s*<\s*2")
+    inside = [p.name for p in ROOT.glob("tests/test_gpu_*.py") if needs_two.search(p.read_text())]
+    assert inside == []

@@ -132,3 +132,37 @@ def test_kestrel_bench_runs_every_named_shape_with_the_peer(shape, tmp_path):
     assert ours["latency"]["decode_tok_s"] > 0 and ours["latency"]["ceiling_decode_tok_s"] > 0
     assert ours["throughput"]["generated_tokens"] == 32
     assert ours["throughput"]["ceiling_output_tok_s"] > 0
+
+
+PD_SHAPE = ("--shape", "llama3.2-1b", "-c", "2048", "-np", "4", "--no-cuda-graphs")
+
+
+def completions(server) -> list[tuple[str, str]]:
+    client = server.client()
+    model = client.models.list().data[0].id
+    prompts = ["The history of Rome", "Once upon a time", "1, 2, 3,"]
+    return [
+        (choice.text, choice.finish_reason)
+        for prompt in prompts
+        for choice in client.completions.create(
+            model=model, prompt=prompt, max_tokens=24, temperature=0
+        ).choices
+    ]
+
+
+def serve_disaggregated_answers_as_one_engine(prefill: str, decode: str):
+    """`kestrel serve --disaggregate` against a plain server, one after the other: each sizes
+    its KV pool from the card's free memory."""
+    pair_flags = ("--disaggregate", "--prefill-device", prefill, "--decode-device", decode)
+    answers = []
+    for flags in (("--device", "cuda:0"), pair_flags):
+        server = start_server((*PD_SHAPE, *flags))
+        try:
+            answers.append(completions(server))
+        finally:
+            server.stop()
+    assert answers[1] == answers[0]
+
+
+def test_serve_disaggregated_on_one_gpu_answers_as_one_engine():
+    serve_disaggregated_answers_as_one_engine("cuda:0", "cuda:0")

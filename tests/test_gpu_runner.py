@@ -9,21 +9,27 @@ import torch
 
 from kestrel.config import CacheConfig
 from kestrel.engine.paged_runner import PagedRunner
+from kestrel.engine.reference_runner import ModelRunner
 from kestrel.engine.request import Request
-from kestrel.engine.runner import ModelRunner
 from kestrel.sampling import SamplingParams
-from test_paged_cache import prompts, run_to_end, tiny_model
+from test_paged_cache import prompts, run_to_end, scheduler_for, tiny_model
 
 pytestmark = pytest.mark.gpu
 
 
-def generate(runner, seqs, steps, max_kv_size=None, keep=0, max_num_seqs=4, chunk=5, images=None):
+def generate(
+    runner, seqs, steps, max_kv_size=None, keep=0, max_num_seqs=4, chunk=5, images=None, out=None
+):
+    """Each sequence's greedy tokens; `out`, when given, gets the scheduler (its blocks)."""
     images = images or [None] * len(seqs)
     reqs = [
         Request(f"g{i}", p, SamplingParams(temperature=0), steps, max_kv_size, keep, mm)
         for i, (p, mm) in enumerate(zip(seqs, images, strict=True))
     ]
-    run_to_end(runner, reqs, max_num_seqs=max_num_seqs, prefill_chunk_size=chunk)
+    scheduler = scheduler_for(runner, max_num_seqs=max_num_seqs, prefill_chunk_size=chunk)
+    run_to_end(runner, reqs, scheduler=scheduler)
+    if out is not None:
+        out.append(scheduler)
     return [r.output_ids for r in reqs]
 
 
@@ -60,8 +66,9 @@ def test_gpu_greedy_tokens_equal_cpu(kind, window, graphs, max_kv_size):
         cuda_graphs=graphs,
     )
     assert bool(runner.graphs) == graphs
-    assert generate(runner, seqs, 32, max_kv_size, 2) == expected
-    assert runner.blocks.num_free == 199  # every block back after release
+    schedulers = []
+    assert generate(runner, seqs, 32, max_kv_size, 2, out=schedulers) == expected
+    assert schedulers[0].blocks.num_free == 199  # every block back after release
 
 
 @pytest.mark.parametrize(
@@ -89,8 +96,8 @@ def test_gpu_pool_exhaustion_preempts_and_each_request_gets_its_solo_output(
     def run(num_blocks, max_num_seqs, requests):
         cache = CacheConfig(block_size=16, num_blocks=num_blocks)
         runner = PagedRunner(model, torch.device("cuda"), max_num_seqs, 40, 256, cache)
-        preempted = run_to_end(runner, requests, max_num_seqs=max_num_seqs, prefill_chunk_size=8)
-        return runner, preempted
+        scheduler = scheduler_for(runner, max_num_seqs=max_num_seqs, prefill_chunk_size=8)
+        return scheduler, run_to_end(runner, requests, scheduler=scheduler)
 
     def requests():
         return [
@@ -103,10 +110,10 @@ def test_gpu_pool_exhaustion_preempts_and_each_request_gets_its_solo_output(
         run(64, 1, [request])
         solo.append(request.output_ids)
     crowd = requests()
-    runner, preempted = run(10, 8, crowd)
+    scheduler, preempted = run(10, 8, crowd)
     assert preempted > 0
     assert [r.output_ids for r in crowd] == solo
-    assert runner.blocks.num_free == 9
+    assert scheduler.blocks.num_free == 9
 
 
 @pytest.mark.parametrize("graphs", [True, False])

@@ -20,12 +20,12 @@ from transformers import (
 )
 
 from kestrel.cache.blocks import BlockManager
-from kestrel.cache.paged import PagedSequenceCache
 from kestrel.config import CacheConfig, SchedulerConfig
 from kestrel.engine.paged_runner import PagedRunner
+from kestrel.engine.reference_runner import ModelRunner
 from kestrel.engine.request import Request
-from kestrel.engine.runner import ModelRunner, run_step
-from kestrel.engine.scheduler import ScheduledChunk, Scheduler
+from kestrel.engine.runner import run_step
+from kestrel.engine.scheduler import ScheduledChunk, Scheduler, take_blocks
 from kestrel.models.nemotron_nas import NemotronNasConfig
 from kestrel.sampling import SamplingParams, argmax_rows
 from kestrel.weights.loader import build_model
@@ -188,11 +188,12 @@ def run_both(
         Request(f"r{i}", p, SamplingParams(temperature=0), 10**6, max_kv_size, keep, mm)
         for i, (p, mm) in enumerate(zip(prompts, images, strict=True))
     ]
+    blocks = BlockManager.of(paged.kv_memory(None))  # planned here as the scheduler plans
     for sizes in schedule:  # sizes[i]: tokens of request i this step (0: not scheduled)
-        chunks = [ScheduledChunk(r, n) for r, n in zip(reqs, sizes, strict=True) if n]
+        chunks = [planned(blocks, r, n) for r, n in zip(reqs, sizes, strict=True) if n]
         with torch.no_grad():
             for c in chunks:
-                ref._cache(c.request)
+                ref._cache(c)
             expected = model(ref._pack(chunks))
             actual = model(paged._pack_batch(chunks))
         torch.testing.assert_close(actual, expected, rtol=tol, atol=tol)
@@ -204,8 +205,13 @@ def run_both(
         next_ids = expected.argmax(-1).tolist()
         for c, token in zip(sampling, next_ids, strict=True):
             c.request.output_ids.append(token)
-        paged.blocks.commit()
+        blocks.commit()
     return paged
+
+
+def planned(blocks: BlockManager, request: Request, n: int) -> ScheduledChunk:
+    """A chunk of `request`'s next n tokens with its blocks taken, as the scheduler plans one."""
+    return ScheduledChunk(request, n, table=take_blocks(blocks, request, n))
 
 
 def chunked_schedule(lengths, chunk: int, decode: int) -> list[tuple[int, ...]]:
@@ -327,21 +333,6 @@ def test_block_sizes_agree(block_size):
     run_both(model, prompts(10, 6), [(10, 6), *[(1, 1)] * 4], block_size=block_size, num_blocks=128)
 
 
-def test_restore_returns_allocated_and_trimmed_blocks():
-    blocks = BlockManager(15, 4, first_id=1)
-    cache = PagedSequenceCache([], blocks.table("r"))
-    cache.reserve(10)
-    cache.advance(10)
-    blocks.commit()
-    saved, free_before = cache.checkpoint(), blocks.num_free
-    cache.trim_front(8, keep=1)  # live: [0, 1) and [9, 10); frees positions 4..7
-    cache.reserve(4)
-    assert blocks.pending
-    cache.restore(saved)
-    assert blocks.num_free == free_before and not blocks.pending
-    assert [lg for lg, _ in cache.blocks.held] == [0, 1, 2]
-
-
 @pytest.mark.parametrize("vocab", [128256, 49152, 1000])  # 1000: not split, PyTorch's argmax
 def test_argmax_rows_picks_the_first_largest_like_argmax(vocab):
     """The two-pass argmax of greedy sampling: the same index as argmax, the first of tied
@@ -375,8 +366,9 @@ def test_runner_generates_same_greedy_tokens_as_reference():
             Request(f"q{i}", p, SamplingParams(temperature=0), 6)
             for i, p in enumerate(prompts(5, 8))
         ]
+        blocks = BlockManager.of(runner.kv_memory(None))
         while any(not r.finished for r in reqs):
-            chunks = [ScheduledChunk(r, r.num_pending) for r in reqs if not r.finished]
+            chunks = [planned(blocks, r, r.num_pending) for r in reqs if not r.finished]
             results = runner.execute(chunks)
             for c in chunks:
                 c.request.num_computed += c.num_tokens
@@ -388,11 +380,17 @@ def test_runner_generates_same_greedy_tokens_as_reference():
     assert outs[0] == outs[1]
 
 
-def run_to_end(runner, requests, logprobs: dict | None = None, **config) -> int:
-    """Drive scheduler and runner until every request has its max_tokens; the preemptions.
-    `logprobs`, when given, gets each request's first-step log-probs by id."""
+def scheduler_for(runner, **config) -> Scheduler:
+    """A scheduler over the runner's KV memory (`config`: SchedulerConfig's fields)."""
     config = SchedulerConfig(**config)
-    scheduler = Scheduler(config, runner.block_manager(config.kv_capacity))
+    return Scheduler(config, runner.kv_memory(config.kv_capacity))
+
+
+def run_to_end(runner, requests, logprobs: dict | None = None, scheduler=None, **config) -> int:
+    """Drive scheduler and runner until every request has its max_tokens; the preemptions.
+    `logprobs`, when given, gets each request's first-step log-probs by id; `scheduler`: one
+    that outlives the call (its blocks, their prefix cache), else a new one of `config`."""
+    scheduler = scheduler or scheduler_for(runner, **config)
     for request in requests:
         scheduler.add(request)
     while scheduler.has_work():
@@ -452,7 +450,7 @@ def test_pool_sized_by_a_probe_step_then_generates_as_reference():
 
     paged = PagedRunner(model, cpu, 4, 16, 256, CacheConfig(block_size=4), cuda_graphs=False)
     blocks = 4 * (256 // 4 + 1) + 1  # a partial block per context, and block 0 (padding)
-    assert paged.pool.num_blocks == blocks and paged.blocks.num_free == blocks - 1
+    assert paged.pool.num_blocks == blocks and paged.kv_memory(None).num_blocks == blocks - 1
     paged._run_probe_step()
     assert paged.pool is None and not paged.caches  # the probe left nothing behind
     paged._use_pool(blocks)
@@ -494,8 +492,9 @@ def test_a_pool_too_small_for_the_load_preempts_and_every_request_gets_its_solo_
         run_to_end(ModelRunner(model, cpu), [request], max_num_seqs=1, prefill_chunk_size=4)
         solo.append(request.output_ids)
     paged = PagedRunner(model, cpu, 8, 40, 256, CacheConfig(block_size=4, num_blocks=12), False)
-    crowd = requests()
-    preempted = run_to_end(paged, crowd, max_num_seqs=8, prefill_chunk_size=4)
+    crowd, scheduler = requests(), scheduler_for(paged, max_num_seqs=8, prefill_chunk_size=4)
+    preempted = run_to_end(paged, crowd, scheduler=scheduler)
     assert [r.output_ids for r in crowd] == solo
     assert preempted > 0  # the pool ran out, and that was survived
-    assert paged.blocks.num_free == 11 and not paged.blocks.tables  # every block came back
+    assert scheduler.blocks.num_free == 11 and not scheduler.blocks.tables  # every block back
+    assert not paged.caches

@@ -51,13 +51,15 @@ def test_a_later_turn_reuses_the_earlier_turns_and_answers_as_a_recomputed_promp
     assert recomputed.usage.prompt_tokens_details.cached_tokens == 0
     assert recomputed.choices[0].message.content == second.choices[0].message.content
     after = server.metrics()
-    hits = after["kestrel_prefix_cache_hits_total"] - before["kestrel_prefix_cache_hits_total"]
+    device = 'kestrel_prefix_cache_hits_total{tier="device"}'
+    hits = after[device] - before[device]
     queries = (
         after["kestrel_prefix_cache_queries_total"] - before["kestrel_prefix_cache_queries_total"]
     )
     assert hits == cached  # the opted-out request was not looked up
     assert queries == first.usage.prompt_tokens + second.usage.prompt_tokens
     assert after["kestrel_prefix_cache_blocks"] > 0
+    assert after['kestrel_prefix_cache_hits_total{tier="host"}'] == 0  # no host tier by default
 
 
 def test_a_streamed_answer_reports_its_cached_tokens_in_the_usage_chunk(server):

@@ -33,7 +33,7 @@ from tests.test_models_glm4_moe_lite import randomize_correction_bias
 from kestrel.bench.roofline import active_weight_bytes, weight_bytes
 from kestrel.errors import ModelLoadError, UnsupportedModelError
 from kestrel.kernels.formats import FP8Format
-from kestrel.models.layers.fused import concat_projection
+from kestrel.models.layers.linear import Linear, concat_projection
 from kestrel.models.layers.moe import PackedStack
 from kestrel.models.layers.quant import QuantEmbedding, QuantLinear
 from kestrel.weights.loader import build_model, checkpoint_summary, load_model, resolve
@@ -152,7 +152,7 @@ def test_mlx_per_module_override_and_float_module(tmp_path):
     (quant / "config.json").write_text(json.dumps(config))
     model = load(quant)
     assert model.model.layers[0].self_attn.o_proj.qtype == "MLX_Q8_G32"
-    assert type(model.model.layers[1].mlp.down_proj) is torch.nn.Linear
+    assert type(model.model.layers[1].mlp.down_proj) is Linear
     assert_close(chunked_logits(model, PROMPT, 5), chunked_logits(load(floats), PROMPT, 5))
 
 
@@ -162,7 +162,7 @@ def test_dense_only_layer_is_dequantized_at_load_with_a_log_line(tmp_path, caplo
     with caplog.at_level(logging.INFO, logger="kestrel.weights"):
         model = load(quant)
     assert "2 FP8_E4M3_128x128 tensors dequantized at load: the model reads it whole" in caplog.text
-    assert type(model.model.layers[0].mlp.down_proj) is torch.nn.Linear
+    assert type(model.model.layers[0].mlp.down_proj) is Linear
     assert_close(chunked_logits(model, PROMPT, 5), chunked_logits(load(floats), PROMPT, 5))
 
 
@@ -351,7 +351,7 @@ def test_fp8_modules_to_not_convert_stay_in_float(tmp_path):
     quant = write_folder(tmp_path / "fp8", model.config, tensors, {key: value})
     floats = write_folder(tmp_path / "float", model.config, dequantized)
     kestrel = load(quant)
-    assert type(kestrel.lm_head) is torch.nn.Linear
+    assert type(kestrel.lm_head) is Linear
     assert isinstance(kestrel.model.layers[0].mlp.up_proj, QuantLinear)
     assert_close(chunked_logits(kestrel, PROMPT, 5), chunked_logits(load(floats), PROMPT, 5))
 

@@ -11,7 +11,7 @@ from kestrel import LLM, SamplingParams
 from kestrel.cache.sequence import SequenceCache
 from kestrel.engine import engine
 from kestrel.engine.paged_runner import PagedRunner
-from kestrel.engine.runner import ModelRunner
+from kestrel.engine.reference_runner import ModelRunner
 from kestrel.models.batch import ForwardBatch
 from kestrel.weights.loader import resolve
 

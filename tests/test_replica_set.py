@@ -9,8 +9,7 @@ import os
 import time
 
 import pytest
-import transformers
-from tests.reference import load_kestrel, save_tiny
+from tests.reference import tiny_llama
 
 from kestrel.config import build_config
 from kestrel.engine.client import EngineDeadError, GenerateRequest
@@ -27,19 +26,7 @@ LONG = SamplingParams(temperature=0, max_tokens=100, ignore_eos=True)
 
 @pytest.fixture(scope="module")
 def model(tmp_path_factory):
-    config = transformers.LlamaConfig(
-        vocab_size=49152,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=8,
-        max_position_embeddings=128,
-    )
-    return load_kestrel(
-        save_tiny(transformers.LlamaForCausalLM, config, tmp_path_factory.mktemp("llama"))
-    )
+    return tiny_llama(tmp_path_factory.mktemp("llama"))
 
 
 class LocalReplica:

@@ -5,7 +5,7 @@ import sys
 
 import pytest
 
-from kestrel.cache.blocks import BlockManager
+from kestrel.cache.blocks import KVMemory
 from kestrel.config import SchedulerConfig
 from kestrel.engine.request import Request
 from kestrel.engine.scheduler import QueueFullError, Scheduler
@@ -105,13 +105,14 @@ def test_a_hybrid_prompt_chunk_ends_where_its_recurrent_state_is_kept():
     """With recurrent layers and prefix caching, a prompt's chunks end at its last full block
     (all but its last token: 12 of 14), where the state is kept for later hits; the next
     request with that prefix starts there."""
-    blocks = BlockManager(64, 4, prefix_caching=True, state_slots=4)
-    s = Scheduler(SchedulerConfig(max_num_seqs=4, prefill_chunk_size=8), blocks)
-    sizes = []
+    memory = KVMemory(64, 4, prefix_caching=True, state_slots=4)
+    s = Scheduler(SchedulerConfig(max_num_seqs=4, prefill_chunk_size=8), memory)
+    sizes, copies = [], []
     for request in (make_request(0, 14), make_request(1, 20)):
         s.add(request)
         while not request.output_ids:
             plan = s.schedule()
+            copies += plan.snapshots  # the runner copies them before the step
             sizes.append([c.num_tokens for c in plan.chunks if c.request is request])
             sampled = [c.request for c in plan.chunks if c.samples]
             s.computed(plan.chunks, set())
@@ -119,16 +120,39 @@ def test_a_hybrid_prompt_chunk_ends_where_its_recurrent_state_is_kept():
                 r.output_ids.append(0)
     assert sizes == [[8], [4], [2], [4], [4]]  # r1: from r0's 12 tokens, to its own 16, then 4
     assert request.num_cached_tokens == 12
-    snapshots = [snapshot for _, snapshot in blocks.take_snapshots()]
+    snapshots = [snapshot for _, snapshot in copies + s.schedule().snapshots]
     assert len(set(snapshots)) == 2 and min(snapshots) > 4  # one each, past the running slots
-    plain = Scheduler(SchedulerConfig(max_num_seqs=4, prefill_chunk_size=8), BlockManager(64, 4))
+    plain = Scheduler(SchedulerConfig(max_num_seqs=4, prefill_chunk_size=8), KVMemory(64, 4))
     plain.add(make_request(2, 14))
     assert [c.num_tokens for c in plain.schedule().chunks] == [8]
 
 
 def test_no_more_sequences_run_than_there_are_recurrent_state_slots():
-    s = Scheduler(SchedulerConfig(max_num_seqs=4), BlockManager(64, 4, state_slots=2))
+    s = Scheduler(SchedulerConfig(max_num_seqs=4), KVMemory(64, 4, state_slots=2))
     for i in range(3):
         s.add(make_request(i, 4))
     run_step(s)
     assert len(s.running) == 2 and len(s.waiting) == 1
+
+
+def test_every_planned_chunk_carries_its_table_holding_its_positions():
+    """The plan is the runner's only view of KV memory: each chunk brings its request's table
+    (the manager's own), already trimmed and holding blocks for the chunk's positions, and a
+    state slot where the model has recurrent layers."""
+    s = Scheduler(
+        SchedulerConfig(max_num_seqs=4, prefill_chunk_size=8), KVMemory(64, 4, state_slots=4)
+    )
+    for i, length in enumerate((14, 3)):
+        s.add(make_request(i, length, max_kv_size=10, keep=1))
+    for _ in range(6):
+        plan = s.schedule()
+        for chunk in plan.chunks:
+            table, request = chunk.table, chunk.request
+            assert table is s.blocks.tables[request.request_id] and table.state_slot
+            end = request.num_computed + chunk.num_tokens
+            assert table.held[-1][0] == (end - 1) // 4  # the chunk's last position has its block
+            assert table.live_tokens(request.num_computed) + chunk.num_tokens <= 10
+        s.computed(plan.chunks, set())
+        for chunk in plan.chunks:
+            if chunk.samples:
+                chunk.request.output_ids.append(0)

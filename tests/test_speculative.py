@@ -19,7 +19,7 @@ from tests import (
 )
 from tests.reference import load_kestrel, save_tiny
 
-from kestrel.cache.blocks import BlockManager
+from kestrel.cache.blocks import KVMemory
 from kestrel.config import SchedulerConfig, SpeculativeConfig, build_config
 from kestrel.engine.engine import Engine
 from kestrel.engine.request import Request
@@ -445,8 +445,8 @@ def planned(scheduler: Scheduler, request: Request):
 
 
 def test_a_rejected_draft_gives_its_blocks_back():
-    blocks = BlockManager(16, block_size=4)
-    scheduler = Scheduler(SchedulerConfig(max_num_seqs=2, prefill_chunk_size=8), blocks)
+    scheduler = Scheduler(SchedulerConfig(max_num_seqs=2, prefill_chunk_size=8), KVMemory(16, 4))
+    blocks = scheduler.blocks
     scheduler.proposer = proposer(k=5)
     request = decoding([5, 6, 7, 8, 9, 1, 2, 3])
     chunk = planned(scheduler, request)
@@ -462,8 +462,7 @@ def test_a_rejected_draft_gives_its_blocks_back():
 def test_speculation_never_takes_the_blocks_another_decode_needs():
     """Two decodes and one free block: the older one's draft would take it and preempt the
     newer one (whose next token starts a block), so it decodes plainly."""
-    blocks = BlockManager(5, block_size=4)
-    scheduler = Scheduler(SchedulerConfig(max_num_seqs=2, prefill_chunk_size=16), blocks)
+    scheduler = Scheduler(SchedulerConfig(max_num_seqs=2, prefill_chunk_size=16), KVMemory(5, 4))
     scheduler.proposer = proposer(k=2)
     older = Request("a", [5, 6, 7, 8, 9, 1], SamplingParams(temperature=0), 8)
     newer = Request("b", [1, 2, 3, 4, 5, 6, 7, 8], SamplingParams(temperature=0), 8)
@@ -489,7 +488,7 @@ def test_no_speculation_in_a_step_that_would_trim():
 
 
 def test_no_speculation_with_recurrent_state_or_past_max_tokens():
-    stateful = Scheduler(SchedulerConfig(), BlockManager(None, 4, state_slots=2))
+    stateful = Scheduler(SchedulerConfig(), KVMemory(None, 4, state_slots=2))
     stateful.proposer = proposer()
     assert planned(stateful, decoding([5, 6, 7, 8, 9])).draft == []
     plain = Scheduler(SchedulerConfig())

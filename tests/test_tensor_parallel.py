@@ -22,8 +22,8 @@ from transformers import LlamaConfig, Mistral4Config
 
 from kestrel.distributed.group import TPGroup, join, leave
 from kestrel.distributed.tensor_parallel import shard_model
+from kestrel.engine.reference_runner import ModelRunner
 from kestrel.engine.request import Request
-from kestrel.engine.runner import ModelRunner
 from kestrel.llm import LLM
 from kestrel.models.gemma4 import Gemma4Attention
 from kestrel.models.layers.attention import Attention

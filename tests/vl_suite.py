@@ -271,8 +271,8 @@ def test_images_of_one_step_are_encoded_in_one_vision_forward(tiny):
     once, and each request gets the rows (and deepstack rows) it gets encoded alone."""
     from dataclasses import replace
 
+    from kestrel.engine.reference_runner import ModelRunner
     from kestrel.engine.request import Request
-    from kestrel.engine.runner import ModelRunner
     from kestrel.engine.scheduler import ScheduledChunk
 
     prompts = [tiny.prompt, replace(tiny.prompt, pixel_values=tiny.prompt.pixel_values.flip(0))]

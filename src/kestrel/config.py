@@ -5,6 +5,7 @@ set of names (a flag's `dest`, a keyword argument) says where each value goes. P
 scheduler reads its part without importing torch.
 """
 
+import math
 from dataclasses import MISSING, dataclass, field, fields
 
 from kestrel.errors import InvalidRequestError
@@ -42,6 +43,16 @@ class CacheConfig:
     prefix_caching: bool = True  # full KV blocks are kept and reused by later prompts
     mamba_ssm_cache_dtype: str = "float32"  # the hybrids' SSM state (bfloat16: half the traffic)
     kv_cache_dtype: str = "auto"  # the KV pool's: auto (the model's), bfloat16, float16, fp8
+    # GiB of host memory that keeps prefix-cache blocks the pool evicts (vLLM's name); 0: off
+    kv_offloading_size: float = 0
+
+    def __post_init__(self):
+        size = self.kv_offloading_size
+        number = isinstance(size, int | float) and not isinstance(size, bool)
+        if not number or not (size >= 0 and math.isfinite(size)):
+            raise InvalidRequestError(
+                f"must be a number of GiB >= 0 (0: off), got {size!r}", param="kv_offloading_size"
+            )
 
 
 @dataclass
@@ -124,6 +135,12 @@ class ParallelConfig:
     enable_expert_parallel: bool = False  # with -tp: whole experts per rank, not slices of each
     data_parallel_size: int = 1  # serve: engine replicas (Ray actors) behind the one endpoint
     ray_address: str | None = None  # the Ray cluster of the replicas; None: a local one
+    # serve: a prefill engine and a decode engine, the KV handed from one to the other
+    # (distributed/disaggregated.py); their devices, None: --device's, and for decode the next
+    # GPU when there is one
+    disaggregate: bool = False
+    prefill_device: str | None = None
+    decode_device: str | None = None
 
     def __post_init__(self):
         for name in ("tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size"):
@@ -139,10 +156,28 @@ class ParallelConfig:
             raise InvalidRequestError(
                 f"must be >= 1, not {self.pp_microbatch_tokens!r}", "pp_microbatch_tokens"
             )
+        self._check_disaggregate()
         if self.enable_expert_parallel and self.tensor_parallel_size == 1:
             raise InvalidRequestError(
                 "experts spread over the --tensor-parallel-size ranks: set it above 1",
                 "enable_expert_parallel",
+            )
+
+    def _check_disaggregate(self) -> None:
+        for name in ("prefill_device", "decode_device"):
+            if getattr(self, name) and not self.disaggregate:
+                raise InvalidRequestError("only used with --disaggregate", name)
+        sizes = {
+            "-tp/--tensor-parallel-size": self.tensor_parallel_size,
+            "-pp/--pipeline-parallel-size": self.pipeline_parallel_size,
+            "-dp/--data-parallel-size": self.data_parallel_size,
+        }
+        taken = [flag for flag, size in sizes.items() if size > 1]
+        if self.disaggregate and taken:
+            raise InvalidRequestError(
+                f"--disaggregate runs one prefill and one decode engine on one device each: "
+                f"not with {', '.join(taken)}",
+                "disaggregate",
             )
 
     @property

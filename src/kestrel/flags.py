@@ -125,6 +125,14 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         "and KV head from the first prompt chunk: twice the tokens in the same memory)",
     )
     p.add_argument(
+        "--kv-offloading-size",
+        type=_gib,
+        default=default_of("kv_offloading_size"),
+        metavar="GIB",
+        help="GiB of host memory (pinned on CUDA) that keeps the prefix-cache blocks the KV pool "
+        "evicts and copies them back on a hit (vLLM's flag; 0 = off)",
+    )
+    p.add_argument(
         "--mamba-ssm-cache-dtype",
         choices=["float32", "bfloat16", "float16"],
         default=default_of("mamba_ssm_cache_dtype"),
@@ -140,6 +148,17 @@ def _positive(text: str) -> int:
 
 
 _positive.__name__ = "positive integer"
+
+
+def _gib(text: str) -> float:
+    """A size in GiB, >= 0 (argparse names the flag when it raises)."""
+    value = float(text)
+    if not value >= 0 or value == float("inf"):
+        raise ValueError(text)
+    return value
+
+
+_gib.__name__ = "size in GiB (>= 0)"
 
 
 def _count(text: str) -> int:

@@ -114,7 +114,7 @@ def drive(runner, prompts, outputs, args, max_num_seqs: int, progress: bool) -> 
     from kestrel.sampling import SamplingParams
 
     config = bench_config(args, max_num_seqs)
-    scheduler = Scheduler(config.scheduler, runner.block_manager(config.scheduler.kv_capacity))
+    scheduler = Scheduler(config.scheduler, runner.kv_memory(config.scheduler.kv_capacity))
     if runner.speculates:
         scheduler.proposer = make_proposer(config.speculation)
     params = SamplingParams(temperature=args.temperature, ignore_eos=True, max_tokens=None)

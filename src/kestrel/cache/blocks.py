@@ -6,23 +6,34 @@ run after them. Trimming (`--max-kv-size`) and sliding-window eviction give back
 holds no live key at once; partial blocks stay and the mask hides their dead keys
 (docs/architecture.md §1: the mask comes from positions, not from storage).
 
-The `BlockManager` hands out block ids to tables. The scheduler plans each step's chunks with it
-(`blocks_needed`, `grow`), so a step never runs out of blocks in the middle of a forward; the paged
-runner's caches read the same tables to place keys in its pool. The reference runner keeps its
-keys elsewhere, and the manager then counts its memory with one-token blocks.
+The `BlockManager` hands out block ids to tables. A runner says what its memory is (`KVMemory`);
+the scheduler builds the manager from that and alone writes to it: it plans each step's chunks
+(`blocks_needed`, `make_room`, `reserve`), so a step never runs out of blocks in the middle of a
+forward, and hands each chunk's table to the runner, whose paged caches only read it to place keys
+in the pool. The reference runner keeps its keys elsewhere, and its memory is counted in one-token
+blocks.
 
-Blocks given back during a step are reusable only after `commit()` (the runner calls it once the
-step ran), so restoring a failed step never finds a trimmed block overwritten.
+Blocks given back while a step is planned are reusable only after `commit()` (the scheduler calls
+it when it plans the next step, once this one ran), so no chunk of a step writes keys into a block
+that another chunk of the same step still reads.
 
 With prefix caching (cache/prefix.py) a full block may be held by several tables: each block
 counts its holders, is written only by the sequence that allocated it (a hit covers whole blocks,
 and every sequence writes only positions after its hit), and when its last holder lets go stays
 cached, evictable, until the pool needs it. Keys computed after a sequence's first trim saw fewer
-keys than a full prompt would, so only the blocks before its first trim are cached.
+keys than a full prompt would, so only the blocks before its first trim are cached. A finished
+sequence's blocks become evictable last block first, so a conversation's head stays longest (a
+hit needs every block before its end).
+
+With a host tier (`host`, cache/host_tier.py; the paged runner's memory has `host_slots` for
+--kv-offloading-size) an evicted block's contents go to host memory and its key stays findable
+there; a hit on it takes a device block and the contents come back before the next step (the
+copies go to the runner in the step's plan).
 """
 
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 
+from kestrel.cache.host_tier import HostTier
 from kestrel.cache.prefix import Hit, PrefixCache, chain
 
 
@@ -58,10 +69,29 @@ def evict_window(specs) -> int | None:
     return None if None in windows or not windows else max(windows)
 
 
+@dataclass(frozen=True)
+class KVMemory:
+    """A runner's KV memory, which the scheduler builds its `BlockManager` from (the manager's
+    arguments: see there): `num_blocks` of `block_size` tokens (None: unlimited, only counted)."""
+
+    num_blocks: int | None
+    block_size: int = 1
+    evict_window: int | None = None
+    first_id: int = 0
+    prefix_caching: bool = False
+    prefix_tokens: int | None = None
+    state_slots: int = 0
+    host_slots: int = 0
+
+    @property
+    def token_capacity(self) -> int | None:
+        return None if self.num_blocks is None else self.num_blocks * self.block_size
+
+
 @dataclass
 class BlockTable:
     """One sequence's blocks. `held`: (logical, physical) pairs, ascending; a tuple, replaced (never
-    changed in place) when blocks come or go, so checkpoints share it."""
+    changed in place) when blocks come or go, so `table()` knows when to build its list again."""
 
     manager: "BlockManager"
     live_start: int = 0
@@ -171,19 +201,6 @@ class BlockTable:
         block_of = dict(self.held)
         return [block_of[q // size] * size + q % size for q in range(start, start + n)]
 
-    def checkpoint(self) -> tuple:
-        return (self.live_start, self.keep, self.held, self.full_view_until)
-
-    def restore(self, state: tuple) -> None:
-        self.live_start, self.keep, held, self.full_view_until = state
-        before = {phys for _, phys in held}
-        now = {phys for _, phys in self.held}
-        for phys in now - before:  # allocated since: never visible
-            self.manager.drop(phys)
-        for phys in before - now:  # given back since (not yet reusable): take back
-            self.manager.take(phys)
-        self.held = held
-
 
 class BlockManager:
     """The KV blocks of every sequence: `num_blocks` ids from `first_id` (None: unlimited, only
@@ -203,6 +220,7 @@ class BlockManager:
         prefix_caching: bool = False,
         prefix_tokens: int | None = None,
         state_slots: int = 0,
+        host_slots: int = 0,
     ):
         self.num_blocks, self.block_size, self.evict_window = num_blocks, block_size, evict_window
         end = first_id + (num_blocks or 0)
@@ -218,6 +236,12 @@ class BlockManager:
         self.tokens_trimmed = 0  # over the manager's life (a metric)
         self.free_states = list(range(state_slots, 0, -1))
         self.state_slots = state_slots
+        # the prefix cache's host tier (None: none)
+        self.host = HostTier(host_slots) if host_slots and self.prefix is not None else None
+
+    @classmethod
+    def of(cls, memory: KVMemory) -> "BlockManager":
+        return cls(**asdict(memory))
 
     @property
     def limited(self) -> bool:
@@ -261,8 +285,13 @@ class BlockManager:
         """Whether prefix hits need a snapshot of recurrent state where they end."""
         return self.prefix is not None and self.prefix.stateful
 
+    def take_copies(self) -> list:
+        """The host tier's block copies due before the next step, in order (none without one)."""
+        return self.host.take_copies() if self.host is not None else []
+
     def take_snapshots(self) -> list[tuple[int, int]]:
-        """The (state slot, snapshot slot) copies the runner makes before the next step."""
+        """The (state slot, snapshot slot) copies due before the next step (the scheduler hands
+        them to the runner in its plan)."""
         due, self.snapshots_due = self.snapshots_due, []
         return due
 
@@ -278,7 +307,7 @@ class BlockManager:
         """A block for new keys: a free one, else the least recently used cached one."""
         block = self.free.pop() if self.free else None
         if block is None and self.prefix is not None:
-            block = self.prefix.evict()
+            block = self._evict()
         if block is None and not self.limited:
             self._next_id += 1
             block = self._next_id - 1
@@ -289,8 +318,18 @@ class BlockManager:
         self.refs[block] = 1
         return block
 
+    def _evict(self) -> int | None:
+        """The least recently used cached block, its contents offloaded to the host tier."""
+        evicted = self.prefix.evict()
+        if evicted is None:
+            return None
+        block, key = evicted
+        if self.host is not None:
+            self.host.offload(key, block)
+        return block
+
     def take(self, block: int) -> None:
-        """One more table holds `block` (a prefix hit, or a failed step's restore)."""
+        """One more table holds `block` (a prefix hit)."""
         if block not in self.refs:
             self.pending.discard(block)
             if self.prefix is not None:
@@ -313,8 +352,8 @@ class BlockManager:
         table = self.tables.pop(request_id, None)
         if table is not None and table.state_slot:
             self.free_states.append(table.state_slot)
-        if table is not None:
-            for _, phys in table.held:
+        if table is not None:  # last block first: the least recently used, evicted first
+            for _, phys in reversed(table.held):
                 self.drop(phys)
 
     def commit(self) -> None:
@@ -340,17 +379,40 @@ class BlockManager:
         size = self.block_size
         keys = chain(tokens[: limit - limit % size], size, images, parent=root)
         window = None if self.evict_window is None else -(-(self.evict_window - 1) // size)
-        n = self.prefix.find(keys, window)
+        hit = self._hit(keys, window, self.host if self.host is not None else ())
+        if hit.from_host and len(hit.from_host) > self._free_beside(hit):
+            hit = self._hit(keys, window, ())  # no room to bring them back: the device's alone
+        return hit
+
+    def _hit(self, keys: list[bytes], window: int | None, elsewhere) -> Hit:
+        """The hit on `keys` over the device's cached blocks and the keys in `elsewhere`."""
+        n = self.prefix.find(keys, window, elsewhere)
         first = 0 if window is None else max(0, n - window)
-        blocks = tuple((b, self.prefix.block_of[keys[b]]) for b in range(first, n))
+        on_device = [b for b in range(first, n) if keys[b] in self.prefix.block_of]
+        blocks = tuple((b, self.prefix.block_of[keys[b]]) for b in on_device)
+        from_host = tuple(sorted(set(range(first, n)) - set(on_device)))
         state = self.prefix.snapshots[keys[n - 1]] if n and self.snapshots else 0
-        return Hit(n * size, blocks, tuple(keys[:n]), state)
+        return Hit(n * self.block_size, blocks, tuple(keys[:n]), state, from_host)
+
+    def _free_beside(self, hit: Hit) -> int:
+        """Blocks left to allocate once `hit`'s device blocks are held (idle ones stop being
+        evictable)."""
+        if not self.limited:
+            return len(hit.from_host)
+        idle = sum(1 for _, block in hit.blocks if block in self.prefix.idle)
+        return self.num_free - idle
 
     def attach(self, table: BlockTable, hit: Hit) -> None:
-        """An empty table starts from a hit: it holds the hit's blocks."""
+        """An empty table starts from a hit: it holds the hit's blocks, and a device block for
+        each one the host tier holds, its contents copied back before the next step."""
         for _, block in hit.blocks:
             self.take(block)
-        table.held, table.keys, table.state_from = hit.blocks, hit.keys, hit.state
+        keys = [hit.keys[b] for b in hit.from_host]
+        restored = self.host.restore(keys, self.allocate) if keys else []
+        for key, block in zip(keys, restored, strict=True):
+            self.prefix.add(key, block)
+        table.held = tuple(sorted(hit.blocks + tuple(zip(hit.from_host, restored, strict=True))))
+        table.keys, table.state_from = hit.keys, hit.state
 
     def publish(
         self,

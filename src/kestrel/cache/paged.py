@@ -159,8 +159,8 @@ def _zeros(dims: tuple[int, ...], dtype, device) -> torch.Tensor:
 
 class PagedSequenceCache(SequenceCache):
     """A SequenceCache whose keys live in a `BlockPool`, where its `BlockTable` puts them. The
-    table's trim and reserve are planned by the scheduler before the step; here they find the
-    room already made (the runner alone, as tests drive it, makes it here)."""
+    table is the scheduler's (it trims and reserves before each step); the cache only reads it,
+    and holds what the device advanced: `offset` and `rope_delta`."""
 
     def __init__(self, specs: list[CacheSpec], blocks: BlockTable):
         self.specs, self.blocks = specs, blocks
@@ -173,15 +173,6 @@ class PagedSequenceCache(SequenceCache):
     state_slot = property(lambda self: self.blocks.state_slot)
     keep = property(lambda self: self.blocks.keep)
 
-    def make_room(self, m: int, max_kv_size: int | None, keep: int = 0) -> int:
-        return self.blocks.make_room(self.offset, m, max_kv_size, keep)
-
-    def trim_front(self, n: int, keep: int = 0) -> None:
-        self.blocks.trim_front(self.offset, n, keep)
-
-    def reserve(self, m: int) -> None:
-        self.blocks.reserve(self.offset, m)
-
     def table(self) -> tuple[list[int], int, int]:
         return self.blocks.table()
 
@@ -189,11 +180,10 @@ class PagedSequenceCache(SequenceCache):
         return self.blocks.slots(start, n)
 
     def checkpoint(self) -> tuple:
-        return (self.offset, self.rope_delta, self.blocks.checkpoint())
+        return (self.offset, self.rope_delta)
 
     def restore(self, state: tuple) -> None:
-        self.offset, self.rope_delta, blocks = state
-        self.blocks.restore(blocks)
+        self.offset, self.rope_delta = state
 
 
 @dataclass(kw_only=True)

@@ -46,6 +46,7 @@ class Hit:
     blocks: tuple[tuple[int, int], ...] = ()
     keys: tuple[bytes, ...] = ()
     state: int = 0  # the snapshot slot of the recurrent state after `tokens` (0: none)
+    from_host: tuple[int, ...] = ()  # logical blocks the host tier holds (no device block yet)
 
 
 class PrefixCache:
@@ -68,11 +69,12 @@ class PrefixCache:
             self.block_of[key] = block
             self.key_of[block] = key
 
-    def find(self, keys: Sequence[bytes], window_blocks: int | None) -> int:
+    def find(self, keys: Sequence[bytes], window_blocks: int | None, elsewhere=()) -> int:
         """How many of the chain's blocks a hit covers: the longest prefix whose blocks are all
         cached, or where every layer slides (`window_blocks`: the blocks the next query may see),
-        the longest prefix whose last `window_blocks` are."""
-        cached = [key in self.block_of for key in keys]
+        the longest prefix whose last `window_blocks` are. Keys in `elsewhere` (the host tier)
+        count as cached."""
+        cached = [key in self.block_of or key in elsewhere for key in keys]
         if self.stateful:  # recurrent state is rebuilt only from a snapshot where the hit ends
             n = cached.index(False) if False in cached else len(cached)
             while n and keys[n - 1] not in self.snapshots:
@@ -111,11 +113,13 @@ class PrefixCache:
         self.idle[block] = None
         return True
 
-    def evict(self) -> int | None:
-        """The least recently used idle block, forgotten; None if there is none."""
+    def evict(self) -> tuple[int, bytes] | None:
+        """The least recently used idle block and the key it was cached under, forgotten; None
+        if there is none."""
         if not self.idle:
             return None
         block, _ = self.idle.popitem(last=False)
-        del self.block_of[self.key_of.pop(block)]
+        key = self.key_of.pop(block)
+        del self.block_of[key]
         self.evictions += 1
-        return block
+        return block, key

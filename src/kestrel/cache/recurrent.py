@@ -28,6 +28,26 @@ class RecurrentState:
         self.conv, self.ssm = state
 
 
+class CacheStates:
+    """The states of b sequences in their SequenceCaches, as the reference runner holds them (a
+    group of `ForwardBatch.state_groups`); a new sequence's state is `zeros()`."""
+
+    def __init__(self, caches: list):
+        self.caches = caches
+
+    def in_place(self, layer_idx: int, attr: str) -> None:
+        return None  # states are tensors of their own: read, step and write
+
+    def read(self, layer_idx: int, attr: str, zeros) -> torch.Tensor:
+        saved = [getattr(cache.layers[layer_idx], attr) for cache in self.caches]
+        return torch.stack([zeros() if s is None else s for s in saved])
+
+    def write(self, layer_idx: int, attr: str, new: torch.Tensor) -> None:
+        for cache, s in zip(self.caches, new, strict=True):
+            # a new tensor, never written in place: checkpoints stay valid
+            setattr(cache.layers[layer_idx], attr, s)
+
+
 class NoState:
     """A layer that keeps nothing per sequence (an MLP or MoE block in a hybrid's layer pattern)."""
 

@@ -3,14 +3,14 @@ cross from stage to stage with torch.distributed point-to-point, and the last st
 hidden states go to every rank, which apply the (replicated) head themselves.
 
 The model files keep one definition each: a stage is the whole model with the layers outside its
-range made pass-throughs, their weights never read from the checkpoint (`other_stages_parameters`
-tells the loader which) and their KV pool entries dropped (the embedding and the head stay on
-every rank). The decoder loop runs on every rank as written; at the first layer past its range a
-stage sends the hidden states that layer would have received (after whatever the loop adds
-between layers), and the next stage's first layer takes them in place of its own input. Every
-rank runs the same engine in lockstep (distributed/workers.py), so every forward's sends meet
-their receives, and since all ranks apply the head to the same hidden states, they sample the
-same tokens.
+range replaced in the layer stack by pass-throughs (`RemoteLayer`), their weights never read
+from the checkpoint (`other_stages_parameters` tells the loader which) and their KV pool entries
+dropped (the embedding and the head stay on every rank). The decoder loop runs on every rank as
+written; at the first layer past its range a stage sends the hidden states that layer would
+have received (after whatever the loop adds between layers), and the next stage's first layer
+(`ReceivingLayer`) takes them in place of its own input. Every rank runs the same engine in
+lockstep (distributed/workers.py), so every forward's sends meet their receives, and since all
+ranks apply the head to the same hidden states, they sample the same tokens.
 
 This is the split meant for models larger than one device. A step of many tokens goes through
 the stages as micro-batches (engine/paged_runner.py cuts it; `StageOutputs` takes them all): a
@@ -148,13 +148,62 @@ def split_stages(
     first, end = stage.layers
     for i, layer in enumerate(layers):
         if not first <= i < end:
-            _drop_weights(layer)
-            layer.forward = _passes_through(layer, send_to=rank + tp if i == end else None)
+            layers[i] = RemoteLayer(layer, send_to=rank + tp if i == end else None)
     if stage.rank > 0:
-        layers[first].forward = _receives(layers[first].forward, rank - tp)
-    _keep_pool_entries(model, first, end)
-    _share_hidden(model, size, (size - 1) * tp)
+        layers[first] = ReceivingLayer(layers[first], rank - tp)
+    # the paged KV pool holds only this stage's layers (recurrent state stays whole: its slots
+    # are the scheduler's, which must plan alike on every rank)
+    model.stage_layers = (first, end)
+    model.pipeline = StageOutputs(model.decoder_hidden, size, (size - 1) * tp)
     return model
+
+
+class StageLayer(nn.Module):
+    """A decoder layer's stand-in in a stage's layer stack. It holds the layer's submodules,
+    parameters and buffers under their own names, so checkpoint and adapter names stay and every
+    walk over the model's modules (windows, KV sources, recurrent state shapes, fusing) sees the
+    layer's; and its plain attributes (a layer type, flags) for the model's loop to read."""
+
+    def __init__(self, layer: nn.Module):
+        super().__init__()
+        for name, child in layer.named_children():
+            self.add_module(name, child)
+        for name, p in layer.named_parameters(recurse=False):
+            self.register_parameter(name, p)
+        for name, b in layer.named_buffers(recurse=False):
+            self.register_buffer(name, b)
+        self.__dict__.update({k: v for k, v in vars(layer).items() if not k.startswith("_")})
+
+
+class RemoteLayer(StageLayer):
+    """A layer another stage runs, its weights dropped: its input goes on as it is; the first
+    one past this stage's range sends it to the next stage first (the input that layer would
+    have received, after whatever the decoder loop adds between layers)."""
+
+    def __init__(self, layer: nn.Module, send_to: int | None):
+        _drop_weights(layer)
+        super().__init__(layer)
+        self.send_to = send_to
+
+    def forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+        if self.send_to is not None:
+            dist.send(x.contiguous(), self.send_to)
+        return x
+
+
+class ReceivingLayer(StageLayer):
+    """This stage's first layer (past stage 0), run on what the previous stage sent in place of
+    its own input."""
+
+    def __init__(self, layer: nn.Module, source: int):
+        super().__init__(layer)
+        self.source = source
+        object.__setattr__(self, "layer", layer)  # held, not registered: its parts are ours
+
+    def forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+        received = torch.empty_like(x)
+        dist.recv(received, self.source)
+        return self.layer(received, *args, **kwargs)
 
 
 def _drop_weights(layer: nn.Module) -> None:
@@ -164,41 +213,9 @@ def _drop_weights(layer: nn.Module) -> None:
             setattr(module, name, nn.Parameter(p.to("meta"), requires_grad=False))
 
 
-def _passes_through(layer: nn.Module, send_to: int | None):
-    """A layer another stage runs: its input goes on as it is; the first one past this stage's
-    range sends it to the next stage first."""
-
-    def forward(x, *args, **kwargs):
-        if send_to is not None:
-            dist.send(x.contiguous(), send_to)
-        return x
-
-    return forward
-
-
-def _receives(forward, source: int):
-    """This stage's first layer: its input is what the previous stage sent."""
-
-    def receive(x, *args, **kwargs):
-        x = torch.empty_like(x)
-        dist.recv(x, source)
-        return forward(x, *args, **kwargs)
-
-    return receive
-
-
-def _keep_pool_entries(model: nn.Module, first: int, end: int) -> None:
-    """The paged KV pool holds only this stage's layers. (Recurrent state stays whole: its slots
-    are the scheduler's, which must plan alike on every rank.)"""
-    kv_layout = model.kv_layout
-    model.kv_layout = lambda: [
-        shape if first <= i < end else None for i, shape in enumerate(kv_layout())
-    ]
-
-
 class StageOutputs:
-    """A stage model's `pipeline`: micro-batches -> the last stage's final-norm hidden states of
-    each (the head's input), on every rank."""
+    """A stage model's `pipeline` (which its `hidden` runs a whole batch through): micro-batches
+    -> the last stage's final-norm hidden states of each (the head's input), on every rank."""
 
     def __init__(self, hidden, stages: int, last: int):
         self.hidden = hidden  # this stage's part of the forward, its sends and receives
@@ -211,10 +228,3 @@ class StageOutputs:
         h = torch.cat(own) if len(own) > 1 else own[0].contiguous()
         dist.broadcast(h, self.last)
         return list(h.split([x.shape[0] for x in own]))
-
-
-def _share_hidden(model: nn.Module, stages: int, last: int) -> None:
-    """Every rank gets the last stage's final-norm hidden states, from its first rank `last`:
-    `model.pipeline` for micro-batches, `model.hidden` for a whole batch."""
-    model.pipeline = StageOutputs(model.hidden, stages, last)
-    model.hidden = lambda batch: model.pipeline([batch])[0]

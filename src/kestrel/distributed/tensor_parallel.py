@@ -26,8 +26,8 @@ all-reduce per attention block and per MLP joins the partial sums.
 Quantized layers (GGUF blocks, FP8, MLX, NVFP4) are cut the same way and stay quantized
 (distributed/quantized.py).
 
-`shard_model` rewires a loaded model in place, as layers/fused.py does, so model files keep one
-definition. A model with a Linear that no rule here covers is refused, naming it.
+`shard_model` cuts a loaded model's layers in place into these sharded layers, so model files
+keep one definition. A model with a Linear that no rule here covers is refused, naming it.
 """
 
 import copy
@@ -43,6 +43,7 @@ from kestrel.distributed.pipeline import decoder_stack
 from kestrel.models.base import head_dim
 from kestrel.models.gemma4 import Gemma4Attention, Gemma4Block, Gemma4Model, Gemma4Router
 from kestrel.models.layers.attention import Attention
+from kestrel.models.layers.linear import Linear
 from kestrel.models.layers.mamba import GatedRMSNorm, Mamba2Mixer, MambaMixer
 from kestrel.models.layers.mla import MultiHeadLatentAttention
 from kestrel.models.layers.mlp import GatedMLP
@@ -67,7 +68,7 @@ def _rank_share(total: int, tp: TPGroup, refusal: str) -> slice:
 
 def column_parallel(linear: nn.Linear | QuantLinear, rows: slice) -> nn.Linear | QuantLinear:
     """Output rows `rows` of a Linear: x (..., in) -> this rank's slice of the outputs. A plain
-    Linear (or a quantized one of the same format), so layers/fused.py still concatenates q/k/v
+    Linear (or a quantized one of the same format), so the fused layers still concatenate q/k/v
     and gate/up into one matmul."""
     if isinstance(linear, QuantLinear):
         return quantized.rows_of(linear, rows)
@@ -77,9 +78,9 @@ def column_parallel(linear: nn.Linear | QuantLinear, rows: slice) -> nn.Linear |
     return part
 
 
-def _linear(weight: nn.Parameter) -> nn.Linear:
+def _linear(weight: nn.Parameter) -> Linear:
     """A bias-free Linear over `weight` (out, in)."""
-    part = nn.Linear(weight.shape[1], weight.shape[0], bias=False, device="meta")
+    part = Linear(weight.shape[1], weight.shape[0], bias=False, device="meta")
     part.weight = weight
     return part
 

@@ -121,7 +121,19 @@ def _on_smallest_pool(engine: Engine, build, device: torch.device) -> Engine:
         return engine
     smallest = torch.tensor([blocks], device=device)
     dist.all_reduce(smallest, dist.ReduceOp.MIN)
-    return _resized(engine, int(smallest), build)
+    return _on_fewest_host_slots(_resized(engine, int(smallest), build), device)
+
+
+def _on_fewest_host_slots(engine: Engine, device: torch.device) -> Engine:
+    """`engine` with its prefix cache's host tier (--kv-offloading-size) limited to the fewest
+    slots any rank's GiB holds (a collective): pipeline stages size theirs from their own layers,
+    and the replica schedulers must offload alike."""
+    host = engine.scheduler.blocks.host
+    if host is not None:  # the same flags on every rank: all have one, or none
+        fewest = torch.tensor([host.num_slots], device=device)
+        dist.all_reduce(fewest, dist.ReduceOp.MIN)
+        host.limit(int(fewest))
+    return engine
 
 
 def _resized(engine: Engine, blocks: int, build) -> Engine:

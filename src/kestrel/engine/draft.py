@@ -2,8 +2,9 @@
 next k tokens of every speculating sequence; the target verifies them in one forward
 (engine/paged_runner.py), so the output is the target's alone.
 
-The draft runs on its own paged runner, pool and block manager (CUDA graphs for its rounds),
-one shadow request per target request. Each step a shadow catches up on the tokens the
+The draft runs on its own paged runner and pool (CUDA graphs for its rounds), one shadow request
+per target request; the proposer plans the draft's blocks as the scheduler plans the target's (its
+own block manager, the only one to write to it). Each step a shadow catches up on the tokens the
 target added since (the accepted draft tokens and the one after them; the whole prompt the first
 time), in the same forward for every sequence, then decodes k - 1 more, batched: k forwards of the
 draft per step. Its proposals are greedy (the draft's argmax), a deterministic proposal, so the
@@ -20,10 +21,11 @@ from dataclasses import replace
 
 import torch
 
+from kestrel.cache.blocks import BlockManager, KVMemory
 from kestrel.config import Config
 from kestrel.engine.paged_runner import PagedRunner, pool_serves
 from kestrel.engine.request import Request
-from kestrel.engine.scheduler import ScheduledChunk
+from kestrel.engine.scheduler import ScheduledChunk, SchedulerOutput, take_blocks
 from kestrel.sampling import SamplingParams
 
 DRAFT_MEMORY_SHARE = (
@@ -35,9 +37,9 @@ GREEDY = SamplingParams(temperature=0.0)
 class DraftRunner(PagedRunner):
     """The draft model's paged runner: no prefix cache, no window eviction, a bounded pool."""
 
-    def _use_pool(self, num_blocks: int) -> None:
-        super()._use_pool(num_blocks)
-        self.blocks.evict_window = None  # a rollback finds every key behind the window
+    def kv_memory(self, kv_capacity: int | None) -> KVMemory:
+        # no eviction behind a window: a rollback finds every key its new end sees
+        return replace(super().kv_memory(kv_capacity), evict_window=None)
 
     def _profile_num_blocks(self) -> int:
         """On CUDA every running sequence's whole context within a share of the free memory (the
@@ -49,11 +51,9 @@ class DraftRunner(PagedRunner):
         wanted = self.max_num_seqs * (self.table_width - 1)
         return max(2, min(wanted, int(free * DRAFT_MEMORY_SHARE // per_block))) + 1
 
-    def rollback(self, shadow: Request, end: int) -> None:
-        """The shadow's keys from position `end` on are dropped (the target rejected them)."""
-        shadow.num_computed = end
-        self.caches[shadow.request_id].offset = end
-        self.blocks.table(shadow.request_id).truncate(end)
+    def rewind(self, request_id: str, end: int) -> None:
+        """The sequence's cache goes back to position `end` (its keys after it are dropped)."""
+        self.caches[request_id].offset = end
 
 
 class DraftProposer:
@@ -62,6 +62,7 @@ class DraftProposer:
     def __init__(self, runner: DraftRunner, k: int, max_len: int):
         self.runner, self.k, self.max_len = runner, k, max_len
         self.shadows: dict[str, Request] = {}
+        self.blocks = BlockManager.of(runner.kv_memory(None))  # the draft pool's blocks
 
     def propose_all(self, requests: list[Request], most: list[int]) -> list[list[int]]:
         """Per request, up to min(k, most) tokens to follow its tokens ([]: none)."""
@@ -119,8 +120,15 @@ class DraftProposer:
         )
         end = min(shadow.num_computed, known + agree, len(ids) - 1)
         if end < shadow.num_computed:
-            self.runner.rollback(shadow, end)
+            self.rollback(shadow, end)
         shadow.prompt_ids, shadow.output_ids = ids, []
+
+    def rollback(self, shadow: Request, end: int) -> None:
+        """The shadow's keys from position `end` on are dropped (the target rejected them): its
+        blocks past `end` go back."""
+        shadow.num_computed = end
+        self.runner.rewind(shadow.request_id, end)
+        self.blocks.table(shadow.request_id).truncate(end)
 
     def _round(self, active: list[Request]) -> list[tuple[Request, int | None]]:
         """One draft forward: each shadow's pending tokens, as many as the step's budget holds
@@ -130,9 +138,11 @@ class DraftProposer:
         for shadow in active:
             n = min(shadow.num_pending, budget)
             if n > 0:
-                chunks.append(ScheduledChunk(shadow, n))
+                table = take_blocks(self.blocks, shadow, n)
+                chunks.append(ScheduledChunk(shadow, n, table=table))
                 budget -= n
-        results = self.runner.execute(chunks)
+        results = self.runner.step(SchedulerOutput(chunks))
+        self.blocks.commit()
         for chunk in chunks:
             chunk.request.num_computed += chunk.num_tokens
         out = []
@@ -147,6 +157,7 @@ class DraftProposer:
         """Forget a request's shadow (it finished, or stopped speculating)."""
         if self.shadows.pop(request_id, None) is not None:
             self.runner.release(request_id)
+            self.blocks.release(request_id)
 
 
 def draft_proposer(draft, device: torch.device, config: Config, max_len: int, vocab_size: int):

@@ -11,9 +11,10 @@ from kestrel.engine.grammar import GrammarMasks
 from kestrel.engine.mtp import MtpProposer, mtp_proposer
 from kestrel.engine.paged_runner import make_runner
 from kestrel.engine.request import Request
-from kestrel.engine.runner import ModelRunner, StepResult, run_step  # noqa: F401
+from kestrel.engine.runner import run_step
 from kestrel.engine.scheduler import Scheduler
 from kestrel.engine.speculative import make_proposer
+from kestrel.engine.step_sampler import StepResult
 from kestrel.errors import InvalidRequestError
 from kestrel.lora.manager import LoRAManager
 from kestrel.models.qwen_vl_processor import MultimodalPrompt
@@ -55,6 +56,9 @@ class EngineLoad:
     prefix_hit_tokens: int = 0  # of which were found
     prefix_cached_blocks: int = 0
     prefix_evictions: int = 0
+    prefix_host_hit_tokens: int = 0  # of the hit tokens, those the host tier brought back
+    prefix_host_blocks: int = 0  # blocks the host tier holds...
+    prefix_host_capacity: int = 0  # ...of this many (0: no host tier)
     draft_tokens: int = 0  # speculative decoding: tokens proposed...
     accepted_tokens: int = 0  # ...and accepted
 
@@ -92,13 +96,13 @@ class Engine:
         if isinstance(proposer, MtpProposer):  # it catches up on the model's hidden states
             self.runner.hidden_out = proposer.observe
         self.runner.grammar = GrammarMasks(tokenizer, self.vocab_size, self.eos_ids)
-        blocks = self.runner.block_manager(self.config.scheduler.kv_capacity)
+        memory = self.runner.kv_memory(self.config.scheduler.kv_capacity)
         # the KV capacity in effect (the GPU pool's, when it has one) bounds what requests ask
         self.config = replace(
             self.config,
-            scheduler=replace(self.config.scheduler, kv_capacity=blocks.token_capacity),
+            scheduler=replace(self.config.scheduler, kv_capacity=memory.token_capacity),
         )
-        self.scheduler = Scheduler(self.config.scheduler, blocks)
+        self.scheduler = Scheduler(self.config.scheduler, memory)  # it builds the block manager
         if self.lora is not None:
             self.scheduler.max_adapters = self.config.lora.max_loras
             for name, path in self.config.lora.lora_modules.items():
@@ -114,6 +118,10 @@ class Engine:
         # chat messages with images -> MultimodalPrompt, for models that take images (set by
         # whoever loads the checkpoint: kestrel.models.qwen_vl_processor.load_processor); None: text only
         self.processor = None
+        # disaggregated prefill/decode: this engine's role (distributed/disaggregated.py), with
+        # `admit(engine, request)` for each request handed to it and `hand_off(engine,
+        # request)` for each it finished with "handoff"; None: a whole engine
+        self.role = None
         # test-only: called as hook("loop", request) for each running request before a step
         # (outside the runner's isolation, so it kills whatever loop drives the engine) and as
         # hook("detokenize", request) before each detokenization
@@ -182,9 +190,16 @@ class Engine:
             raise InvalidRequestError(f"duplicate request id {request.request_id!r}")
         if request.lora is not None:  # adapters are loaded here: the server checked the name
             request.lora_key = self._lora("model").key(request.lora)
-        self.scheduler.add(request)
-        self.requests[request.request_id] = request
         self.text[request.request_id] = _TextState(self.tokenizer, request)
+        try:
+            if self.role is not None and request.handoff:
+                self.role.admit(self, request)
+            self.scheduler.add(request)
+        except BaseException:
+            self.text.pop(request.request_id)
+            self.runner.release(request.request_id)  # blocks a role took for it
+            raise
+        self.requests[request.request_id] = request
 
     def add_all(self, requests: list[Request]) -> list[RequestOutput]:
         """Queue each request; one that raises fails only itself, as a finished error output."""
@@ -206,6 +221,9 @@ class Engine:
                 self.fault_hook("loop", request)
         results = run_step(self.scheduler, self.runner)
         outputs = [out for result in results if (out := self._process(result)) is not None]
+        for request in self.scheduler.running:
+            if request.finish_reason == "handoff":
+                self.role.hand_off(self, request)  # while its blocks are still its own
         for request in self.scheduler.remove_finished():
             self._release(request.request_id)
         return outputs
@@ -253,6 +271,9 @@ class Engine:
         visible = state.matcher.streamable(request.finished)
         new_text = visible[state.emitted :]
         state.emitted = len(visible)
+        if request.handoff and not request.finished:
+            # the decode engine goes on from here, the held-back text with it
+            request.finish("handoff")
         return new_text
 
     def _output(
@@ -310,6 +331,10 @@ class Engine:
                 len(prefix.block_of),
                 prefix.evictions,
             )
+        host = scheduler.blocks.host
+        if host is not None:
+            load.prefix_host_hit_tokens = host.hit_tokens
+            load.prefix_host_blocks, load.prefix_host_capacity = len(host), host.num_slots
         return load
 
 

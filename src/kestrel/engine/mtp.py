@@ -71,7 +71,7 @@ class MtpProposer(DraftProposer):
         if shadow is None:
             shadow = self._start(rid, start)
         if start < shadow.num_computed:  # its drafted positions, or a recompute
-            self.runner.rollback(shadow, start)
+            self.rollback(shadow, start)
         kept = len(new) if chunk.draft else chunk.num_tokens  # a verify step's accepted rows
         del shadow.prompt_ids[start:]
         shadow.prompt_ids += _next_tokens(request, new, start, kept)
@@ -85,7 +85,7 @@ class MtpProposer(DraftProposer):
         shadow = self.shadows[request_id] = Request(request_id, [0] * start, GREEDY, 1 << 30)
         shadow.num_computed = self.true_end[request_id] = start
         if start:  # no keys before it: masked as a trim masks them
-            self.runner.blocks.table(request_id).live_start = start
+            self.blocks.table(request_id).live_start = start
         return shadow
 
     # -- the scheduler's side -------------------------------------------------------------------
@@ -99,7 +99,7 @@ class MtpProposer(DraftProposer):
             return False
         shadow = self.shadows[rid]
         if shadow.num_computed > end:  # the last rounds' positions, never verified
-            self.runner.rollback(shadow, end)
+            self.rollback(shadow, end)
         shadow.output_ids = [self.first[rid]]
         return True
 

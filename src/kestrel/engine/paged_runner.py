@@ -1,5 +1,5 @@
-"""The paged runner: the reference runner's contract (execute / release, fault isolation) over a
-paged KV pool and a recurrent-state pool, one attention kernel for every batch shape, sampling on
+"""The paged runner: the runner contract (engine/runner.py: execute / release, fault isolation,
+the one sampler) over a paged KV pool and a recurrent-state pool, one attention kernel for every batch shape, sampling on
 the device and CUDA graphs for decode steps.
 
 It serves every family on CUDA and on the CPU (PyTorch fallbacks, no graphs there); the CPU is
@@ -17,12 +17,14 @@ import logging
 import math
 import os
 from array import array
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import NamedTuple
 
 import torch
 
-from kestrel.cache.blocks import BlockManager, evict_window
+from kestrel.cache.blocks import BlockManager, KVMemory, evict_window
+from kestrel.cache.host_pool import HostPool
+from kestrel.cache.host_tier import BlockCopy
 from kestrel.cache.paged import (
     BlockPool,
     PagedAttention,
@@ -32,9 +34,11 @@ from kestrel.cache.paged import (
     kv_cache_dtype,
 )
 from kestrel.config import CacheConfig, Config
+from kestrel.engine.reference_runner import ModelRunner
 from kestrel.engine.request import Request
-from kestrel.engine.runner import ModelRunner, StepResult, pooled_rows
-from kestrel.engine.scheduler import ScheduledChunk
+from kestrel.engine.runner import Runner, pooled_rows
+from kestrel.engine.scheduler import ScheduledChunk, take_blocks
+from kestrel.engine.step_sampler import StepResult
 from kestrel.kernels import cpu_native
 from kestrel.kernels.attention import tile_rows
 from kestrel.models.batch import ForwardBatch, ImageRows
@@ -92,13 +96,6 @@ class SeqColumns(NamedTuple):
             live_start=[s.live_start for s in seqs],
             keep=[s.keep for s in seqs],
         )
-
-
-@dataclass
-class PagedBatch(ForwardBatch):
-    """A ForwardBatch whose attention runs over the pool (`cached_attention` dispatches to it)."""
-
-    attention: PagedAttention | None = None
 
 
 @dataclass
@@ -185,7 +182,7 @@ def pool_serves(model) -> bool:
     return {spec.kind for spec in model.cache_specs()} <= POOL_KINDS
 
 
-def make_runner(model, device: torch.device, config: Config, max_model_len: int) -> ModelRunner:
+def make_runner(model, device: torch.device, config: Config, max_model_len: int) -> Runner:
     """The paged runner for models the pools serve, on CUDA and the CPU (KV and recurrent state
     written in place, prefixes cached); the reference runner otherwise."""
     if pool_serves(model):
@@ -212,7 +209,7 @@ def make_runner(model, device: torch.device, config: Config, max_model_len: int)
 SSM_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-class PagedRunner(ModelRunner):
+class PagedRunner(Runner):
     speculates = True
 
     def __init__(
@@ -266,6 +263,7 @@ class PagedRunner(ModelRunner):
         if kv_capacity:
             num_blocks = min(num_blocks, -(-kv_capacity // bs) + 1)
         self._use_pool(num_blocks)
+        self.host_pool = self._host_tier()
         # (width, batch size) -> graph, logits, hidden states
         self.graphs: dict[tuple[int, int], tuple] = {}
         self.static: dict[int, GraphInputs] = {}  # width -> its graphs' input tensors
@@ -305,10 +303,10 @@ class PagedRunner(ModelRunner):
         return StatePool(layout, slots, self.dtype, self.device, ssm_dtype)
 
     def _use_pool(self, num_blocks: int) -> None:
-        """A pool of `num_blocks` (block 0: scratch) and the manager of its blocks."""
+        """A pool of `num_blocks` (block 0: scratch) and the memory it offers the scheduler."""
         bs = self.cache_config.block_size
         self.pool = BlockPool(self.layout, num_blocks, bs, self.kv_dtype, self.device)
-        self.blocks = BlockManager(
+        self.memory = KVMemory(
             num_blocks - 1,
             bs,
             evict_window(self.specs),
@@ -318,9 +316,25 @@ class PagedRunner(ModelRunner):
             state_slots=self.max_num_seqs if self.states is not None else 0,
         )
 
-    def block_manager(self, kv_capacity: int | None) -> BlockManager:
-        """The pool's blocks (already bounded by `kv_capacity`): the scheduler plans with them."""
-        return self.blocks
+    def kv_memory(self, kv_capacity: int | None) -> KVMemory:
+        """The pool's blocks (already bounded by `kv_capacity`), recurrent-state slots and the
+        host tier's slots."""
+        return self.memory
+
+    def _host_tier(self) -> HostPool | None:
+        """--kv-offloading-size: host blocks for the prefix cache's evicted blocks, their count
+        in the memory the scheduler plans with (None: off, or nothing cached to offload)."""
+        gib = self.cache_config.kv_offloading_size
+        if not gib or not self.memory.prefix_caching:
+            return None
+        host = HostPool.sized(self.pool, gib)
+        self.memory = replace(self.memory, host_slots=host.num_slots)
+        log.info("KV host tier: %d blocks (%.1f GiB)", host.num_slots, host.nbytes / 2**30)
+        return host
+
+    def _copy_blocks(self, copies: list[BlockCopy]) -> None:
+        if copies:  # evicted blocks out, host hits back in, before the forward
+            self.host_pool.apply(copies)
 
     def _profile_num_blocks(self) -> int:
         """Blocks that fit in --gpu-memory-utilization of the card after the weights and the
@@ -374,40 +388,52 @@ class PagedRunner(ModelRunner):
         self._use_pool(-(-n // self.cache_config.block_size) + 2)
         self.pool.calibrated = True  # zeros are no sample of keys: the real pool's first chunk is
         probe = Request("profile", [0] * n, SamplingParams(max_tokens=1), 1)
+        # the probe's own plan over the probe pool; no scheduler sees it
+        table = take_blocks(BlockManager.of(self.memory), probe, n)
         with torch.inference_mode():
-            self.model(self._pack_batch([ScheduledChunk(probe, n)]))
+            self.model(self._pack_batch([ScheduledChunk(probe, n, table=table)]))
         self.release("profile")
-        self.pool = self.blocks = None
+        self.pool = self.memory = None
 
     # -- the step -----------------------------------------------------------------------------
 
-    def _cache(self, request: Request) -> PagedSequenceCache:
-        """The request's cache over the pool, placed by its block table (the scheduler's), from
-        where its prefix hit left it."""
-        if request.request_id not in self.caches:
-            table = self.blocks.table(request.request_id)
+    def _cache(self, chunk: ScheduledChunk) -> PagedSequenceCache:
+        """The request's cache over the pool, placed by the chunk's block table (the
+        scheduler's), from where its prefix hit left it."""
+        request, table = chunk.request, chunk.table
+        cache = self.caches.get(request.request_id)
+        if cache is None:
             cache = PagedSequenceCache(self.specs, table)
             cache.offset = request.num_computed
-            if self.states is not None:
-                slot = self.blocks.state_slot(request.request_id)  # given to the table
-                self.states.start(slot, table.state_from)
+            if self.states is not None:  # the table's slot, from the hit's snapshot or zeros
+                self.states.start(table.state_slot, table.state_from)
             self.caches[request.request_id] = cache
-        return self.caches[request.request_id]
+        assert cache.blocks is table, "a request's table changed under its cache"
+        return cache
 
-    def execute(self, chunks: list[ScheduledChunk]) -> list[StepResult]:
-        for slot, snapshot in self.blocks.take_snapshots():  # before any state moves on
+    def _copy_states(self, snapshots: list[tuple[int, int]]) -> None:
+        for slot, snapshot in snapshots:  # before any state moves on
             self.states.copy(slot, snapshot)
-        results = super().execute(chunks)
-        self.blocks.commit()  # blocks trimmed in this step may now be reused
-        return results
 
-    def release(self, request_id: str) -> None:
-        self.blocks.release(request_id)
-        super().release(request_id)
+    # -- disaggregated prefill/decode: a sequence's blocks out of one pool, into another ----
 
-    def evict(self, request_id: str) -> None:
-        self.blocks.release(request_id)
-        super().evict(request_id)
+    def export_blocks(self, held: tuple[tuple[int, int], ...]) -> list[torch.Tensor | None]:
+        """Per layer K then V of a sequence's `held` (logical, physical) blocks, each
+        (n, block_size, Hkv, D), a copy; None for a layer without them."""
+        physical = torch.tensor([p for _, p in held], dtype=torch.long, device=self.device)
+        # gathered as bytes: exact for every pool dtype (FP8 has few index kernels)
+        return [
+            s if s is None else s.view(torch.uint8)[physical].view(s.dtype)
+            for s in self.pool.k + self.pool.v
+        ]
+
+    def import_blocks(self, held: tuple[tuple[int, int], ...], kv: list) -> None:
+        """Write `kv` (as `export_blocks` gives it) into the `held` blocks the scheduler took."""
+        physical = torch.tensor([p for _, p in held], dtype=torch.long, device=self.device)
+        for store, blocks in zip(self.pool.k + self.pool.v, kv, strict=True):
+            if store is not None:
+                bits = blocks.to(self.device, store.dtype).view(torch.uint8)
+                store.view(torch.uint8).index_copy_(0, physical, bits)
 
     @torch.inference_mode()
     def _run(self, chunks: list[ScheduledChunk]) -> list[StepResult]:
@@ -470,20 +496,18 @@ class PagedRunner(ModelRunner):
             pooled.append(h[plain + verify :])
         return self.model.logits(torch.cat(sampled + verified)), torch.cat(pooled)
 
-    def _pack_batch(self, chunks) -> PagedBatch:
+    def _pack_batch(self, chunks) -> ForwardBatch:
         return self._to_batch(self._pack_host(chunks), None)
 
     def _pack_host(self, chunks: list[ScheduledChunk]) -> Packed:
-        """Trim and reserve each sequence's blocks; the batch's index lists on the host."""
+        """The batch's index lists on the host, read from each chunk's block table."""
         self._encode_images(chunks)
         p = Packed()
         for s, chunk in enumerate(chunks):
             request, n = chunk.request, chunk.num_tokens
             if self.fault_hook:
                 self.fault_hook("forward", request)
-            cache = self._cache(request)
-            cache.make_room(n, request.max_kv_size, request.keep)  # planned: no-ops then
-            cache.reserve(n)
+            cache = self._cache(chunk)  # its table holds the chunk's positions (planned)
             start = len(p.ids)
             p.ids.extend(_pending_ids(request, n - len(chunk.draft)) + chunk.draft)
             p.positions.extend(range(cache.offset, cache.offset + n))
@@ -516,7 +540,7 @@ class PagedRunner(ModelRunner):
             p.pool_rows.extend(pooled_rows(chunk, start))
         return p
 
-    def _to_batch(self, p: Packed, tile_tokens: int | None) -> PagedBatch:
+    def _to_batch(self, p: Packed, tile_tokens: int | None) -> ForwardBatch:
         tile_tokens = tile_tokens or self.tile_tokens
         batch = build_batch(
             p, self.pool, tile_tokens, self.device, use_triton=self.use_triton, states=self.states
@@ -578,7 +602,7 @@ class PagedRunner(ModelRunner):
         torch.cuda.current_stream().wait_stream(stream)
         torch.cuda.synchronize()
 
-    def _static_batch(self, width: int, b: int) -> PagedBatch:
+    def _static_batch(self, width: int, b: int) -> ForwardBatch:
         g = self.static[width]
         tokens = TokenColumns(*(row[: b * width] for row in g.tokens))
         *per_seq, state_slots = (row[:b] for row in g.seqs)
@@ -595,10 +619,10 @@ class PagedRunner(ModelRunner):
             tile_tokens=g.tile_tokens,
             use_triton=True,
         )
-        groups = None
+        groups = None if self.states is None else []  # none: a hybrid never verifies drafts
         if self.states is not None and width == 1:  # every row a sequence of one token
             groups = [(g.tile_seq[:b, None], PoolStates(self.states, state_slots))]
-        return PagedBatch(
+        return ForwardBatch(
             input_ids=tokens.ids,
             positions=tokens.positions,
             chunks=[],
@@ -673,7 +697,7 @@ class PagedRunner(ModelRunner):
 
 def build_batch(
     p: Packed, pool, tile_tokens: int, device, use_triton: bool, states: StatePool | None = None
-) -> PagedBatch:
+) -> ForwardBatch:
     """The device batch of packed host lists, with one host->device copy of every index."""
     tiles = [
         (s, start + i, min(tile_tokens, n - i))
@@ -683,7 +707,7 @@ def build_batch(
     width = max(len(s.blocks) for s in p.seqs)
     table = [s.blocks + [0] * (width - len(s.blocks)) for s in p.seqs]
     tile_columns = map(list, zip(*tiles, strict=False))
-    rows = p.rows + p.verify_rows + p.pool_rows  # sampling rows first (ModelRunner._forward)
+    rows = p.rows + p.verify_rows + p.pool_rows  # sampling rows first (Runner._forward)
     flat = [*p.token_columns(), rows, *tile_columns, *SeqColumns.of(p.seqs)]
     # recurrent-state groups: chunks of one length together (one-token chunks first), as (first
     # row, state slot) runs
@@ -720,7 +744,7 @@ def build_batch(
         rope = rope.expand(3, -1).clone()
         for start, chunk_ids in p.explicit_rope:
             rope[:, start : start + chunk_ids.shape[1]] = chunk_ids
-    return PagedBatch(
+    return ForwardBatch(
         input_ids=tokens.ids,
         positions=tokens.positions,
         chunks=[],

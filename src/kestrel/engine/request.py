@@ -38,9 +38,13 @@ class Request:
     lora: str | None = None
     lora_key: bytes = b""
     priority: int = 0  # under --scheduling-policy priority: lower runs sooner (vLLM's)
+    # disaggregated prefill/decode: the prefill engine finishes it after its first token
+    # ("handoff") and sends its KV; the decode engine takes it over from there
+    handoff: bool = False
     output_ids: list[int] = field(default_factory=list)
     num_computed: int = 0  # tokens already written into the cache
     num_cached_tokens: int | None = None  # prompt tokens a prefix hit gave it (set at admission)
+    num_host_cached_tokens: int = 0  # of its hit's tokens, those the host tier brought back
     num_draft_tokens: int = 0  # speculative decoding: tokens proposed for it...
     num_accepted_tokens: int = 0  # ...and of those, accepted
     status: Status = Status.WAITING

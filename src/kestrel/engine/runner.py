@@ -1,5 +1,13 @@
 """The runner owns the device: per-sequence caches, batch packing, the forward, and sampling.
 
+`Runner` is what every runner shares and the engine calls: `kv_memory` (what the scheduler builds
+its block manager from), `step` (run one `SchedulerOutput`), `release` a finished request's device
+state, and the one sampler over a step's rows (engine/step_sampler.py). A runner never writes to
+the block manager: each chunk brings its block table, planned by the scheduler. Two runners fill
+in where keys live and how a step is packed, side by side: the reference runner
+(engine/reference_runner.py, dense caches, the test oracle) and the paged runner
+(engine/paged_runner.py, a pool of blocks, the one that serves).
+
 A step that raises is undone (every cache restored from its checkpoint) and retried one request at
 a time, so a fault fails only the request that caused it and the batch goes on.
 
@@ -12,41 +20,23 @@ other, samples nothing, and gets the L2-normalized pool of its final-norm hidden
 prompt token's, or the mean over its tokens, summed chunk by chunk so that it equals one pass.
 """
 
-import itertools
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
-from kestrel.cache.blocks import BlockManager, evict_window
+from kestrel.cache.blocks import KVMemory
 from kestrel.cache.sequence import SequenceCache
 from kestrel.engine.grammar import GrammarMasks
 from kestrel.engine.request import Request
-from kestrel.engine.scheduler import ScheduledChunk, Scheduler
+from kestrel.engine.scheduler import ScheduledChunk, Scheduler, SchedulerOutput
+from kestrel.engine.step_sampler import StepResult, StepSampler
 from kestrel.models.base import CausalLM
-from kestrel.models.batch import ForwardBatch, SeqChunk
+from kestrel.models.batch import ForwardBatch
 from kestrel.models.layers.qwen_vision import VisionFeatures
-from kestrel.sampling import Row, logprob_rows, make_generator, sample_rows, verify_rows
 
 log = logging.getLogger("kestrel.runner")
-
-
-@dataclass
-class StepResult:
-    """What one chunk produced: a sampled token (when the chunk samples), an embedding request's
-    vector (when its prompt's last chunk ran) or the error it raised."""
-
-    request: Request
-    token: int | None = None
-    logprobs: dict[int, float] | None = None
-    error: BaseException | None = None
-    embedding: list[float] | None = None
-    # a speculative chunk's tokens: its accepted draft tokens and one more (`token` is the
-    # first), with their log-probs when asked; None: one token, as `token`
-    tokens: list[int] | None = None
-    token_logprobs: list[dict[int, float]] | None = None
 
 
 def pooled_rows(chunk: ScheduledChunk, start: int) -> range:
@@ -60,14 +50,17 @@ def pooled_rows(chunk: ScheduledChunk, start: int) -> range:
     return range(0)
 
 
-class ModelRunner:
-    speculates = False  # verifies speculative chunks (ScheduledChunk.draft); the paged runner
+class Runner:
+    """A runner's shared part. Subclasses give `kv_memory`, `_cache` (a request's cache, made at
+    its first chunk) and `_run` (one step's forward and sampling)."""
+
+    speculates = False  # verifies speculative chunks (ScheduledChunk.draft)
 
     def __init__(self, model: CausalLM, device: torch.device):
         self.model = model
         self.device = device
         self.caches: dict[str, SequenceCache] = {}
-        self.generators: dict[str, torch.Generator] = {}
+        self.sampler = StepSampler(device)  # seeded requests' generators live there
         self.image_features: dict[str, object] = {}  # request id -> VisionFeatures (prefill)
         # request id -> ((H,) float32 sum of the hidden states pooled so far, how many)
         self.pooled: dict[str, tuple[torch.Tensor, int]] = {}
@@ -77,8 +70,30 @@ class ModelRunner:
         self.fault_hook: Callable[[str, Request], None] | None = None
         self.lora = None  # the engine's LoRAManager (kestrel.lora); None: no adapters
 
+    def kv_memory(self, kv_capacity: int | None) -> KVMemory:
+        """The KV memory the scheduler plans with, at most `kv_capacity` tokens (None: all)."""
+        raise NotImplementedError
+
+    def step(self, plan: SchedulerOutput) -> list[StepResult]:
+        """One scheduled step: preempted requests' caches dropped (they are recomputed), the
+        recurrent states the scheduler keeps copied, then the chunks run."""
+        for request in plan.preempted:
+            self.evict(request.request_id)
+        self._copy_states(plan.snapshots)
+        self._copy_blocks(plan.host_copies)
+        return self.execute(plan.chunks) if plan.chunks else []
+
+    def _copy_states(self, snapshots: list[tuple[int, int]]) -> None:
+        """Copy each (state slot, snapshot slot) pair; only a pool of recurrent states has any."""
+        assert not snapshots, "this runner keeps no recurrent-state slots"
+
+    def _copy_blocks(self, copies: list) -> None:
+        """Run the host tier's block copies in order; only a runner with a host pool has any."""
+        assert not copies, "this runner keeps no host tier"
+
     def execute(self, chunks: list[ScheduledChunk]) -> list[StepResult]:
-        saved = [self._cache(c.request).checkpoint() for c in chunks]
+        """The chunks' step, undone and retried one chunk at a time if it raises."""
+        saved = [self._cache(c).checkpoint() for c in chunks]
         try:
             return self._run(chunks)
         except Exception as error:
@@ -89,17 +104,12 @@ class ModelRunner:
                 return [StepResult(chunks[0].request, error=error)]
             return [result for chunk in chunks for result in self.execute([chunk])]
 
-    @torch.inference_mode()
+    def _cache(self, chunk: ScheduledChunk) -> SequenceCache:
+        """The cache of the chunk's request, made at its first chunk."""
+        raise NotImplementedError
+
     def _run(self, chunks: list[ScheduledChunk]) -> list[StepResult]:
-        batch = self._pack(chunks)
-        self._set_lora(chunks)
-        sampling = [c.request for c in chunks if c.samples]
-        masks = self._start_masks(sampling)  # on the host, while the forward runs
-        logits, hidden = self._forward(batch, len(sampling))
-        self._advance(chunks)
-        masked, failed = self._apply_masks(masks, logits)
-        results = self._sample_batch(sampling, logits, masked)
-        return self._finish(chunks, self._accept(results, failed), hidden)
+        raise NotImplementedError
 
     def _forward(self, batch: ForwardBatch, num_sampling: int):
         """(S, V) logits of the sampling rows, which lead `logits_rows`, and (P, H) hidden states
@@ -142,30 +152,6 @@ class ModelRunner:
             if chunk.request.num_computed + chunk.num_tokens >= len(chunk.request.prompt_ids):
                 self.image_features.pop(chunk.request.request_id, None)  # the prompt is in
 
-    def _pack(self, chunks: list[ScheduledChunk]) -> ForwardBatch:
-        self._encode_images(chunks)
-        ids, positions, seq_chunks, rows, pool_rows = [], [], [], [], []
-        start = 0
-        for chunk in chunks:
-            request, n = chunk.request, chunk.num_tokens
-            if self.fault_hook:
-                self.fault_hook("forward", request)
-            cache = self.caches[request.request_id]
-            cache.make_room(n, request.max_kv_size, request.keep)
-            ids.extend(request.all_ids[request.num_computed : request.num_computed + n])
-            positions.extend(range(cache.offset, cache.offset + n))
-            rope = images = None
-            if request.multimodal is not None:
-                rope, images = self._image_inputs(request, cache, n)
-            seq_chunks.append(SeqChunk(cache, start, n, rope, images))
-            if chunk.samples:
-                rows.append(start + n - 1)
-            pool_rows.extend(pooled_rows(chunk, start))
-            start += n
-        as_tensor = lambda x: torch.tensor(x, dtype=torch.long, device=self.device)  # noqa: E731
-        rows = as_tensor(rows + pool_rows)  # sampling rows first (see _forward)
-        return ForwardBatch(as_tensor(ids), as_tensor(positions), seq_chunks, rows)
-
     def _encode_images(self, chunks: list[ScheduledChunk]) -> None:
         """The images of every request in the step that has some still to prefill, encoded in
         one vision forward (batched across requests, once per request); each request's rows
@@ -206,73 +192,24 @@ class ModelRunner:
             rope = torch.cat([rope, tail.expand(3, -1)], dim=1)
         return rope.to(self.device), images
 
-    # -- sampling: one batch of rows (kestrel.sampling), both runners --------------------------
+    # -- sampling: one batch of rows (engine/step_sampler.py), both runners -------------------
 
     def _sample_batch(
         self, requests: list[Request], raw: torch.Tensor, logits: torch.Tensor
     ) -> list[StepResult]:
-        """A token per request from its row of (S, V) `logits` (grammar-masked), drawn as one
-        batch with one host read; log-probs from the `raw` ones."""
-        errors = self._sample_faults(requests)
-        keep = [i for i, r in enumerate(requests) if r.request_id not in errors]
-        drawn = {}
-        if keep:
-            rows = [self._row(requests[i]) for i in keep]
-            tokens = sample_rows(_take(logits, keep), rows).tolist()
-            ks = [row.params.logprobs for row in rows]
-            logprobs = logprob_rows(_take(raw, keep), tokens, ks)
-            drawn = dict(zip(keep, zip(tokens, logprobs, strict=True), strict=True))
-        return [
-            StepResult(r, *drawn[i]) if i in drawn else StepResult(r, error=errors[r.request_id])
-            for i, r in enumerate(requests)
-        ]
+        """A token per request from its row of (S, V) `logits` (grammar-masked)."""
+        return self.sampler.sample(requests, raw, logits, self._sample_faults(requests))
 
     def _verify(self, chunks: list[ScheduledChunk], logits: torch.Tensor) -> list[StepResult]:
-        """Each speculative chunk's tokens from its k + 1 rows of (R, V) `logits`, verified as one
-        batch."""
+        """Each speculative chunk's tokens from its k + 1 rows of (R, V) `logits`; its cache's
+        offset steps back over its rejected draft tokens."""
         errors = self._sample_faults([c.request for c in chunks])
-        starts = list(itertools.accumulate((len(c.draft) + 1 for c in chunks), initial=0))
-        keep = [s for s, c in enumerate(chunks) if c.request.request_id not in errors]
-        index = [r for s in keep for r in range(starts[s], starts[s + 1])]
-        verified = (
-            self._verify_rows([chunks[s] for s in keep], _take(logits, index)) if keep else {}
-        )
-        return [
-            verified.get(c.request.request_id)
-            or StepResult(c.request, error=errors[c.request.request_id])
-            for c in chunks
-        ]
-
-    def _verify_rows(self, chunks: list[ScheduledChunk], logits: torch.Tensor) -> dict:
-        """{request id: its StepResult} of chunks whose rows fill `logits`; each cache's offset
-        steps back over its rejected draft tokens."""
-        rows = [self._row(c.request) for c in chunks]
-        tokens = verify_rows(logits, [c.draft for c in chunks], rows)
-        logprobs = self._verify_logprobs(logits, chunks, tokens)
-        results = {}
-        for chunk, kept, lp in zip(chunks, tokens, logprobs, strict=True):
-            request = chunk.request
-            self.caches[request.request_id].offset -= len(chunk.draft) + 1 - len(kept)
-            first = None if lp is None else lp[0]
-            results[request.request_id] = StepResult(
-                request, kept[0], first, tokens=kept, token_logprobs=lp
-            )
+        results = self.sampler.verify(chunks, logits, errors)
+        for chunk, result in zip(chunks, results, strict=True):
+            if result.tokens is not None:
+                rejected = len(chunk.draft) + 1 - len(result.tokens)
+                self.caches[chunk.request.request_id].offset -= rejected
         return results
-
-    def _verify_logprobs(self, logits, chunks, tokens) -> list[list | None]:
-        """Per chunk, the log-probs of its verified tokens from its rows of `logits` (None: not
-        asked)."""
-        flat, ks = [], []
-        for chunk, kept in zip(chunks, tokens, strict=True):
-            rejected = len(chunk.draft) + 1 - len(kept)
-            flat += kept + [0] * rejected
-            ks += [chunk.request.params.logprobs] * len(kept) + [None] * rejected
-        per_row, out, at = logprob_rows(logits, flat, ks), [], 0
-        for chunk, kept in zip(chunks, tokens, strict=True):
-            asked = chunk.request.params.logprobs is not None
-            out.append(per_row[at : at + len(kept)] if asked else None)
-            at += len(chunk.draft) + 1
-        return out
 
     def _sample_faults(self, requests: list[Request]) -> dict[str, BaseException]:
         """{request id: error} of the requests whose sampling the test fault hook fails."""
@@ -284,10 +221,6 @@ class ModelRunner:
                 log.exception("request %s failed in sampling", request.request_id)
                 errors[request.request_id] = error
         return errors
-
-    def _row(self, request: Request) -> Row:
-        params = request.params
-        return Row(params, self._generator(request), request.prompt_ids, request.output_ids)
 
     # -- structured output ----------------------------------------------------------------------
 
@@ -318,25 +251,6 @@ class ModelRunner:
             self.grammar.accept([(r.request, r.token) for r in results if r.token is not None])
         return results
 
-    def _cache(self, request: Request) -> SequenceCache:
-        if request.request_id not in self.caches:
-            self.caches[request.request_id] = SequenceCache(self.model.cache_specs())
-        return self.caches[request.request_id]
-
-    def _generator(self, request: Request) -> torch.Generator | None:
-        """A seeded request's sampler state: made at its first draw, kept across preemption
-        (None: unseeded, its rows draw from the device's default generator)."""
-        if request.params.seed is None:
-            return None
-        if request.request_id not in self.generators:
-            self.generators[request.request_id] = make_generator(request.params.seed, self.device)
-        return self.generators[request.request_id]
-
-    def block_manager(self, kv_capacity: int | None) -> BlockManager:
-        """The KV memory the scheduler plans with: this runner's caches grow token by token, so
-        one-token blocks, `kv_capacity` of them (None: unlimited)."""
-        return BlockManager(kv_capacity, 1, evict_window(self.model.cache_specs()))
-
     def _set_lora(self, chunks: list[ScheduledChunk], pad: Callable | None = None) -> None:
         """Each packed row's LoRA slot for the forward (0: the base model), every chunk's
         adapter placed in a slot first if needed; `pad(column)`: the rows as a graph lays
@@ -351,7 +265,7 @@ class ModelRunner:
         if self.lora is not None:
             self.lora.release(request_id)
         self.caches.pop(request_id, None)
-        self.generators.pop(request_id, None)
+        self.sampler.release(request_id)
         self.image_features.pop(request_id, None)
         self.pooled.pop(request_id, None)
         if self.grammar is not None:
@@ -369,23 +283,13 @@ class ModelRunner:
         return sum(cache.live_tokens for cache in self.caches.values())
 
 
-def _take(x: torch.Tensor, rows: list[int]) -> torch.Tensor:
-    """`rows` of x (x itself when they are all of its rows, in order)."""
-    if rows == list(range(x.shape[0])):
-        return x
-    return x.index_select(0, torch.tensor(rows, device=x.device))
-
-
-def run_step(scheduler: Scheduler, runner: ModelRunner) -> list[StepResult]:
-    """One scheduled step: preempted requests' caches dropped (they are recomputed when they run
-    again), the chunks run, and each request's `num_computed` advanced. The caller appends the
+def run_step(scheduler: Scheduler, runner: Runner) -> list[StepResult]:
+    """One scheduled step run, and each request's `num_computed` advanced. The caller appends the
     sampled tokens, finishes requests and releases them (the Engine, `kestrel bench`, tests)."""
     plan = scheduler.schedule()
-    for request in plan.preempted:
-        runner.evict(request.request_id)
+    results = runner.step(plan)
     if not plan.chunks:
         return []
-    results = runner.execute(plan.chunks)
     failed = {r.request.request_id for r in results if r.error}
     accepted = {r.request.request_id: len(r.tokens) - 1 for r in results if r.tokens}
     scheduler.computed(plan.chunks, failed, accepted)

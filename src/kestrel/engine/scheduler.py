@@ -4,8 +4,10 @@ Each step has a token budget. Running decodes (one token each) go first, so a lo
 stalls them; prefill chunks of at most `prefill_chunk_size` fill the rest, so prefills never starve
 either (the budget is at least one chunk plus one token per running sequence).
 
-The scheduler owns KV memory: a `BlockManager` (cache/blocks.py) whose blocks every chunk takes
-before it is planned, trims and sliding windows included. A waiting request starts only when its
+The scheduler owns KV memory: it builds the `BlockManager` (cache/blocks.py) from what the runner
+says its memory is (`KVMemory`), and is the only one to write to it. Every chunk takes its blocks
+before it is planned, trims and sliding windows included, and carries its request's block table to
+the runner (`ScheduledChunk.table`), which only reads it. A waiting request starts only when its
 first chunk's blocks are free, and when the running decodes outgrow the pool (or the running
 prefills fill it between them, none able to go on) the last running requests in the policy's order
 are preempted (under fcfs the newest, under priority the lowest priority: engine/policy.py): their
@@ -14,8 +16,10 @@ queue (fcfs: at its front) to be recomputed from their tokens, prompt and output
 finish with the output they would have had (vLLM's recompute preemption). A step therefore never runs out of
 blocks in the middle of a forward. A request that holds nothing (new, or preempted) starts from the
 cached blocks of its longest cached prefix (cache/prefix.py), and each step's full blocks are
-cached once the step ran (`computed`). The paged runner's pool is the manager's blocks; the
-reference runner's memory is counted in one-token blocks (`kv_capacity`, or unlimited).
+cached once the step ran (`computed`); a hybrid's recurrent state is kept at the same points
+(`SchedulerOutput.snapshots`, copied by the runner before the step). The paged runner's pool is
+the manager's blocks; the reference runner's memory is counted in one-token blocks
+(`kv_capacity`, or unlimited).
 
 Speculative decoding (`proposer`: engine/speculative.py's n-grams or engine/draft.py's draft model,
 asked once a step for every decode): a decode that may speculate is planned as a chunk of 1 + k
@@ -30,7 +34,7 @@ cannot be rolled back), no grammar, and room in the step's budget and the pool.
 from collections import deque
 from dataclasses import dataclass, field
 
-from kestrel.cache.blocks import BlockManager, tokens_to_trim
+from kestrel.cache.blocks import BlockManager, BlockTable, KVMemory, tokens_to_trim
 from kestrel.config import SchedulerConfig
 from kestrel.engine.policy import make_policy
 from kestrel.engine.request import Request, Status
@@ -49,6 +53,8 @@ class ScheduledChunk:
     request: Request
     num_tokens: int
     draft: list[int] = field(default_factory=list)  # proposed tokens fed after the pending one
+    # the request's blocks, already holding the chunk's positions (the runner reads it)
+    table: BlockTable | None = None
 
     @property
     def completes(self) -> bool:
@@ -61,8 +67,14 @@ class ScheduledChunk:
 
 @dataclass
 class SchedulerOutput:
+    """One step's plan, the scheduler's whole contract with the runner."""
+
     chunks: list[ScheduledChunk]
     preempted: list[Request] = field(default_factory=list)  # free their caches before the step
+    # (state slot, snapshot slot): recurrent states to copy before the step (prefix caching)
+    snapshots: list[tuple[int, int]] = field(default_factory=list)
+    # the host tier's block copies (evicted blocks out, hits back in), in order, before the step
+    host_copies: list = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
@@ -70,11 +82,11 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, blocks: BlockManager | None = None):
-        """`blocks`: the runner's KV memory (`runner.block_manager`); by default `kv_capacity`
+    def __init__(self, config: SchedulerConfig, memory: KVMemory | None = None):
+        """`memory`: the runner's KV memory (`runner.kv_memory`); by default `kv_capacity`
         one-token blocks."""
         self.config = config
-        self.blocks = blocks or BlockManager(config.kv_capacity)
+        self.blocks = BlockManager.of(memory or KVMemory(config.kv_capacity))
         self.policy = make_policy(config)
         # both in the policy's order: waiting[0] is admitted next, running[-1] preempted first
         self.waiting: deque[Request] = deque()
@@ -97,6 +109,18 @@ class Scheduler:
         if len(self.waiting) >= self.config.max_queue_depth:
             raise QueueFullError(f"queue full ({self.config.max_queue_depth} waiting)")
         self.policy.enqueue(self.waiting, request)
+
+    def adopt(self, request_id: str, logical: list[int]) -> BlockTable:
+        """A free block for each of a handed-over sequence's `logical` blocks (disaggregated
+        decode: its KV arrives from another engine); KVPoolExhaustedError, nothing taken, when
+        the pool has too few."""
+        table = self.blocks.table(request_id)
+        try:
+            table.held = tuple((lg, self.blocks.allocate()) for lg in logical)
+        except Exception:
+            self.blocks.release(request_id)
+            raise
+        return table
 
     def schedule(self) -> SchedulerOutput:
         budget = self.config.token_budget
@@ -135,7 +159,10 @@ class Scheduler:
             self.policy.admit(self.running, request)
             if budget > 0:
                 budget -= self._prefill(kv, request, budget, chunks)
-        return SchedulerOutput(chunks, preempted)
+        for chunk in chunks:
+            chunk.table = self.blocks.tables[chunk.request.request_id]
+        blocks = self.blocks
+        return SchedulerOutput(chunks, preempted, blocks.take_snapshots(), blocks.take_copies())
 
     def _adapter_fits(self, request: Request) -> bool:
         """Whether a LoRA slot is left for the request's adapter: at most `max_adapters`
@@ -188,6 +215,9 @@ class Scheduler:
         if hit.tokens:
             self.blocks.attach(self.blocks.table(request.request_id), hit)
             request.num_computed = hit.tokens
+        if request.num_cached_tokens is None:  # a retried admission finds them on the device
+            host = len(hit.from_host) * self.blocks.block_size
+            request.num_host_cached_tokens = max(request.num_host_cached_tokens, host)
 
     def _count_prefix(self, request: Request) -> None:
         """A request starts: its prompt's lookup and hit go to the metrics (the first time)."""
@@ -198,6 +228,9 @@ class Scheduler:
         if prefix is not None and request.cache_prompt:
             prefix.queried_tokens += len(request.prompt_ids)
             prefix.hit_tokens += request.num_cached_tokens
+        if self.blocks.host is not None:
+            host = min(request.num_host_cached_tokens, request.num_cached_tokens)
+            self.blocks.host.hit_tokens += host
 
     def computed(
         self, chunks: list[ScheduledChunk], failed: set[str], accepted: dict[str, int] | None = None
@@ -345,9 +378,18 @@ class _KVPlan:
         return low
 
     def grow(self, request: Request, n: int) -> None:
-        table = self.blocks.table(request.request_id)
-        table.make_room(request.num_computed, n, request.max_kv_size, request.keep)
-        table.reserve(request.num_computed, n)
+        take_blocks(self.blocks, request, n)
 
     def free(self, request: Request) -> None:
         self.blocks.release(request.request_id)
+
+
+def take_blocks(blocks: BlockManager, request: Request, n: int) -> BlockTable:
+    """`request`'s table made ready for its next `n` tokens: trimmed to its KV bound, holding
+    blocks for their positions and (with recurrent layers) a state slot."""
+    table = blocks.table(request.request_id)
+    table.make_room(request.num_computed, n, request.max_kv_size, request.keep)
+    table.reserve(request.num_computed, n)
+    if blocks.state_slots:
+        blocks.state_slot(request.request_id)
+    return table

@@ -42,9 +42,23 @@ def serves(qtype: str) -> bool:
     return qtype in QTYPES and available()
 
 
-def gguf_mm(x: torch.Tensor, blocks: torch.Tensor, qtype: str, cols: int) -> torch.Tensor:
-    """(M, cols) activations @ W.T, W as GGUF `blocks` (rows, row bytes) -> (M, rows)."""
-    return _ops().gguf_mm(x, blocks, QTYPES.index(qtype), cols)
+def gguf_mm(x: torch.Tensor, blocks: torch.Tensor, qtype: str, cols: int, int8=None):
+    """(M, cols) activations @ W.T, W as GGUF `blocks` (rows, row bytes) -> (M, rows); decode's
+    rows quantized to int8 where `int8` (by default `int8_activations()`)."""
+    int8 = int8_activations() if int8 is None else int8
+    return _ops().gguf_mm(x, blocks, QTYPES.index(qtype), cols, int8)
+
+
+@functools.cache
+def int8_activations() -> bool:
+    """Whether decode multiplies GGUF blocks by activations quantized to int8 per 32 values
+    (cpu/gguf_int8.h), as llama.cpp does: by default where this CPU has the int8 dot-product
+    instruction (AVX-512 VNNI or AVX-VNNI), which makes it 2-4x faster than the float path;
+    KESTREL_CPU_INT8=0 keeps the float path (exact to the file's weights), =1 forces int8."""
+    choice = os.environ.get("KESTREL_CPU_INT8", "auto")
+    if choice not in ("auto", "0", "1"):
+        raise ValueError(f"KESTREL_CPU_INT8 must be auto, 0 or 1, not {choice!r}")
+    return choice == "1" or (choice == "auto" and _ops().fast_int8_dot())
 
 
 def gguf_dequantize(blocks: torch.Tensor, qtype: str, cols: int) -> torch.Tensor:

@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from kestrel.kernels import cpu_native, fp8_gemv, gguf_dp4a, gguf_gemv, quant
+from kestrel.kernels.backend import on_cpu_native
 from kestrel.kernels.moe import QuantStack
 
 Tensors = dict[str, torch.Tensor]  # a weight's tensors by role
@@ -150,7 +151,7 @@ class GGUFFormat(QuantFormat):
 
     def dequantize_rows(self, t: Tensors, rows, cols: int) -> torch.Tensor:
         blocks = t["qweight"][rows]
-        if not blocks.is_cuda and cpu_native.serves(self.qtype):
+        if on_cpu_native(blocks) and self.qtype in cpu_native.QTYPES:
             return cpu_native.gguf_dequantize(blocks, self.qtype, cols)
         return quant.dequantize(blocks, self.qtype, cols)
 
@@ -172,7 +173,7 @@ class GGUFFormat(QuantFormat):
 
     def _native_mm(self, x: torch.Tensor, blocks: torch.Tensor, cols: int) -> torch.Tensor | None:
         """x @ W.T from the blocks in the CPU's native kernels, where they serve the type."""
-        if not x.is_cuda and cpu_native.serves(self.qtype):
+        if on_cpu_native(x) and self.qtype in cpu_native.QTYPES:
             return cpu_native.gguf_mm(x, blocks, self.qtype, cols)
         return None
 

@@ -7,10 +7,12 @@ in PyTorch takes about six kernels (pad, cast, group max of |x|, divide and cast
 transposed copy of the scales); on the H200 they cost as much as the GEMM itself in a prefill
 step of the 8B shape (90 against 87 ms of 201, benchmarks/README.md). This kernel reads x once and writes both outputs in
 the layouts the GEMM reads, with the same arithmetic, so its bytes equal PyTorch's.
-Imports nothing from kestrel.
+Imports nothing from kestrel outside kestrel.kernels.
 """
 
 import torch
+
+from kestrel.kernels.backend import on_triton
 
 try:
     import triton
@@ -23,7 +25,7 @@ ROWS = 16  # rows per program
 
 
 def serves(x: torch.Tensor) -> bool:
-    return triton is not None and x.is_cuda and x.stride(-1) == 1 and x.shape[-1] % GROUP == 0
+    return on_triton(x) and x.stride(-1) == 1 and x.shape[-1] % GROUP == 0
 
 
 def quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -17,6 +17,8 @@ Imports nothing from kestrel outside kestrel.kernels.
 
 import torch
 
+from kestrel.kernels.backend import on_triton
+
 try:
     import triton
     import triton.language as tl
@@ -40,9 +42,7 @@ def serves(x: torch.Tensor, block: tuple[int, int]) -> bool:
     rows, cols = x.numel() // x.shape[-1], x.shape[-1]
     width = block[1]  # a power of two: the kernel finds a column's tile by a shift
     whole_groups = (width % GROUP == 0 and width & (width - 1) == 0) or width >= cols
-    return (
-        triton is not None and x.is_cuda and rows <= MAX_ROWS and whole_groups and cols % SPAN == 0
-    )
+    return on_triton(x) and rows <= MAX_ROWS and whole_groups and cols % SPAN == 0
 
 
 def gemv(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, block: tuple[int, int]):

@@ -2,14 +2,16 @@
 kernel instead of seven), the gated MLP's activation-times-up, and RoPE on q and k of a fused qkv
 projection. Triton on CUDA; kestrel's native CPU kernels (kernels/cpu_native.py) on the CPU.
 
-models/layers/fused.py rewires a loaded model to use them (`fuse_model`). This module imports nothing
-from kestrel: kernels are the bottom of the import graph.
+The layers' fused paths call them (`fuse`: models/layers/norm.py, mlp.py, attention.py). This
+module imports nothing from kestrel outside kestrel.kernels: kernels are the bottom of the import
+graph.
 """
 
 import torch
 import torch.nn.functional as F
 
 from kestrel.kernels import cpu_native
+from kestrel.kernels.backend import on_cpu_native, on_triton
 
 try:
     import triton
@@ -28,14 +30,6 @@ ACTIVATIONS = {
 }
 
 
-def _triton_ok(x: torch.Tensor) -> bool:
-    return triton is not None and x.is_cuda
-
-
-def _native_ok(x: torch.Tensor) -> bool:
-    return x.device.type == "cpu" and cpu_native.available()
-
-
 # the activations the native CPU kernels compute
 KERNEL_ACTIVATIONS = ("silu", "gelu_pytorch_tanh", "gelu_tanh")
 # the activations the Triton kernels compute (`activate`: act_mul's and the MoE kernels'), by id
@@ -50,10 +44,10 @@ def rms_norm(x, weight, eps: float, unit_offset: bool) -> torch.Tensor:
     rowwise = x.dim() == 2 and x.stride(-1) == 1  # e.g. a column slice of a fused GEMM
     if not (x.is_contiguous() or rowwise):
         return rms_norm_torch(x, weight, eps, unit_offset)
-    if _native_ok(x):
+    if on_cpu_native(x):
         rows = x if rowwise else x.view(-1, x.shape[-1])
         return cpu_native.rms_norm(rows, weight, eps, unit_offset).view(x.shape)
-    if not _triton_ok(x):
+    if not on_triton(x):
         return rms_norm_torch(x, weight, eps, unit_offset)
     h = x.shape[-1]
     rows = x.numel() // h
@@ -78,7 +72,7 @@ def add_rms_norm(x, branch, weight, eps: float, unit_offset: bool, scale: float 
     alike = (
         x.dtype == branch.dtype and x.dim() == 2 and x.is_contiguous() and branch.is_contiguous()
     )
-    if not (alike and _triton_ok(x)):
+    if not (alike and on_triton(x)):
         x = x + branch * scale if scale != 1.0 else x + branch
         return x, rms_norm(x, weight, eps, unit_offset)
     h = x.shape[-1]
@@ -97,7 +91,7 @@ def rms_norm_add(branch, x, weight, eps: float, unit_offset: bool) -> torch.Tens
     alike = (
         x.dtype == branch.dtype and x.dim() == 2 and x.is_contiguous() and branch.is_contiguous()
     )
-    if not (alike and _triton_ok(x)):
+    if not (alike and on_triton(x)):
         return x + rms_norm(branch, weight, eps, unit_offset)
     h = x.shape[-1]
     out = torch.empty_like(x)
@@ -122,9 +116,9 @@ def rms_norm_torch(x, weight, eps, unit_offset) -> torch.Tensor:
 
 def act_mul(gate_up: torch.Tensor, act: str) -> torch.Tensor:
     """(T, 2I) [gate | up] -> (T, I) act(gate) * up."""
-    if act in KERNEL_ACTIVATIONS and _native_ok(gate_up) and gate_up.stride(-1) == 1:
+    if act in KERNEL_ACTIVATIONS and on_cpu_native(gate_up) and gate_up.stride(-1) == 1:
         return cpu_native.act_mul(gate_up, act != "silu")
-    if not _triton_ok(gate_up) or act not in ACTIVATION_IDS:
+    if not on_triton(gate_up) or act not in ACTIVATION_IDS:
         return act_mul_torch(gate_up, act)
     t, two_i = gate_up.shape
     out = gate_up.new_empty(t, two_i // 2)
@@ -152,7 +146,7 @@ def rope_qk(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """qkv: (T, (hq + 2 hkv) d) -> rotated q (T, hq, d), k (T, hkv, d) (HF rotate-half)."""
     t = qkv.shape[0]
-    if not _triton_ok(qkv):
+    if not on_triton(qkv):
         qkv = qkv if norms is None else _prepared_qkv(qkv, hq, hkv, d, norms)
         q = qkv[:, : hq * d].view(t, hq, d)
         k = qkv[:, hq * d : (hq + hkv) * d].view(t, hkv, d)
@@ -177,10 +171,10 @@ def rope_store(
     `v_norm` (an eps), RMS-normed without a weight first, as Gemma 4 does."""
     t, plain = qkv.shape[0], v_col is None and v_norm is None
     fp8 = store.k_scale is not None
-    if not _triton_ok(qkv) or calibrate_first:
+    if not on_triton(qkv) or calibrate_first:
         if not (norms is None and plain):
             qkv, norms = _prepared_qkv(qkv, hq, hkv, d, norms, v_norm, v_col), None
-        native = _native_ok(qkv) and qkv.stride(-1) == 1 and cos.dtype == torch.float32
+        native = on_cpu_native(qkv) and qkv.stride(-1) == 1 and cos.dtype == torch.float32
         if native and not fp8:
             return cpu_native.rope_store(qkv, cos, sin, hq, hkv, d, store.k, store.v, slot_mapping)
         from kestrel.kernels.attention import write_kv
@@ -224,7 +218,7 @@ def _norm_args(qkv, norms) -> tuple:
 
 def mla_rope_norm_serves(kv_a: torch.Tensor) -> bool:
     """Whether `mla_rope_norm` runs for these projections (CUDA, Triton, contiguous rows)."""
-    return _triton_ok(kv_a) and kv_a.stride(-1) == 1
+    return on_triton(kv_a) and kv_a.stride(-1) == 1
 
 
 def mla_rope_norm(q, kv_a, weight, eps: float, cos, sin, rank: int, interleaved: bool):

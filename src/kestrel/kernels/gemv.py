@@ -15,11 +15,13 @@ pair GEMVs (kernels/moe_gemv.py), which read FP8 and MLX values in the same chun
 each chunk's sum once.
 
 `F.linear` is this kernel's oracle in the GPU tests and every other shape's path. Imports
-nothing from kestrel.
+nothing from kestrel outside kestrel.kernels.
 """
 
 import torch
 import torch.nn.functional as F
+
+from kestrel.kernels.backend import on_triton
 
 try:
     import triton
@@ -37,8 +39,7 @@ def serves(x: torch.Tensor, w: torch.Tensor) -> bool:
     """Whether `gemv` computes x @ w.T: CUDA, Triton, one row of x in w's 2-byte float dtype,
     K a multiple of 8, w at most MAX_BYTES with contiguous rows."""
     return (
-        triton is not None
-        and x.is_cuda
+        on_triton(x)
         and x.numel() == x.shape[-1]
         and x.dtype == w.dtype
         and w.dtype in (torch.bfloat16, torch.float16)

@@ -22,12 +22,14 @@ super-block again and count zero, so no load needs a mask. Q6_K's blocks (210 by
 them to 224 bytes (`Q6_K_224`, kernels/quant.py's `ALIGNED`), read as whole words like Q4_K's.
 
 The PyTorch path (kernels/quant.py's `dequantize`, then a matmul on the dequantized x) is these
-kernels' oracle in the GPU tests. Imports nothing from kestrel.
+kernels' oracle in the GPU tests. Imports nothing from kestrel outside kestrel.kernels.
 """
 
 import os
 
 import torch
+
+from kestrel.kernels.backend import on_triton
 
 try:
     import triton
@@ -51,13 +53,7 @@ def serves(x: torch.Tensor, qtype: str, max_rows: int = MAX_ROWS) -> bool:
     """Whether `gemv` computes x (M, K) times weights of `qtype`: CUDA, Triton, half-precision
     x, a k-quant, at most `max_rows` rows."""
     rows = x.numel() // x.shape[-1]
-    return (
-        triton is not None
-        and x.is_cuda
-        and x.dtype in HALF_DTYPES
-        and qtype in TYPES
-        and rows <= max_rows
-    )
+    return on_triton(x) and x.dtype in HALF_DTYPES and qtype in TYPES and rows <= max_rows
 
 
 def quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

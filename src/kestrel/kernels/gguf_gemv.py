@@ -19,10 +19,12 @@ step.
 
 One program row per row of x: the weights come from DRAM once, the other rows find them in L2.
 The PyTorch path (kernels/quant.py's `dequantize`, then a matmul) is the CPU path and these
-kernels' oracle in the GPU tests. Imports nothing from kestrel.
+kernels' oracle in the GPU tests. Imports nothing from kestrel outside kestrel.kernels.
 """
 
 import torch
+
+from kestrel.kernels.backend import on_triton
 
 try:
     import triton
@@ -61,7 +63,7 @@ MIN_PROGRAMS = 256  # fewer rows a program until there are this many (about 2 pe
 def serves(x: torch.Tensor, qtype: str) -> bool:
     """Whether `gemv` computes x (M, K) times weights of `qtype`: CUDA, Triton, few rows."""
     rows = x.numel() // x.shape[-1]
-    return triton is not None and x.is_cuda and qtype in TYPES and rows <= MAX_ROWS
+    return on_triton(x) and qtype in TYPES and rows <= MAX_ROWS
 
 
 def gemv(

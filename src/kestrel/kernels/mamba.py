@@ -4,10 +4,13 @@ layer, where a gather, the step and a scatter would move it four times and launc
 
 Their PyTorch fallbacks are the models' own step functions (models/layers/mamba.py: `ssd_step`,
 `selective_scan`, `causal_conv` over gathered states), which the CPU runs and the GPU tests compare
-these with. This module imports nothing from kestrel: kernels are the bottom of the import graph.
+these with. This module imports nothing from kestrel outside kestrel.kernels: kernels are the
+bottom of the import graph.
 """
 
 import torch
+
+from kestrel.kernels.backend import on_triton
 
 try:
     import triton
@@ -18,7 +21,7 @@ except ImportError:  # CPU-only installs: the fallback serves
 
 def available(store: torch.Tensor) -> bool:
     """Whether the in-place kernels serve a state store (on CUDA, with Triton)."""
-    return triton is not None and store.is_cuda
+    return on_triton(store)
 
 
 if triton is not None:

@@ -26,6 +26,7 @@ from typing import NamedTuple
 import torch
 
 from kestrel.kernels import fused, moe_gemv
+from kestrel.kernels.backend import on_triton
 from kestrel.kernels.fused import ACTIVATION_IDS
 
 try:
@@ -38,7 +39,7 @@ except ImportError:  # CPU-only installs: the PyTorch path serves
 def available(x: torch.Tensor, act: str | None = None) -> bool:
     """Whether the kernels serve these inputs: CUDA and Triton, and for `fused_experts` an
     activation they compute (`act`; None asks for `route`)."""
-    return triton is not None and x.is_cuda and (act is None or act in ACTIVATION_IDS)
+    return on_triton(x) and (act is None or act in ACTIVATION_IDS)
 
 
 @dataclass(frozen=True)

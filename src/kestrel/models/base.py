@@ -8,6 +8,7 @@ from torch import nn
 
 from kestrel.cache.sequence import CacheSpec, KVShape, StateShape, kv_bytes
 from kestrel.models.batch import ForwardBatch
+from kestrel.models.layers.linear import Linear
 from kestrel.models.layers.rope import LongRotaryEmbedding
 
 
@@ -67,13 +68,17 @@ class CausalLM(nn.Module):
     # submodules every tensor-parallel rank keeps whole (a vision tower: small next to the
     # decoder, and run once per image, not per token)
     replicated: tuple[str, ...] = ()
+    # set on a pipeline stage (distributed/pipeline.py): its [first, end) decoder layers, whose
+    # KV alone its pool holds, and what runs micro-batches through the stages (`StageOutputs`)
+    stage_layers: tuple[int, int] | None = None
+    pipeline = None
 
     def __init__(self, config):
         super().__init__()
         self.config = config
         if self.backbone is not None:
             self.model = self.backbone(config)
-            self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+            self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
             self.tie_weights()
         if getattr(config, "with_mtp", False):  # weights.loader.build_model(mtp=True)
             self.mtp = self.next_token_predictor()
@@ -86,7 +91,15 @@ class CausalLM(nn.Module):
         return self.logits(self.hidden(batch))
 
     def hidden(self, batch: ForwardBatch) -> torch.Tensor:
-        """(R, H) final-norm hidden states of `batch.logits_rows`: the head's input."""
+        """(R, H) final-norm hidden states of `batch.logits_rows`: the head's input. A pipeline
+        stage's are the last stage's, which every rank receives."""
+        if self.pipeline is not None:
+            return self.pipeline([batch])[0]
+        return self.decoder_hidden(batch)
+
+    def decoder_hidden(self, batch: ForwardBatch) -> torch.Tensor:
+        """`hidden` as this process's decoder computes it (a pipeline stage: its layers, with
+        their sends and receives); families whose decoder sits elsewhere override this."""
         return self.model(batch)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -149,10 +162,11 @@ class CausalLM(nn.Module):
         """Per layer, what it stores per token, as its attention module says (`kv_shape`: its own
         head count and size, or the heads a tensor-parallel rank holds); None for a layer that
         stores none (recurrent state, linear or no-op attention, a layer that reads another's
-        cache). The paged pool allocates each layer by it."""
+        cache, a layer another pipeline stage holds). The paged pool allocates each layer by it."""
         layout: list[KVShape | None] = [None] * len(self.cache_specs())
+        first, end = self.stage_layers or (0, len(layout))
         for module in self.model.modules():
-            if hasattr(module, "kv_shape"):
+            if hasattr(module, "kv_shape") and first <= module.layer_idx < end:
                 layout[module.layer_idx] = module.kv_shape()
         return layout
 

@@ -1,10 +1,16 @@
 """Attention metadata: the explicit argument that tells every layer which tokens belong to which
-sequence and where each sequence's cache is. Built by the runner, read by the models."""
+sequence and where each sequence's cache is. Built by the runner, read by the models.
+
+Every runner's batch has the same per-row fields (RoPE ids, chunk ends, image rows, recurrent-state
+groups), so a model reads one batch type: the paged runner packs them itself, and a batch of
+`SeqChunk`s over dense caches (the reference runner, tests) derives them from its chunks here."""
 
 from dataclasses import dataclass, field
 
 import torch
 
+from kestrel.cache.paged import PagedAttention
+from kestrel.cache.recurrent import CacheStates
 from kestrel.cache.sequence import SequenceCache
 
 
@@ -63,9 +69,12 @@ class ForwardBatch:
 
     input_ids: (T,) token ids; positions: (T,) absolute positions (each sequence's `offset` onward);
     logits_rows: (R,) rows whose logits the model returns (last row of each chunk when sampling).
-    Runners that pack without SeqChunks (paged attention, CUDA graphs) give per-row inputs for
-    the whole batch instead: rope_positions, (T,) or (3, T) RoPE ids of every row, images, and
-    chunk_ends, (T,) the last position of each row's chunk (LongRoPE picks factors per chunk).
+    Per row, for the whole batch: rope_positions, (T,) or (3, T) RoPE ids (text rows at
+    `position + rope_delta`, a multimodal prompt's rows at its M-RoPE ids), images, the image
+    rows, chunk_ends, (T,) the last position of each row's chunk (LongRoPE picks factors per
+    chunk), and state_groups, the recurrent layers' groups of sequences (layers/mamba.py).
+    Runners that pack without SeqChunks (paged attention, CUDA graphs) give them; a batch of
+    SeqChunks derives those it is not given.
     """
 
     input_ids: torch.Tensor
@@ -75,12 +84,30 @@ class ForwardBatch:
     rope_positions: torch.Tensor | None = None
     images: ImageRows | None = None
     chunk_ends: torch.Tensor | None = None
-    state_groups: list | None = None  # the paged runner's recurrent-state groups (layers/mamba.py)
+    state_groups: list | None = None
+    # the paged runner's attention over its pool (cache/paged.py's PagedAttention); None: each
+    # chunk's dense cache (layers/attention.py)
+    attention: PagedAttention | None = None
     # multi-token prediction (models/layers/mtp.py): every row's final hidden state is kept in
     # `hidden` (keep_hidden); an MTP draft's rows take their hidden state from `prev_hidden`
     keep_hidden: bool = False
     hidden: torch.Tensor | None = None
     prev_hidden: torch.Tensor | None = None
+
+    def __post_init__(self):
+        if not self.chunks:  # packed by the runner: every per-row field given
+            return
+        if self.rope_positions is None:
+            self.rope_positions = chunk_rope_ids(self.positions, self.chunks)
+        if self.chunk_ends is None:
+            self.chunk_ends = torch.zeros_like(self.positions)
+            for chunk in self.chunks:
+                self.chunk_ends[chunk.rows] = self.positions[chunk.start + chunk.length - 1]
+        if self.images is None:
+            parts = [(c.start, c.images) for c in self.chunks]
+            self.images = ImageRows.packed(parts, self.input_ids.device)
+        if self.state_groups is None:
+            self.state_groups = chunk_state_groups(self.chunks, self.input_ids.device)
 
     @classmethod
     def single(
@@ -98,3 +125,35 @@ class ForwardBatch:
         if not all_logits:
             rows += m - 1
         return cls(input_ids, positions, [SeqChunk(cache, 0, m, rope_positions, images)], rows)
+
+
+def chunk_rope_ids(positions: torch.Tensor, chunks: list[SeqChunk]) -> torch.Tensor:
+    """RoPE ids of every row: (T,) when all rows are text, else (3, T). Text rows are at
+    `position + cache.rope_delta`; chunks of a multimodal prompt bring their own (3, length)."""
+    shifted = positions
+    if any(chunk.cache.rope_delta for chunk in chunks):
+        shifted = positions.clone()
+        for chunk in chunks:
+            shifted[chunk.rows] += chunk.cache.rope_delta
+    explicit = [chunk for chunk in chunks if chunk.rope_positions is not None]
+    if not explicit:
+        return shifted
+    ids = shifted.expand(3, -1).clone()  # (3, T)
+    for chunk in explicit:
+        ids[:, chunk.rows] = chunk.rope_positions
+    return ids
+
+
+def chunk_state_groups(chunks: list[SeqChunk], device) -> list:
+    """The recurrent layers' groups over dense caches: each chunk longer than one token alone
+    (b=1), then every single-token chunk together."""
+    groups = [
+        (torch.arange(c.start, c.start + c.length, device=device)[None], CacheStates([c.cache]))
+        for c in chunks
+        if c.length > 1
+    ]
+    singles = [c for c in chunks if c.length == 1]
+    if singles:
+        rows = torch.tensor([c.start for c in singles], device=device)[:, None]
+        groups.append((rows, CacheStates([c.cache for c in singles])))
+    return groups

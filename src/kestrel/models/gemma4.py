@@ -19,11 +19,12 @@ import kestrel.cache.recurrent  # noqa: F401  registers the "none" cache kind
 from kestrel.cache.paged import paged_attention
 from kestrel.cache.sequence import CacheSpec, KVShape
 from kestrel.kernels import fused
+from kestrel.kernels.backend import Backend
 from kestrel.kernels.fused import ACTIVATIONS, rope_qk, rope_store
 from kestrel.models.base import CausalLM, Slot, rope_parameters
 from kestrel.models.batch import ForwardBatch
 from kestrel.models.layers.attention import cached_attention
-from kestrel.models.layers.fused import concat_projection
+from kestrel.models.layers.linear import Linear, concat_projection
 from kestrel.models.layers.mlp import GatedMLP
 from kestrel.models.layers.moe import Experts, expert_slot, route_topk
 from kestrel.models.layers.norm import RMSNorm
@@ -76,15 +77,16 @@ class Gemma4Attention(nn.Module):
         self.num_kv_heads, self.head_dim = layer_dims(config, layer_idx)
         self.window = config.sliding_window if sliding else None
         bias = config.attention_bias
-        self.q_proj = nn.Linear(hidden, self.num_heads * self.head_dim, bias=bias)
+        self.fused = False
+        self.q_proj = Linear(hidden, self.num_heads * self.head_dim, bias=bias)
         self.q_norm = RMSNorm(self.head_dim, eps)
-        self.o_proj = nn.Linear(self.num_heads * self.head_dim, hidden, bias=bias)
+        self.o_proj = Linear(self.num_heads * self.head_dim, hidden, bias=bias)
         if kv_source == layer_idx:  # KV-shared layers own no K/V weights
-            self.k_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=bias)
+            self.k_proj = Linear(hidden, self.num_kv_heads * self.head_dim, bias=bias)
             self.k_norm = RMSNorm(self.head_dim, eps)
             k_eq_v = config.attention_k_eq_v and not sliding
             self.v_proj = (
-                None if k_eq_v else nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=bias)
+                None if k_eq_v else Linear(hidden, self.num_kv_heads * self.head_dim, bias=bias)
             )
 
     def kv_shape(self) -> KVShape | None:
@@ -94,6 +96,8 @@ class Gemma4Attention(nn.Module):
         )
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch, cos_sin) -> torch.Tensor:
+        if self.fused and batch.attention is not None:
+            return self._forward_fused(x, batch.attention, cos_sin)
         T = x.shape[0]
         cos, sin = cos_sin
         q = apply_rope(self.q_norm(self.q_proj(x).view(T, self.num_heads, self.head_dim)), cos, sin)
@@ -113,18 +117,17 @@ class Gemma4Attention(nn.Module):
             out = cached_attention(q, k, v, self.layer_idx, batch, 1.0, self.window)
         return self.o_proj(out.reshape(T, -1))
 
-    def fuse(self) -> None:
-        """The paged runner's path (models/layers/fused.py's `fuse_model` calls this): q, k and v
-        from one projection; the heads' norms, RoPE and the cache write in one kernel."""
+    def fuse(self, backend: Backend) -> None:
+        """On CUDA over the paged pool: q, k and v from one projection; the heads' norms, RoPE,
+        v's norm and the cache write in one kernel. Elsewhere the layer stays as it is."""
+        if backend is not Backend.TRITON:
+            return
         owns = self.kv_source == self.layer_idx
         names = ["q_proj", "k_proj", "v_proj"][: 1 if not owns else 2 if self.v_proj is None else 3]
         self.qkv = concat_projection(self, names)
-        self.forward = self._forward_fused
+        self.fused = True
 
-    def _forward_fused(self, x: torch.Tensor, batch: ForwardBatch, cos_sin) -> torch.Tensor:
-        meta = getattr(batch, "attention", None)
-        if meta is None or not x.is_cuda:
-            return Gemma4Attention.forward(self, x, batch, cos_sin)
+    def _forward_fused(self, x: torch.Tensor, meta, cos_sin) -> torch.Tensor:
         hq, hkv, d = self.num_heads, self.num_kv_heads, self.head_dim
         (cos, sin), qkv, layer = cos_sin, self.qkv(x), self.kv_source
         store = meta.pool.store(layer)
@@ -145,20 +148,18 @@ class Gemma4Router(nn.Module):
     def __init__(self, config):
         super().__init__()
         hidden, self.eps, self.top_k = config.hidden_size, config.rms_norm_eps, config.top_k_experts
-        self.proj = nn.Linear(hidden, config.num_experts, bias=False)
+        self.proj = Linear(hidden, config.num_experts, bias=False)
         self.scale = nn.Parameter(torch.ones(hidden))
         self.per_expert_scale = nn.Parameter(torch.ones(config.num_experts))
+        self.fused = False
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.fused:  # the weightless norm times `scale`: one RMSNorm kernel, `scale` its weight
+            return self._route(fused.rms_norm(x, self.scale, self.eps, False) * x.shape[-1] ** -0.5)
         return self._route(rms_norm(x, self.eps) * self.scale * x.shape[-1] ** -0.5)
 
-    def fuse(self) -> None:
-        """The paged runner's router (models/layers/fused.py's `fuse_model` calls this): the
-        weightless norm times `scale` is one RMSNorm kernel with `scale` for its weight."""
-        self.forward = self._forward_fused
-
-    def _forward_fused(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return self._route(fused.rms_norm(x, self.scale, self.eps, False) * x.shape[-1] ** -0.5)
+    def fuse(self, backend: Backend) -> None:
+        self.fused = True
 
     def _route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         weights, ids = route_topk(self.proj(x), self.top_k, "softmax", normalize=True)
@@ -181,10 +182,10 @@ class Gemma4Block(nn.Module):
         self.per_layer = bool(config.hidden_size_per_layer_input)
         if self.per_layer:
             self.act = ACTIVATIONS[config.hidden_activation]
-            self.per_layer_input_gate = nn.Linear(
+            self.per_layer_input_gate = Linear(
                 hidden, config.hidden_size_per_layer_input, bias=False
             )
-            self.per_layer_projection = nn.Linear(
+            self.per_layer_projection = Linear(
                 config.hidden_size_per_layer_input, hidden, bias=False
             )
             self.post_per_layer_input_norm = RMSNorm(hidden, eps)
@@ -236,7 +237,7 @@ class Gemma4Model(nn.Module):
             self.embed_tokens_per_layer = nn.Embedding(
                 config.vocab_size_per_layer_input, layers * self.per_layer_dim
             )
-            self.per_layer_model_projection = nn.Linear(
+            self.per_layer_model_projection = Linear(
                 hidden, layers * self.per_layer_dim, bias=False
             )
             self.per_layer_projection_norm = RMSNorm(self.per_layer_dim, config.rms_norm_eps)

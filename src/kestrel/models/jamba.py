@@ -13,7 +13,7 @@ from kestrel.cache.sequence import CacheSpec
 from kestrel.models.base import CausalLM, Slot, head_dim
 from kestrel.models.batch import ForwardBatch
 from kestrel.models.layers.attention import Attention
-from kestrel.models.layers.mamba import MambaMixer, conv_weight, sequence_groups
+from kestrel.models.layers.mamba import MambaMixer, conv_weight
 from kestrel.models.layers.mlp import GatedMLP
 from kestrel.models.layers.moe import SparseMoE, expert_slot
 from kestrel.models.layers.norm import RMSNorm
@@ -91,7 +91,7 @@ class JambaModel(nn.Module):
 
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         x = self.embed_tokens(batch.input_ids)
-        groups = sequence_groups(batch)  # shared by every Mamba layer
+        groups = batch.state_groups  # shared by every Mamba layer
         for layer in self.layers:
             x = layer(x, batch, groups)
         return self.final_layernorm(x[batch.logits_rows])

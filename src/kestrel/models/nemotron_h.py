@@ -17,7 +17,8 @@ from kestrel.kernels.fused import ACTIVATIONS
 from kestrel.models.base import CausalLM, Slot, head_dim
 from kestrel.models.batch import ForwardBatch
 from kestrel.models.layers.attention import Attention
-from kestrel.models.layers.mamba import Mamba2Mixer, conv_weight, sequence_groups
+from kestrel.models.layers.linear import Linear
+from kestrel.models.layers.mamba import Mamba2Mixer, conv_weight
 from kestrel.models.layers.moe import Experts, SparseMoE, expert_slot
 from kestrel.models.layers.norm import RMSNorm
 
@@ -68,8 +69,8 @@ class NemotronHMLP(nn.Module):
 
     def __init__(self, hidden: int, intermediate: int, act: str, bias: bool = False):
         super().__init__()
-        self.up_proj = nn.Linear(hidden, intermediate, bias=bias)
-        self.down_proj = nn.Linear(intermediate, hidden, bias=bias)
+        self.up_proj = Linear(hidden, intermediate, bias=bias)
+        self.down_proj = Linear(intermediate, hidden, bias=bias)
         self.act = ACTIVATIONS[act]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -102,8 +103,8 @@ class NemotronHMoE(SparseMoE):
             c.hidden_size, c.moe_shared_expert_intermediate_size, c.mlp_hidden_act, c.mlp_bias
         )
         if c.moe_latent_size is not None:
-            self.fc1_latent_proj = nn.Linear(c.hidden_size, latent, bias=c.mlp_bias)
-            self.fc2_latent_proj = nn.Linear(latent, c.hidden_size, bias=c.mlp_bias)
+            self.fc1_latent_proj = Linear(c.hidden_size, latent, bias=c.mlp_bias)
+            self.fc2_latent_proj = Linear(latent, c.hidden_size, bias=c.mlp_bias)
         else:
             self.fc1_latent_proj = self.fc2_latent_proj = nn.Identity()
 
@@ -176,7 +177,7 @@ class NemotronHModel(nn.Module):
 
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         x = self.embeddings(batch.input_ids)
-        groups = sequence_groups(batch)  # shared by every Mamba2 layer
+        groups = batch.state_groups  # shared by every Mamba2 layer
         for layer in self.layers:
             x = layer(x, batch, groups)
         return self.norm_f(x[batch.logits_rows])

@@ -21,6 +21,7 @@ from kestrel.errors import UnsupportedModelError
 from kestrel.models.base import CausalLM, head_dim, rope_parameters
 from kestrel.models.batch import ForwardBatch
 from kestrel.models.layers.attention import Attention
+from kestrel.models.layers.linear import Linear
 from kestrel.models.layers.mlp import GatedMLP
 from kestrel.models.layers.norm import RMSNorm
 from kestrel.models.layers.rope import RotaryEmbedding
@@ -78,7 +79,7 @@ class LinearAttention(nn.Module):
 
     def __init__(self, hidden: int):
         super().__init__()
-        self.linear_attn = nn.Linear(hidden, hidden, bias=False)
+        self.linear_attn = Linear(hidden, hidden, bias=False)
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch, cos_sin) -> torch.Tensor:
         return self.linear_attn(x)
@@ -87,7 +88,7 @@ class LinearAttention(nn.Module):
 class LinearMLP(nn.Module):
     def __init__(self, hidden: int):
         super().__init__()
-        self.linear_mlp = nn.Linear(hidden, hidden, bias=False)
+        self.linear_mlp = Linear(hidden, hidden, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.linear_mlp(x)
@@ -167,7 +168,7 @@ class NemotronNasForCausalLM(CausalLM):
                 f"for {config.num_hidden_layers} layers"
             )
         self.model = NemotronNasModel(config)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
         self.tie_weights()
 
     def cache_specs(self) -> list[CacheSpec]:

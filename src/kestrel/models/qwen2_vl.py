@@ -16,10 +16,11 @@ from torch import nn
 from kestrel.cache.sequence import CacheSpec
 from kestrel.models.base import CausalLM, rope_parameters
 from kestrel.models.base import head_dim as base_head_dim
-from kestrel.models.batch import ForwardBatch, ImageRows
+from kestrel.models.batch import ForwardBatch
 from kestrel.models.layers.attention import Attention
+from kestrel.models.layers.linear import Linear
 from kestrel.models.layers.mlp import GatedMLP
-from kestrel.models.layers.mrope import MRotaryEmbedding, batch_rope_ids
+from kestrel.models.layers.mrope import MRotaryEmbedding
 from kestrel.models.layers.norm import RMSNorm
 from kestrel.models.layers.qwen_vision import Qwen2VisionTransformer, VisionFeatures
 from kestrel.models.llama import layer_windows
@@ -53,23 +54,15 @@ class TextModel(nn.Module):
 
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         x = self.embed_tokens(batch.input_ids)  # (T, hidden)
-        images = batch_images(batch)
+        images = batch.images
         if images is not None:
             x = x.index_copy(0, images.rows, images.embeds.to(x.dtype))
-        cos_sin = self.rotary_emb(batch_rope_ids(batch))  # shared by every layer
+        cos_sin = self.rotary_emb(batch.rope_positions)  # shared by every layer
         for i, layer in enumerate(self.layers):
             x = layer(x, batch, cos_sin)
             if images is not None and i < len(images.deepstack):
                 x = x.index_add(0, images.rows, images.deepstack[i].to(x.dtype))
         return self.norm(x[batch.logits_rows])
-
-
-def batch_images(batch: ForwardBatch) -> ImageRows | None:
-    """The image rows of all chunks, as rows of the packed batch; None without images."""
-    if batch.images is not None:
-        return batch.images
-    parts = [(c.start, c.images) for c in batch.chunks]
-    return ImageRows.packed(parts, batch.input_ids.device)
 
 
 class Qwen2VLModel(nn.Module):
@@ -90,7 +83,7 @@ class Qwen2VLForConditionalGeneration(CausalLM):
         layers = [self.build_layer(text, i, w, rotary) for i, w in enumerate(self.windows)]
         visual = self.build_visual(config.vision_config)
         self.model = Qwen2VLModel(visual, TextModel(text, layers, rotary))
-        self.lm_head = nn.Linear(text.hidden_size, text.vocab_size, bias=False)
+        self.lm_head = Linear(text.hidden_size, text.vocab_size, bias=False)
         self.tie_weights()
 
     # --- what the Qwen-VL generations change ---------------------------------------------------
@@ -124,7 +117,7 @@ class Qwen2VLForConditionalGeneration(CausalLM):
     def cache_specs(self) -> list[CacheSpec]:
         return [CacheSpec("sliding", w) if w else CacheSpec("full") for w in self.windows]
 
-    def hidden(self, batch: ForwardBatch) -> torch.Tensor:
+    def decoder_hidden(self, batch: ForwardBatch) -> torch.Tensor:
         return self.model.language_model(batch)
 
     @torch.no_grad()

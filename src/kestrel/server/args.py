@@ -176,6 +176,7 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
         "(default, as vLLM for decoder models) or the mean over its tokens",
     )
     add_data_parallel_args(p)
+    add_disaggregate_args(p)
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     apply_llama_env(p)
 
@@ -198,6 +199,29 @@ def add_data_parallel_args(p: argparse.ArgumentParser) -> None:
         default=None,
         help="the Ray cluster to run -dp replicas on, e.g. ray://head:10001 or auto (default: "
         "start a local one)",
+    )
+
+
+def add_disaggregate_args(p: argparse.ArgumentParser) -> None:
+    group = p.add_argument_group("disaggregated prefill and decode")
+    group.add_argument(
+        "--disaggregate",
+        action="store_true",
+        default=default_of("disaggregate"),
+        help="serve with two engines: a prefill engine runs each prompt and its first token, "
+        "then hands the KV blocks to a decode engine that generates the rest (NCCL between two "
+        "GPUs, gloo otherwise); not with -tp, -pp or -dp",
+    )
+    group.add_argument(
+        "--prefill-device",
+        default=default_of("prefill_device"),
+        help="the prefill engine's device, e.g. cuda:0 or cpu (default: --device's)",
+    )
+    group.add_argument(
+        "--decode-device",
+        default=default_of("decode_device"),
+        help="the decode engine's device, e.g. cuda:1 or cpu (default: the GPU after the "
+        "prefill engine's when there is one, else the prefill engine's)",
     )
 
 

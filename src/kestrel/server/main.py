@@ -103,10 +103,16 @@ def server_settings(args) -> Config:
 def load_engine(
     config: Config, log_level: str, listener: LatencyListener, stats: EngineStats
 ) -> EngineClient:
-    """The engine in its own process (model, runner, scheduler), or -dp replicas of it on Ray,
-    with this process's tokenizer and image processor for the routes. The tokenizer is loaded
+    """The engine in its own process (model, runner, scheduler), -dp replicas of it on Ray, or
+    a prefill and a decode engine (--disaggregate), with this process's tokenizer and image processor for the routes. The tokenizer is loaded
     first: a GGUF vocabulary is converted and cached then, and the engines find it cached."""
     tokenizer, processor = load_frontend(config)
+    if config.parallel.disaggregate:
+        from kestrel.server.pd_router import load_disaggregated
+
+        return load_disaggregated(
+            config, build_engine, log_level, tokenizer, processor, listener, stats
+        )
     build = functools.partial(build_engine, config, log_level)
     if config.parallel.data_parallel_size > 1:
         from kestrel.engine.ray_replicas import load_replicas

@@ -79,12 +79,18 @@ class EngineCollector:
             "prompt tokens looked up in the prefix cache",
             load.prefix_queried_tokens,
         )
-        yield _counter(
-            "kestrel_prefix_cache_hits",
-            "prompt tokens whose KV the prefix cache held",
-            load.prefix_hit_tokens,
-        )
+        yield prefix_hits_by_tier(load)
         yield _gauge("kestrel_prefix_cache_blocks", "KV blocks cached", load.prefix_cached_blocks)
+        yield _gauge(
+            "kestrel_prefix_cache_host_blocks",
+            "KV blocks the host tier holds (--kv-offloading-size)",
+            load.prefix_host_blocks,
+        )
+        yield _gauge(
+            "kestrel_prefix_cache_host_capacity_blocks",
+            "KV blocks the host tier can hold (0: off)",
+            load.prefix_host_capacity,
+        )
         yield _counter(
             "kestrel_prefix_cache_evictions",
             "cached KV blocks evicted for new ones",
@@ -147,6 +153,19 @@ def replica_metrics(replicas: list[ReplicaStatus]):
         for replica in replicas:
             family.add_metric([str(replica.replica)], float(value(replica)))
         yield family
+
+
+def prefix_hits_by_tier(load) -> CounterMetricFamily:
+    """Prompt tokens the prefix cache held, by where their KV was: the device pool, or the host
+    tier (copied back)."""
+    hits = CounterMetricFamily(
+        "kestrel_prefix_cache_hits",
+        "prompt tokens whose KV the prefix cache held, by tier",
+        labels=["tier"],
+    )
+    hits.add_metric(["device"], load.prefix_hit_tokens - load.prefix_host_hit_tokens)
+    hits.add_metric(["host"], load.prefix_host_hit_tokens)
+    return hits
 
 
 def _gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:

@@ -433,7 +433,7 @@ class _Target:
         module, attr = self._owner(name)
         layer = name.rpartition(".")[0].rpartition(".")[2]
         kinds = (nn.Linear, nn.Embedding)
-        return attr == "weight" and type(module) in kinds and layer not in DENSE_LINEARS
+        return attr == "weight" and isinstance(module, kinds) and layer not in DENSE_LINEARS
 
     def _owner(self, name: str) -> tuple[nn.Module, str]:
         path, _, attr = name.rpartition(".")

@@ -11,12 +11,16 @@
 #endif
 #include <cstring>
 #include <type_traits>
+#include <utility>
 
 namespace kestrel_cpu {
 
 typedef float f32x16 __attribute__((vector_size(64)));
 typedef int32_t i32x16 __attribute__((vector_size(64)));
 typedef uint8_t u8x16 __attribute__((vector_size(16)));
+typedef uint8_t u8x32 __attribute__((vector_size(32)));
+typedef uint8_t u8x64 __attribute__((vector_size(64)));
+typedef int8_t i8x64 __attribute__((vector_size(64)));
 
 template <class V>
 inline V load(const void* p) {
@@ -26,6 +30,18 @@ inline V load(const void* p) {
 }
 
 inline void store(float* p, f32x16 v) { std::memcpy(p, &v, sizeof(v)); }
+
+// a then b in one vector twice their size (a shuffle: through memory, the two stores and the
+// wider load stall store-to-load forwarding, 3x slower)
+template <class Out, class In, size_t... I>
+inline Out concat(In a, In b, std::index_sequence<I...>) {
+  return __builtin_shufflevector(a, b, I...);
+}
+template <class Out, class In>
+inline Out concat(In a, In b) {
+  static_assert(sizeof(Out) == 2 * sizeof(In));
+  return concat<Out>(a, b, std::make_index_sequence<sizeof(Out) / sizeof(a[0])>());
+}
 
 inline float hsum(f32x16 v) {
 #if defined(__AVX512F__)

@@ -2,7 +2,7 @@
 
 Each projection that may take an adapter gets A (S, P * R, K) and B (S, N, R) (S = max_loras +
 1 slots, slot 0 all zeros: the base model; R = --max-lora-rank, a smaller rank zero-padded).
-Projections that `fuse_model` concatenates (q/k/v, gate/up, MLA's two down-projections) share
+Projections that a fused layer concatenates (q/k/v, gate/up, MLA's two down-projections) share
 one pair with a part each, so the fused matmul's output takes one kernel pair; unfused, each
 Linear's forward hook adds its own part. Loading an adapter copies into a slot in place, so CUDA
 graphs captured once serve every adapter.
@@ -21,7 +21,7 @@ TARGETS = (
     "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj",
     "q_a_proj", "q_b_proj", "kv_a_proj_with_mqa",
 )  # fmt: skip
-# Linears of one module that fuse_model concatenates (kestrel.models.layers.fused)
+# Linears of one module that its fused path concatenates (models/layers/linear.py)
 GROUPS = (
     ("q_proj", "k_proj", "v_proj"),
     ("gate_proj", "up_proj"),
@@ -125,7 +125,7 @@ class LoRAProjection:
 
 
 def is_projection(module) -> bool:
-    return type(module) is nn.Linear or isinstance(module, QuantLinear)
+    return isinstance(module, (nn.Linear, QuantLinear))
 
 
 def attach(modules, tokens: TokenSlots, slots: int, rank: int, dtype) -> dict:

@@ -17,7 +17,7 @@ import kestrel.cache.recurrent  # noqa: F401  (registers the "recurrent" and "no
 from kestrel.cache.sequence import StateShape
 from kestrel.kernels import mamba as kernels
 from kestrel.kernels.fused import ACTIVATIONS
-from kestrel.models.batch import ForwardBatch
+from kestrel.models.layers.linear import Linear
 from kestrel.models.layers.norm import RMSNorm
 
 
@@ -29,47 +29,10 @@ def conv_weight(name: str, tensor: torch.Tensor) -> torch.Tensor:
     return tensor
 
 
-# rows (b, m) of the packed batch and the states of those b sequences (CacheStates, or the paged
-# runner's PoolStates: `read(layer_idx, attr, zeros)` -> (b, ...), `write(layer_idx, attr, new)`)
+# rows (b, m) of the packed batch and the states of those b sequences (cache/recurrent.py's
+# CacheStates, or the paged runner's PoolStates: `read(layer_idx, attr, zeros)` -> (b, ...),
+# `write(layer_idx, attr, new)`): `ForwardBatch.state_groups`
 Group = tuple[torch.Tensor, object]
-
-
-class CacheStates:
-    """The states of b sequences in their SequenceCaches (cache/recurrent.py), as the reference
-    runner holds them; a new sequence's state is `zeros()`."""
-
-    def __init__(self, caches: list):
-        self.caches = caches
-
-    def in_place(self, layer_idx: int, attr: str) -> None:
-        return None  # states are tensors of their own: read, step and write
-
-    def read(self, layer_idx: int, attr: str, zeros) -> torch.Tensor:
-        saved = [getattr(cache.layers[layer_idx], attr) for cache in self.caches]
-        return torch.stack([zeros() if s is None else s for s in saved])
-
-    def write(self, layer_idx: int, attr: str, new: torch.Tensor) -> None:
-        for cache, s in zip(self.caches, new, strict=True):
-            # a new tensor, never written in place: checkpoints stay valid
-            setattr(cache.layers[layer_idx], attr, s)
-
-
-def sequence_groups(batch: ForwardBatch) -> list[Group]:
-    """Each chunk longer than one token alone (b=1), then every single-token chunk together (the
-    paged runner packs its own, `batch.state_groups`)."""
-    if batch.state_groups is not None:
-        return batch.state_groups
-    device = batch.input_ids.device
-    groups = [
-        (torch.arange(c.start, c.start + c.length, device=device)[None], CacheStates([c.cache]))
-        for c in batch.chunks
-        if c.length > 1
-    ]
-    singles = [c for c in batch.chunks if c.length == 1]
-    if singles:
-        rows = torch.tensor([c.start for c in singles], device=device)[:, None]
-        groups.append((rows, CacheStates([c.cache for c in singles])))
-    return groups
 
 
 def scan_sequences(groups, layer_idx: int, attr: str, zeros, fn, *inputs, step=None):
@@ -208,14 +171,14 @@ class Mamba2Mixer(nn.Module):
         self.n_groups, self.chunk_size, self.dt_limit = n_groups, chunk_size, tuple(dt_limit)
         self.inner = num_heads * head_dim
         conv_dim = self.inner + 2 * n_groups * state_size
-        self.in_proj = nn.Linear(hidden, self.inner + conv_dim + num_heads, bias=bias)
+        self.in_proj = Linear(hidden, self.inner + conv_dim + num_heads, bias=bias)
         self.conv1d = nn.Conv1d(conv_dim, conv_dim, conv_kernel, groups=conv_dim, bias=conv_bias)
         self.act = ACTIVATIONS[act]
         self.dt_bias = nn.Parameter(torch.ones(num_heads))
         self.A_log = nn.Parameter(torch.zeros(num_heads))
         self.D = nn.Parameter(torch.ones(num_heads))
         self.norm = GatedRMSNorm(self.inner, self.inner // n_groups, eps)
-        self.out_proj = nn.Linear(self.inner, hidden, bias=bias)
+        self.out_proj = Linear(self.inner, hidden, bias=bias)
 
     def forward(self, x: torch.Tensor, groups: list[Group]) -> torch.Tensor:
         if self._decodes_in_place(x, groups):
@@ -320,14 +283,14 @@ class MambaMixer(nn.Module):
         super().__init__()
         self.layer_idx, self.inner = layer_idx, inner
         self.state_size, self.dt_rank = state_size, dt_rank
-        self.in_proj = nn.Linear(hidden, 2 * inner, bias=bias)
+        self.in_proj = Linear(hidden, 2 * inner, bias=bias)
         self.conv1d = nn.Conv1d(inner, inner, conv_kernel, groups=inner, bias=conv_bias)
         self.act = ACTIVATIONS[act]
-        self.x_proj = nn.Linear(inner, dt_rank + 2 * state_size, bias=False)
-        self.dt_proj = nn.Linear(dt_rank, inner, bias=True)
+        self.x_proj = Linear(inner, dt_rank + 2 * state_size, bias=False)
+        self.dt_proj = Linear(dt_rank, inner, bias=True)
         self.A_log = nn.Parameter(torch.zeros(inner, state_size))
         self.D = nn.Parameter(torch.ones(inner))
-        self.out_proj = nn.Linear(inner, hidden, bias=bias)
+        self.out_proj = Linear(inner, hidden, bias=bias)
         if norm_eps is not None:
             self.dt_layernorm = RMSNorm(dt_rank, norm_eps)
             self.b_layernorm = RMSNorm(state_size, norm_eps)

@@ -12,6 +12,7 @@ cached latents into per-head keys/values (long chunks), or, for short chunks (de
 `kv_b_proj` into the query and the output and attends in latent space: q_nope . (W_uk c) equals
 (W_uk^T q_nope) . c, so every head attends one shared (MQA) latent key/value. On the paged pool
 every chunk attends in latent space (one kernel for the batch; the latent is never expanded).
+Fused (the paged runner's path), the two down-projections of the hidden state are one matmul.
 """
 
 import torch
@@ -22,8 +23,10 @@ from kestrel.cache.mask import visible_mask
 from kestrel.cache.sequence import CACHE_KINDS, CacheSpec, KVShape
 from kestrel.kernels import fused
 from kestrel.kernels.attention import attend
+from kestrel.kernels.backend import Backend
 from kestrel.models.base import CausalLM, Slot, rope_parameters
 from kestrel.models.batch import ForwardBatch
+from kestrel.models.layers.linear import Linear, concat_projection
 from kestrel.models.layers.mtp import final_norm
 from kestrel.models.layers.norm import RMSNorm
 from kestrel.models.layers.rope import (
@@ -50,6 +53,10 @@ CACHE_KINDS["latent"] = lambda spec: LatentKVCache(spec.window)
 
 def latent_cache_specs(num_layers: int) -> list[CacheSpec]:
     return [CacheSpec("latent") for _ in range(num_layers)]
+
+
+# MLA's two down-projections of the hidden state (low-rank queries, latent + rope key)
+LATENT_DOWN = ["q_a_proj", "kv_a_proj_with_mqa"]
 
 
 def mla_scale(qk_head_dim: int, rope: dict) -> float:
@@ -80,17 +87,18 @@ class MultiHeadLatentAttention(nn.Module):
         )
         q_dim, bias = self.num_heads * (self.nope_dim + self.rope_dim), c.attention_bias
         if c.q_lora_rank is None:
-            self.q_proj = nn.Linear(c.hidden_size, q_dim, bias=False)
+            self.q_proj = Linear(c.hidden_size, q_dim, bias=False)
         else:
-            self.q_a_proj = nn.Linear(c.hidden_size, c.q_lora_rank, bias=bias)
+            self.q_a_proj = Linear(c.hidden_size, c.q_lora_rank, bias=bias)
             self.q_a_layernorm = RMSNorm(c.q_lora_rank)  # transformers keeps the default eps here
-            self.q_b_proj = nn.Linear(c.q_lora_rank, q_dim, bias=False)
-        self.kv_a_proj_with_mqa = nn.Linear(c.hidden_size, self.rank + self.rope_dim, bias=bias)
+            self.q_b_proj = Linear(c.q_lora_rank, q_dim, bias=False)
+        self.kv_a_proj_with_mqa = Linear(c.hidden_size, self.rank + self.rope_dim, bias=bias)
         self.kv_a_layernorm = RMSNorm(self.rank)
-        self.kv_b_proj = nn.Linear(
+        self.kv_b_proj = Linear(
             self.rank, self.num_heads * (self.nope_dim + self.v_dim), bias=False
         )
-        self.o_proj = nn.Linear(self.num_heads * self.v_dim, c.hidden_size, bias=bias)
+        self.o_proj = Linear(self.num_heads * self.v_dim, c.hidden_size, bias=bias)
+        self.fused = False
 
     def kv_shape(self) -> KVShape:
         # one shared key [latent, rope key] per token whose first kv_lora_rank dims are the value
@@ -108,7 +116,7 @@ class MultiHeadLatentAttention(nn.Module):
         q, kv = self._query_and_latent(x, cos_sin)
         if q_scale is not None:
             q = q * q_scale[:, None, None].to(q.dtype)
-        if getattr(batch, "attention", None) is not None:  # the paged runner's KV pool
+        if batch.attention is not None:  # the paged runner's KV pool
             out = self._attend_paged(q, kv, batch.attention)
             return self.o_proj(out.reshape(T, -1))
         latent, k_rot = kv.split([self.rank, self.rope_dim], dim=-1)
@@ -137,9 +145,21 @@ class MultiHeadLatentAttention(nn.Module):
         kv = torch.cat([self.kv_a_layernorm(latent), k_rot], dim=-1)
         return torch.cat([q_nope, q_rot], dim=-1), kv
 
+    def fuse(self, backend: Backend) -> None:
+        """One matmul for both down-projections, where the queries are low-rank (not
+        minicpm3-style q_proj) and neither has a bias."""
+        if hasattr(self, "q_a_proj") and all(getattr(self, n).bias is None for n in LATENT_DOWN):
+            self.latent_down = concat_projection(self, LATENT_DOWN)
+            self.fused = True
+
     def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """x (T, hidden) -> queries (T, H, dn + dr), kv_a (T, r + dr) before RoPE and the norm
-        (layers/fused.py gives CUDA one GEMM for q_a_proj and kv_a_proj_with_mqa)."""
+        """x (T, hidden) -> queries (T, H, dn + dr), kv_a (T, r + dr) before RoPE and the norm."""
+        if self.fused:  # one GEMM; its outputs' parts are row-strided views of it
+            q_a, kv_a = self.latent_down(x).split(
+                [self.q_a_proj.out_features, self.kv_a_proj_with_mqa.out_features], dim=-1
+            )
+            q = self.q_b_proj(self.q_a_layernorm(q_a))
+            return q.view(x.shape[0], self.num_heads, -1), kv_a
         if hasattr(self, "q_proj"):
             q = self.q_proj(x)
         else:

@@ -25,6 +25,7 @@ from kestrel.kernels import gemv
 from kestrel.kernels import moe as moe_kernels
 from kestrel.kernels.fused import ACTIVATIONS, act_mul
 from kestrel.models.base import Slot
+from kestrel.models.layers.linear import Linear
 from kestrel.models.layers.mlp import GatedMLP
 from kestrel.models.layers.quant import Quantized
 
@@ -348,7 +349,7 @@ class SparseMoE(nn.Module):
         self.shared_experts = (
             GatedMLP(hidden, shared_intermediate, act) if shared_intermediate else None
         )
-        self.shared_expert_gate = nn.Linear(hidden, 1, bias=False) if shared_gate else None
+        self.shared_expert_gate = Linear(hidden, 1, bias=False) if shared_gate else None
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x (T, H) -> weights (T, k), expert ids (T, k)."""

@@ -13,7 +13,6 @@ Follows transformers' Qwen2VLModel.get_rope_index and Qwen3VLTextRotaryEmbedding
 import torch
 from torch import nn
 
-from kestrel.models.batch import ForwardBatch
 from kestrel.models.layers.rope import rope_inv_freq
 
 
@@ -56,28 +55,6 @@ class MRotaryEmbedding(nn.Module):
             freqs = ids[self.axes].float().t() * self.inv_freq  # (D/2, T) -> (T, D/2)
         emb = torch.cat([freqs, freqs], dim=-1)
         return emb.cos(), emb.sin()
-
-
-def batch_rope_ids(batch: ForwardBatch) -> torch.Tensor:
-    """RoPE ids of every row: (T,) when all rows are text, else (3, T).
-
-    Text rows are at `position + cache.rope_delta`; chunks of a multimodal prompt bring their
-    own (3, length) ids; runners that pack without chunks give `batch.rope_positions`.
-    """
-    if batch.rope_positions is not None:
-        return batch.rope_positions
-    shifted = batch.positions
-    if any(chunk.cache.rope_delta for chunk in batch.chunks):
-        shifted = batch.positions.clone()
-        for chunk in batch.chunks:
-            shifted[chunk.rows] += chunk.cache.rope_delta
-    explicit = [chunk for chunk in batch.chunks if chunk.rope_positions is not None]
-    if not explicit:
-        return shifted
-    ids = shifted.expand(3, -1).clone()  # (3, T)
-    for chunk in explicit:
-        ids[:, chunk.rows] = chunk.rope_positions
-    return ids
 
 
 def prompt_rope_ids(

@@ -20,6 +20,7 @@ from torch import nn
 from kestrel.cache.sequence import CacheSpec, KVShape
 from kestrel.models.base import CausalLM
 from kestrel.models.batch import ForwardBatch
+from kestrel.models.layers.linear import Linear
 from kestrel.models.layers.norm import RMSNorm
 
 
@@ -37,7 +38,7 @@ class MultiTokenPredictor(nn.Module):
         hidden, eps = config.hidden_size, config.rms_norm_eps
         self.embed_norm = RMSNorm(hidden, eps)
         self.hidden_norm = RMSNorm(hidden, eps)
-        self.proj = nn.Linear(2 * hidden, hidden, bias=False)
+        self.proj = Linear(2 * hidden, hidden, bias=False)
         self.block = block
         self.norm = RMSNorm(hidden, eps)
         self.spec, self.chain_normed, self.blank_first = spec, chain_normed, blank_first

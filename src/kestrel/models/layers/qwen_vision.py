@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kestrel.kernels.fused import ACTIVATIONS
+from kestrel.models.layers.linear import Linear
 from kestrel.models.layers.rope import apply_rope
 
 VISION_ACTIVATIONS = {**ACTIVATIONS, "quick_gelu": lambda x: x * torch.sigmoid(1.702 * x)}
@@ -87,8 +88,8 @@ class VisionAttention(nn.Module):
     def __init__(self, dim: int, num_heads: int):
         super().__init__()
         self.num_heads, self.head_dim = num_heads, dim // num_heads
-        self.qkv = nn.Linear(dim, 3 * dim)
-        self.proj = nn.Linear(dim, dim)
+        self.qkv = Linear(dim, 3 * dim)
+        self.proj = Linear(dim, dim)
 
     def forward(self, x, cos, sin, lengths: list[int]) -> torch.Tensor:
         P = x.shape[0]
@@ -106,7 +107,7 @@ class VisionAttention(nn.Module):
 class Qwen2VisionMLP(nn.Module):
     def __init__(self, dim: int, hidden: int, act: str):
         super().__init__()
-        self.fc1, self.fc2 = nn.Linear(dim, hidden), nn.Linear(hidden, dim)
+        self.fc1, self.fc2 = Linear(dim, hidden), Linear(hidden, dim)
         self.act = VISION_ACTIVATIONS[act]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -116,7 +117,7 @@ class Qwen2VisionMLP(nn.Module):
 class Qwen3VisionMLP(nn.Module):
     def __init__(self, dim: int, hidden: int, act: str):
         super().__init__()
-        self.linear_fc1, self.linear_fc2 = nn.Linear(dim, hidden), nn.Linear(hidden, dim)
+        self.linear_fc1, self.linear_fc2 = Linear(dim, hidden), Linear(hidden, dim)
         self.act = VISION_ACTIVATIONS[act]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -144,7 +145,7 @@ class Qwen2PatchMerger(nn.Module):
         self.hidden = dim * merge**2
         self.ln_q = nn.LayerNorm(dim, eps=1e-6)
         self.mlp = nn.Sequential(
-            nn.Linear(self.hidden, self.hidden), nn.GELU(), nn.Linear(self.hidden, out_dim)
+            Linear(self.hidden, self.hidden), nn.GELU(), Linear(self.hidden, out_dim)
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -158,8 +159,8 @@ class Qwen3PatchMerger(nn.Module):
         super().__init__()
         self.hidden, self.postshuffle = dim * merge**2, postshuffle
         self.norm = nn.LayerNorm(self.hidden if postshuffle else dim, eps=1e-6)
-        self.linear_fc1 = nn.Linear(self.hidden, self.hidden)
-        self.linear_fc2 = nn.Linear(self.hidden, out_dim)
+        self.linear_fc1 = Linear(self.hidden, self.hidden)
+        self.linear_fc2 = Linear(self.hidden, out_dim)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = self.norm(x.view(-1, self.hidden)) if self.postshuffle else self.norm(x)

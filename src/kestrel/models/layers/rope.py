@@ -124,10 +124,6 @@ class LongRotaryEmbedding(nn.Module):
 
     def forward(self, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
         ends = batch.chunk_ends  # (T,) last position of each token's chunk
-        if ends is None:
-            ends = torch.zeros_like(batch.positions)
-            for chunk in batch.chunks:
-                ends[chunk.rows] = batch.positions[chunk.start + chunk.length - 1]
         long = (ends >= self.original_max)[:, None]
         inv_freq = torch.where(long, self.long_inv_freq, self.short_inv_freq)  # (T, D/2)
         freqs = batch.positions[:, None].float() * inv_freq

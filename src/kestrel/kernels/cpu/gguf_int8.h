@@ -1,0 +1,205 @@
+// x @ W.T for decode's few rows of x with x quantized to int8, as llama.cpp multiplies: each
+// block of 32 activations becomes one float scale d = max|x| / 127 and 32 int8 values, and W's
+// blocks (gguf_blocks.h's `decode8`: unsigned bytes with a scale and a bias per group) meet them
+// in integer dot products of four byte pairs per 32-bit lane (AVX-512 VNNI's vpdpbusd, AVX-VNNI's
+// 256-bit one; plain C++ elsewhere, correct but slow, so kernels/cpu_native.py chooses this path
+// only where the instruction exists). A group g of W's row contributes
+//     s_g * d_g * sum(q_w * q_x) + b_g * d_g * sum(q_x),
+// the first per 4-element lane (the group's scale spread over its lanes), the second from the
+// per-group sums of x computed once per call. The float path (gguf.cpp) stays as the exact one.
+#pragma once
+
+#include <ATen/Parallel.h>
+
+#include <cmath>
+
+#include "gguf_blocks.h"
+
+namespace kestrel_cpu {
+namespace {
+
+// 16 lanes, each the sum of four products of an unsigned byte of w and a signed one of x
+inline i32x16 dot4(u8x64 w, i8x64 x) {
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+  return i32x16(_mm512_dpbusd_epi32(_mm512_setzero_si512(), __m512i(w), __m512i(x)));
+#elif defined(__AVXVNNI__)
+  __m256i w2[2], x2[2], out[2];
+  std::memcpy(w2, &w, 64), std::memcpy(x2, &x, 64);
+  for (int h = 0; h < 2; ++h) out[h] = _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), w2[h], x2[h]);
+  return load<i32x16>(out);
+#else
+  i32x16 sums;
+  for (int l = 0; l < 16; ++l) {
+    int32_t sum = 0;
+    for (int k = 0; k < 4; ++k) sum += int32_t(w[4 * l + k]) * int32_t(x[4 * l + k]);
+    sums[l] = sum;
+  }
+  return sums;
+#endif
+}
+
+constexpr bool FAST_INT8_DOT =
+#if (defined(__AVX512VNNI__) && defined(__AVX512BW__)) || defined(__AVXVNNI__)
+    true;
+#else
+    false;
+#endif
+
+template <class T>
+constexpr int group_of() {
+  if constexpr (T::elements == 32)
+    return 32;
+  else
+    return T::group;
+}
+
+// What one step of the kernel decodes: 256 elements of a k-quant, or two 32-element blocks
+// (64 elements, one vector of bytes), with a scale and a bias per group of `group` elements.
+// `order`: the unit's vectors hold its blocks of 32 elements in this order (64 bytes of a
+// k-quant hold four sub-blocks, two in the low nibbles and two in the high ones); x is laid out
+// alike, so a vector of nibbles needs no shuffle.
+template <class T>
+struct Unit {
+  static constexpr bool pair = T::elements == 32;
+  static constexpr int elements = pair ? 64 : T::elements, bytes = elements / T::elements * T::bytes;
+  static constexpr int group = group_of<T>(), groups = elements / group;
+
+  static constexpr int order(int k) {
+    if constexpr (pair)
+      return k;
+    else
+      return T::order[k];
+  }
+
+  static void decode(const uint8_t* p, u8x64* q, f32x16& s, f32x16& b) {
+    if constexpr (pair) {
+      u8x32 first, second;
+      float s2[2], b2[2];
+      T::decode8(p, first, s2[0], b2[0]);
+      T::decode8(p + T::bytes, second, s2[1], b2[1]);
+      q[0] = concat<u8x64>(first, second);
+      s = f32x16{s2[0], s2[1]}, b = f32x16{b2[0], b2[1]};
+    } else {
+      T::decode8(p, q, s, b);
+    }
+  }
+
+  // lane l of vector v covers 4 elements of one group: which one (vector arithmetic on
+  // constants, which the compiler folds; a loop over the lanes stays a loop)
+  static i32x16 lane_groups(int v) {
+    const i32x16 lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+    const i32x16 blocks = {order(0), order(1), order(pair ? 0 : 2), order(pair ? 0 : 3),
+                           order(pair ? 0 : 4), order(pair ? 0 : 5), order(pair ? 0 : 6),
+                           order(pair ? 0 : 7)};
+    const i32x16 position = 64 * v + 4 * lane;
+    return (32 * __builtin_shuffle(blocks, position / 32) + position % 32) / group;
+  }
+};
+
+// M rows of x as int8, each unit's blocks of 32 in the unit's order: the values, and per group
+// of the unit's `group` elements (16 or 32, in x's own order) the scale d and d * the values'
+// sum; the per-group arrays padded with 16 zeros (a unit reads 16 lanes from its first group)
+struct Int8Rows {
+  std::vector<int8_t> q;
+  std::vector<float> d, sums;
+  int64_t cols, groups;
+
+  template <class U>
+  Int8Rows(U, const float* x, int64_t M, int64_t cols)
+      : q(M * cols), cols(cols), groups(cols / U::group + 16) {
+    d.assign(M * groups, 0.f), sums.assign(M * groups, 0.f);
+    constexpr int blocks = U::elements / 32, per_block = 32 / U::group;
+    for (int64_t m = 0; m < M; ++m)
+      for (int64_t k = 0; k < cols / 32; ++k) {
+        const int64_t own = k - k % blocks + U::order(k % blocks);
+        const int64_t g = m * groups + per_block * own;
+        quantize_block<per_block>(x + m * cols + 32 * own, q.data() + m * cols + 32 * k,
+                                  d.data() + g, sums.data() + g);
+      }
+  }
+
+  // 32 values to `out`, with the scale and the scaled sum of each of their Parts groups
+  template <int Parts>
+  static void quantize_block(const float* x, int8_t* out, float* d, float* sums) {
+    float amax = 0.f;
+    for (int i = 0; i < 32; ++i) amax = std::max(amax, std::fabs(x[i]));
+    const float scale = amax / 127.f, inverse = amax > 0.f ? 127.f / amax : 0.f;
+    int32_t part_sums[Parts] = {};
+    for (int i = 0; i < 32; ++i) {
+      out[i] = int8_t(std::nearbyint(x[i] * inverse));
+      part_sums[i * Parts / 32] += out[i];
+    }
+    for (int p = 0; p < Parts; ++p) d[p] = scale, sums[p] = scale * part_sums[p];
+  }
+
+  const int8_t* values(int64_t m) const { return q.data() + m * cols; }
+  const float* scales(int64_t m) const { return d.data() + m * groups; }
+  const float* group_sums(int64_t m) const { return sums.data() + m * groups; }
+};
+
+// M rows of x times W as mm_batch (gguf.cpp) runs them, R rows of W at a time per thread, each
+// unit of a row decoded once and met by all M rows of x
+template <class T, int M, int R>
+void mm8_batch(const Int8Rows& x, int64_t m0, const uint8_t* bp, int64_t row_bytes, int64_t N,
+               float* out) {
+  using U = Unit<T>;
+  constexpr int V = U::elements / 64;
+  const int64_t units = x.cols / U::elements;
+  at::parallel_for(0, (N + R - 1) / R, 4, [&](int64_t begin, int64_t end) {
+    u8x64 q[V];
+    f32x16 s, b;
+    for (int64_t n0 = begin * R; n0 < std::min(end * R, N); n0 += R) {
+      const int rows = int(std::min<int64_t>(R, N - n0));
+      f32x16 acc[M][R] = {};
+      const float *scales[M], *sums[M];
+      const int8_t* values[M];
+      for (int m = 0; m < M; ++m)
+        scales[m] = x.scales(m0 + m), sums[m] = x.group_sums(m0 + m),
+        values[m] = x.values(m0 + m);
+      for (int64_t j = 0; j < units; ++j)
+        for (int r = 0; r < R; ++r) {
+          const uint8_t* unit = bp + (n0 + std::min(r, rows - 1)) * row_bytes + j * U::bytes;
+          for (int line = 0; line < U::bytes; line += 64)  // the next R rows' unit (gguf.cpp)
+            __builtin_prefetch(unit + R * row_bytes + line);
+          U::decode(unit, q, s, b);
+          for (int m = 0; m < M; ++m) {
+            const int64_t g = j * U::groups;
+            const f32x16 scale = s * load<f32x16>(scales[m] + g);
+            acc[m][r] += b * load<f32x16>(sums[m] + g);
+            const int8_t* xq = values[m] + j * U::elements;
+            for (int v = 0; v < V; ++v) {
+              const f32x16 lanes = __builtin_shuffle(scale, U::lane_groups(v));
+              acc[m][r] += floats(dot4(q[v], load<i8x64>(xq + 64 * v))) * lanes;
+            }
+          }
+        }
+      for (int m = 0; m < M; ++m)
+        for (int r = 0; r < rows; ++r) out[m * N + n0 + r] = hsum(acc[m][r]);
+    }
+  });
+}
+
+// whether the int8 path takes x of `cols` columns for type T (whole units only)
+template <class T>
+bool int8_serves(int64_t cols) {
+  return cols % Unit<T>::elements == 0;
+}
+
+// (M, cols) float x @ W.T -> out (M, N), in passes of 8, 4, 2 and 1 rows of x
+template <class T>
+void mm8_streaming(const float* x, int64_t M, const uint8_t* bp, int64_t row_bytes, int64_t N,
+                   int64_t cols, float* out) {
+  const Int8Rows rows_of_x(Unit<T>{}, x, M, cols);
+  int64_t m0 = 0;
+  for (int rows : {8, 4, 2, 1})
+    for (; M - m0 >= rows; m0 += rows) {
+      float* o = out + m0 * N;
+      if (rows == 8) mm8_batch<T, 8, 2>(rows_of_x, m0, bp, row_bytes, N, o);
+      if (rows == 4) mm8_batch<T, 4, 2>(rows_of_x, m0, bp, row_bytes, N, o);
+      if (rows == 2) mm8_batch<T, 2, 4>(rows_of_x, m0, bp, row_bytes, N, o);
+      if (rows == 1) mm8_batch<T, 1, 4>(rows_of_x, m0, bp, row_bytes, N, o);
+    }
+}
+
+}  // namespace
+}  // namespace kestrel_cpu
