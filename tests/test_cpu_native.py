@@ -65,6 +65,23 @@ def test_dequantize_equals_the_pytorch_decoding(qtype):
     torch.testing.assert_close(cpu_native.gguf_dequantize(blocks, qtype, 512), expected)
 
 
+@pytest.mark.parametrize("window", [None, 100])
+def test_a_decode_step_over_few_kv_heads_splits_the_keys(window):
+    """Fewer work items than twice the threads (one KV head, as gemma3-270m has, and three
+    sequences): each sequence's keys are split in parts computed apart and merged; parts the
+    window hides entirely, the trimmed sequence's sinks and a sequence too short to split
+    merge the same."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        check_paged_attention(
+            cpu_native.paged_attention, "cpu", torch.float32, 1, window, 4, 1, 64, 16,
+            lengths=(700, 400, 90),
+        )  # fmt: skip
+    finally:
+        torch.set_num_threads(threads)
+
+
 @pytest.mark.parametrize("qtype", cpu_native.QTYPES)
 @pytest.mark.parametrize("rows", [1, 2, 3, 7, 8, 15, 32, 33])
 def test_matmul_from_the_blocks_equals_dequantize_then_matmul(qtype, rows):
@@ -88,6 +105,21 @@ def test_int8_activations_are_exact_where_they_are_integers(qtype, rows):
     x[:, 5::32] = 127.0
     expected = x.double() @ dequantize(blocks, qtype, 512).double().T
     out = cpu_native.gguf_mm(x, blocks, qtype, 512, int8=True)
+    torch.testing.assert_close(out.double(), expected, rtol=1e-5, atol=1e-3)
+
+
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0"])
+@pytest.mark.parametrize("cols", [64, 320, 576])
+@pytest.mark.parametrize("rows", [1, 3, 8])
+def test_int8_rows_of_32_element_blocks_end_in_pairs(qtype, cols, rows):
+    """The int8 path takes eight 32-element blocks a step; a row whose length is not a multiple
+    of 256 (SmolLM2's 576) ends two blocks a step, and is exact the same way."""
+    torch.manual_seed(0)
+    blocks = blocks_of(qtype, 37, cols)
+    x = torch.randint(-127, 128, (rows, cols)).float()
+    x[:, 5::32] = 127.0
+    expected = x.double() @ dequantize(blocks, qtype, cols).double().T
+    out = cpu_native.gguf_mm(x, blocks, qtype, cols, int8=True)
     torch.testing.assert_close(out.double(), expected, rtol=1e-5, atol=1e-3)
 
 

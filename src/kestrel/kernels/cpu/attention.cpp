@@ -6,13 +6,16 @@
 // One work item is (query tile, KV head, up to 16 of the tile's tokens): the query rows of those
 // tokens times the heads sharing the KV head. It walks the sequence's keys 16 at a time: the
 // keys transposed (D, 16) give 16 scores per query row in D broadcast FMAs, an online softmax
-// rescales each row at most once per 16 keys, and the values are read once for every row.
+// rescales each row at most once per 16 keys, and the values are read once for every row. Where
+// the items are fewer than twice the threads (a decode step over few KV heads) each item's keys
+// are split in parts, computed apart and merged (flash-decoding's split).
 
 #include <ATen/ATen.h>
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <array>
 #include <cmath>
 #include <limits>
@@ -88,10 +91,21 @@ void score(const float* qf, int64_t R, int64_t D, const T* const* keys, const bo
   }
 }
 
+// A part of one item's keys, when an item's keys are split among threads: the rows'
+// unnormalized sums and their softmax maximum and denominator, merged after (`merge_parts`)
+struct Part {
+  float* acc;  // (rows, Dv)
+  float* m;    // (rows)
+  float* l;    // (rows)
+};
+
+// One work item over the keys [k_lo, k_hi) of its sequence's held slots: into `out` normalized,
+// or, where `part` is given, as a part to merge
 template <class T>
 void attend_item(const T* q, const T* k_cache, const T* v_cache, T* out, const Shapes& sh,
                  const Sequence& seq, const int64_t* positions, int64_t first, int64_t tokens,
-                 int64_t head, float scale, int64_t window) {
+                 int64_t head, float scale, int64_t window, int64_t k_lo, int64_t k_hi,
+                 const Part* part) {
   const int64_t G = sh.group(), R = tokens * G, D = sh.d, Dv = sh.dv;
   const int64_t Dp = (Dv + 15) / 16 * 16;  // accumulator rows padded to whole vectors
   std::vector<float> qf(R * D), acc(R * Dp, 0.f), kt(D * KEYS), buf(std::max(D, Dp), 0.f);
@@ -107,12 +121,12 @@ void attend_item(const T* q, const T* k_cache, const T* v_cache, T* out, const S
     }
   int32_t lo = qpos[0], hi = qpos[0];
   for (int32_t p : qpos) lo = std::min(lo, p), hi = std::max(hi, p);
-  const int64_t n_keys = seq.num_blocks * sh.bs;
+  const int64_t n_keys = std::min(seq.num_blocks * sh.bs, k_hi);
   const T* keys[KEYS];
   const T* values[KEYS];
   bool cand[KEYS];
   i32x16 pk, live;
-  for (int64_t k0 = 0; k0 < n_keys; k0 += KEYS) {
+  for (int64_t k0 = k_lo; k0 < n_keys; k0 += KEYS) {
     bool any = false;
     // the group's first key's block; its keys lie in one block unless the block size is not a
     // multiple of 16 (then each key finds its own)
@@ -164,12 +178,44 @@ void attend_item(const T* q, const T* k_cache, const T* v_cache, T* out, const S
       }
     }
   }
+  if (part != nullptr) {
+    for (int64_t r = 0; r < R; ++r) {
+      std::copy_n(&acc[r * Dp], Dv, part->acc + r * Dv);
+      part->m[r] = m[r], part->l[r] = l[r];
+    }
+    return;
+  }
   for (int64_t t = 0; t < tokens; ++t)
     for (int64_t g = 0; g < G; ++g) {
       const int64_t r = t * G + g;
       const float inv = l[r] > 0 ? 1.f / l[r] : 0.f;  // a row that sees no key gives zeros
       T* o = out + ((first + t) * sh.hq + head * G + g) * Dv;
       for (int64_t i = 0; i < Dv; ++i) o[i] = T(acc[r * Dp + i] * inv);
+    }
+}
+
+// The parts of one item into `out`: each row's sums rescaled to the largest maximum, then
+// divided by the rescaled denominators (a row that sees no key gives zeros)
+template <class T>
+void merge_parts(const std::vector<Part>& parts, T* out, const Shapes& sh, int64_t first,
+                 int64_t tokens, int64_t head) {
+  const int64_t G = sh.group(), Dv = sh.dv;
+  std::vector<float> sum(Dv);
+  for (int64_t t = 0; t < tokens; ++t)
+    for (int64_t g = 0; g < G; ++g) {
+      const int64_t r = t * G + g;
+      float best = NEG_INF, l = 0.f;
+      for (const Part& p : parts) best = std::max(best, p.m[r]);
+      std::fill(sum.begin(), sum.end(), 0.f);
+      for (const Part& p : parts) {
+        if (p.m[r] == NEG_INF) continue;
+        const float w = std::exp(p.m[r] - best);
+        l += w * p.l[r];
+        for (int64_t i = 0; i < Dv; ++i) sum[i] += w * p.acc[r * Dv + i];
+      }
+      const float inv = l > 0 ? 1.f / l : 0.f;
+      T* o = out + ((first + t) * sh.hq + head * G + g) * Dv;
+      for (int64_t i = 0; i < Dv; ++i) o[i] = T(sum[i] * inv);
     }
 }
 
@@ -209,20 +255,51 @@ at::Tensor paged_attention(const at::Tensor& q_in, const at::Tensor& k_cache,
       for (int64_t h = 0; h < sh.hkv; ++h)
         items.push_back({seqs[i], starts[i] + t, std::min<int64_t>(TOKENS, lens[i] - t), h});
   const int64_t width = block_tables.size(1);
+  const int64_t* held = num_blocks.data_ptr<int64_t>();
+  // Fewer items than twice the threads (one decode step over few KV heads: gemma3-270m has
+  // one) leaves threads idle: each item's keys are then split in up to `splits` parts of at
+  // least SPLIT_KEYS, computed apart and merged
+  constexpr int64_t SPLIT_KEYS = 128;
+  const int64_t threads = at::get_num_threads(), n_items = int64_t(items.size());
+  const int64_t splits = n_items >= 2 * threads ? 1 : (2 * threads + n_items - 1) / n_items;
+  std::vector<std::array<int64_t, 3>> work;  // (item, first key, last key + 1)
+  for (int64_t w = 0; w < n_items; ++w) {
+    const int64_t n_keys = held[items[w][0]] * sh.bs;
+    const int64_t parts = std::max<int64_t>(1, std::min(splits, n_keys / SPLIT_KEYS));
+    const int64_t step = std::max<int64_t>(KEYS, (n_keys / parts + KEYS - 1) / KEYS * KEYS);
+    for (int64_t k = 0; k < std::max<int64_t>(n_keys, 1); k += step)  // whole groups of keys
+      work.push_back({w, k, k + step});
+  }
+  const bool split = int64_t(work.size()) > n_items;
+  const int64_t rows = TOKENS * sh.group();
+  std::vector<float> part_acc(split ? work.size() * rows * sh.dv : 0);
+  std::vector<float> part_m(split ? work.size() * rows : 0), part_l(part_m.size());
+  std::vector<Part> parts(split ? work.size() : 0);
+  for (size_t i = 0; i < parts.size(); ++i)
+    parts[i] = {&part_acc[i * rows * sh.dv], &part_m[i * rows], &part_l[i * rows]};
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_attention", [&] {
-    at::parallel_for(0, int64_t(items.size()), 1, [&](int64_t begin, int64_t end) {
+    at::parallel_for(0, int64_t(work.size()), 1, [&](int64_t begin, int64_t end) {
       for (int64_t w = begin; w < end; ++w) {
-        const auto [s, first, tokens, head] = items[w];
-        const Sequence seq{block_tables.data_ptr<int64_t>() + s * width,
-                           num_blocks.data_ptr<int64_t>()[s], n_sink.data_ptr<int64_t>()[s],
-                           main_start.data_ptr<int64_t>()[s], live_start.data_ptr<int64_t>()[s],
-                           keep.data_ptr<int64_t>()[s]};
+        const auto [item, k_lo, k_hi] = work[w];
+        const auto [s, first, tokens, head] = items[item];
+        const Sequence seq{block_tables.data_ptr<int64_t>() + s * width, held[s],
+                           n_sink.data_ptr<int64_t>()[s], main_start.data_ptr<int64_t>()[s],
+                           live_start.data_ptr<int64_t>()[s], keep.data_ptr<int64_t>()[s]};
         attend_item<scalar_t>(q.data_ptr<scalar_t>(), k_cache.data_ptr<scalar_t>(),
                               v.data_ptr<scalar_t>(), out.data_ptr<scalar_t>(), sh, seq,
                               positions.data_ptr<int64_t>(), first, tokens, head, float(scale),
-                              window);
+                              window, k_lo, k_hi, split ? &parts[w] : nullptr);
       }
     });
+    if (!split) return;
+    for (size_t w = 0; w < work.size();) {  // each item's parts, in order
+      size_t next = w;
+      while (next < work.size() && work[next][0] == work[w][0]) ++next;
+      const auto [s, first, tokens, head] = items[work[w][0]];
+      merge_parts<scalar_t>({parts.begin() + w, parts.begin() + next},
+                            out.data_ptr<scalar_t>(), sh, first, tokens, head);
+      w = next;
+    }
   });
   return out;
 }

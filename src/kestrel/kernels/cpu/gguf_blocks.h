@@ -86,13 +86,14 @@ inline u8x32 nibbles(const uint8_t* p) {
 struct Q4_0 {
   static constexpr int elements = 32, bytes = 18;
   static constexpr bool bias = false;
+  static constexpr float offset = -8.f;  // w = s * (q + offset): the bias is offset * s
   static void decode(const uint8_t* p, f32x16* q, float* s, float*) {
     const u8x16 qs = bytes16(p + 2);  // low nibbles are elements 0-15, high ones 16-31
     q[0] = floats(qs & 15) - 8.f, q[1] = floats(qs >> 4) - 8.f;
     s[0] = s[1] = f16(p);
   }
   static void decode8(const uint8_t* p, u8x32& q, float& s, float& b) {
-    q = nibbles(p + 2), s = f16(p), b = -8.f * s;
+    q = nibbles(p + 2), s = f16(p), b = offset * s;
   }
 };
 
@@ -121,12 +122,13 @@ inline void five_bits(const uint8_t* qh, const uint8_t* qs, f32x16* q, int offse
 struct Q5_0 {
   static constexpr int elements = 32, bytes = 22;
   static constexpr bool bias = false;
+  static constexpr float offset = -16.f;  // w = s * (q + offset): the bias is offset * s
   static void decode(const uint8_t* p, f32x16* q, float* s, float*) {
     five_bits(p + 2, p + 6, q, 16);
     s[0] = s[1] = f16(p);
   }
   static void decode8(const uint8_t* p, u8x32& q, float& s, float& b) {
-    q = nibbles(p + 6) | sixteens(p + 2), s = f16(p), b = -16.f * s;
+    q = nibbles(p + 6) | sixteens(p + 2), s = f16(p), b = offset * s;
   }
 };
 
@@ -145,13 +147,14 @@ struct Q5_1 {
 struct Q8_0 {
   static constexpr int elements = 32, bytes = 34;
   static constexpr bool bias = false;
+  static constexpr float offset = -128.f;  // w = s * (q + offset): the bias is offset * s
   static void decode(const uint8_t* p, f32x16* q, float* s, float*) {
     q[0] = signed_floats(bytes16(p + 2)), q[1] = signed_floats(bytes16(p + 18));
     s[0] = s[1] = f16(p);
   }
   // int8 values as unsigned bytes by adding 128, taken back out in the bias
   static void decode8(const uint8_t* p, u8x32& q, float& s, float& b) {
-    q = concat<u8x32>(bytes16(p + 2), bytes16(p + 18)) ^ 128, s = f16(p), b = -128.f * s;
+    q = concat<u8x32>(bytes16(p + 2), bytes16(p + 18)) ^ 128, s = f16(p), b = offset * s;
   }
 };
 
