@@ -57,6 +57,30 @@ inline const float* floats_at(const T* p, int64_t n, float* buf) {
   }
 }
 
+// The sums of 16 vectors' lanes as one vector (lane t: the sum of v[t]), in a tree of 15
+// two-vector shuffles and adds rather than 16 horizontal sums stored lane by lane; clobbers v
+[[gnu::always_inline]] inline f32x16 sums16(f32x16* v) {
+  for (int j = 0; j < 8; ++j)  // [v(2j) 8 partial sums | v(2j+1) 8]
+    v[j] = __builtin_shufflevector(v[2 * j], v[2 * j + 1], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18,
+                                   19, 20, 21, 22, 23) +
+           __builtin_shufflevector(v[2 * j], v[2 * j + 1], 8, 9, 10, 11, 12, 13, 14, 15, 24, 25,
+                                   26, 27, 28, 29, 30, 31);
+  for (int j = 0; j < 4; ++j)  // 4 vectors' 4 partial sums each
+    v[j] = __builtin_shufflevector(v[2 * j], v[2 * j + 1], 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18,
+                                   19, 24, 25, 26, 27) +
+           __builtin_shufflevector(v[2 * j], v[2 * j + 1], 4, 5, 6, 7, 12, 13, 14, 15, 20, 21,
+                                   22, 23, 28, 29, 30, 31);
+  for (int j = 0; j < 2; ++j)  // 8 vectors' 2 partial sums each
+    v[j] = __builtin_shufflevector(v[2 * j], v[2 * j + 1], 0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20,
+                                   21, 24, 25, 28, 29) +
+           __builtin_shufflevector(v[2 * j], v[2 * j + 1], 2, 3, 6, 7, 10, 11, 14, 15, 18, 19,
+                                   22, 23, 26, 27, 30, 31);
+  return __builtin_shufflevector(v[0], v[1], 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26,
+                                 28, 30) +
+         __builtin_shufflevector(v[0], v[1], 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27,
+                                 29, 31);
+}
+
 // Scores of every query row against 16 keys: few rows (decode) take a dot product per key; many
 // rows (prefill) transpose the keys once into (D, 16) and get 16 scores in D broadcast FMAs
 template <class T>
@@ -64,6 +88,19 @@ void score(const float* qf, int64_t R, int64_t D, const T* const* keys, const bo
            float* kt, float* buf, f32x16* s) {
   constexpr int64_t TRANSPOSE_ROWS = 8;
   const int64_t Dv = D / 16 * 16;
+  if (R < TRANSPOSE_ROWS && D % 16 == 0) {  // 16 keys' products at once, summed together
+    const float* k[KEYS];  // every key's row, seen or not (its score is masked after)
+    for (int t = 0; t < KEYS; ++t) k[t] = floats_at(keys[t], D, kt + t * D);
+    for (int64_t r = 0; r < R; ++r) {
+      f32x16 products[KEYS] = {};
+      for (int64_t i = 0; i < D; i += 16) {
+        const f32x16 x = load<f32x16>(qf + r * D + i);
+        for (int t = 0; t < KEYS; ++t) products[t] += x * load<f32x16>(k[t] + i);
+      }
+      s[r] = sums16(products);
+    }
+    return;
+  }
   if (R < TRANSPOSE_ROWS) {
     for (int64_t r = 0; r < R; ++r) s[r] = f32x16{};
     for (int t = 0; t < KEYS; ++t) {
@@ -91,6 +128,32 @@ void score(const float* qf, int64_t R, int64_t D, const T* const* keys, const bo
   }
 }
 
+// acc's rows (Rp of them, a multiple of VALUE_ROWS) += their probabilities `p` times 16 value
+// rows (null: a key no row sees), VALUE_ROWS query rows at a time with their sums held in
+// registers across the 16 keys (a sum stored and reloaded per key waits on the store)
+constexpr int64_t VALUE_ROWS = 4;
+inline void add_values(const f32x16* p, int64_t Rp, const float* const* v, float* acc,
+                       int64_t Dv, int64_t Dp) {
+  const int64_t whole = Dv / 16 * 16;
+  for (int64_t r0 = 0; r0 < Rp; r0 += VALUE_ROWS) {
+    float* a0 = acc + r0 * Dp;
+    for (int64_t i = 0; i < whole; i += 16) {
+      f32x16 a[VALUE_ROWS];
+      for (int j = 0; j < VALUE_ROWS; ++j) a[j] = load<f32x16>(a0 + j * Dp + i);
+      for (int t = 0; t < KEYS; ++t) {
+        if (!v[t]) continue;
+        const f32x16 x = load<f32x16>(v[t] + i);
+        for (int j = 0; j < VALUE_ROWS; ++j) a[j] += p[r0 + j][t] * x;
+      }
+      for (int j = 0; j < VALUE_ROWS; ++j) store(a0 + j * Dp + i, a[j]);
+    }
+    for (int64_t i = whole; i < Dv; ++i)  // the last values of a row not whole vectors long
+      for (int t = 0; t < KEYS; ++t)
+        if (v[t])
+          for (int j = 0; j < VALUE_ROWS; ++j) a0[j * Dp + i] += p[r0 + j][t] * v[t][i];
+  }
+}
+
 // A part of one item's keys, when an item's keys are split among threads: the rows'
 // unnormalized sums and their softmax maximum and denominator, merged after (`merge_parts`)
 struct Part {
@@ -108,9 +171,10 @@ void attend_item(const T* q, const T* k_cache, const T* v_cache, T* out, const S
                  const Part* part) {
   const int64_t G = sh.group(), R = tokens * G, D = sh.d, Dv = sh.dv;
   const int64_t Dp = (Dv + 15) / 16 * 16;  // accumulator rows padded to whole vectors
-  std::vector<float> qf(R * D), acc(R * Dp, 0.f), kt(D * KEYS), buf(std::max(D, Dp), 0.f);
+  const int64_t Rp = (R + VALUE_ROWS - 1) / VALUE_ROWS * VALUE_ROWS;  // rows past R: zeros
+  std::vector<float> qf(R * D), acc(Rp * Dp, 0.f), kt(D * KEYS), buf(D), vbuf(KEYS * Dp);
   std::vector<float> m(R, NEG_INF), l(R, 0.f);
-  std::vector<f32x16> s(R);
+  std::vector<f32x16> s(Rp);
   std::vector<int32_t> qpos(R);
   for (int64_t t = 0; t < tokens; ++t)
     for (int64_t g = 0; g < G; ++g) {
@@ -165,18 +229,9 @@ void attend_item(const T* q, const T* k_cache, const T* v_cache, T* out, const S
       s[r] = exp16(sr - m[r]);  // the row's probabilities (unnormalized)
       l[r] += hsum(s[r]);
     }
-    for (int t = 0; t < KEYS; ++t) {  // each value row read once for every query row
-      if (!cand[t]) continue;
-      const float* v = floats_at(values[t], Dv, buf.data());
-      for (int64_t r = 0; r < R; ++r) {
-        const float p = s[r][t];
-        if (p == 0.f) continue;
-        float* a = &acc[r * Dp];
-        int64_t i = 0;
-        for (; i + 16 <= Dv; i += 16) store(a + i, load<f32x16>(a + i) + p * load<f32x16>(v + i));
-        for (; i < Dv; ++i) a[i] += p * v[i];
-      }
-    }
+    const float* v[KEYS];  // the value rows as floats (other dtypes converted once), or null
+    for (int t = 0; t < KEYS; ++t) v[t] = cand[t] ? floats_at(values[t], Dv, &vbuf[t * Dp]) : nullptr;
+    add_values(s.data(), Rp, v, acc.data(), Dv, Dp);
   }
   if (part != nullptr) {
     for (int64_t r = 0; r < R; ++r) {

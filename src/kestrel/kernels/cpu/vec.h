@@ -54,6 +54,9 @@ inline float hsum(f32x16 v) {
 }
 
 inline float hmax(f32x16 v) {
+#if defined(__AVX512F__)
+  return _mm512_reduce_max_ps(__m512(v));
+#endif
   float m = v[0];
   for (int l = 1; l < 16; ++l) m = v[l] > m ? v[l] : m;
   return m;
