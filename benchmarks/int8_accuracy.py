@@ -26,7 +26,8 @@ PROMPTS = (
 
 def decode(llm: LLM, prompt: str, steps: int, int8: bool):
     """(token ids, per-step {id: log-prob}) of `steps` greedy tokens through one path."""
-    cpu_native.int8_activations = lambda: int8  # gguf_mm reads it at every call
+    os.environ["KESTREL_CPU_INT8"] = "1" if int8 else "0"  # the user's switch, read anew:
+    cpu_native.int8_activations.cache_clear()  # gguf_mm asks it at every call
     params = SamplingParams(temperature=0, max_tokens=steps, ignore_eos=True, logprobs=5)
     out = llm.generate([prompt], params)[0].outputs[0]
     return out.token_ids, out.logprobs
