@@ -18,11 +18,21 @@
 namespace kestrel_cpu {
 namespace {
 
+// the int8 dot-product instruction this build has, by its width (0: none; plain C++, slow)
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+#define KESTREL_INT8_DOT 512
+#elif defined(__AVXVNNI__)
+#define KESTREL_INT8_DOT 256
+#else
+#define KESTREL_INT8_DOT 0
+#endif
+constexpr bool FAST_INT8_DOT = KESTREL_INT8_DOT != 0;
+
 // 16 lanes, each the sum of four products of an unsigned byte of w and a signed one of x
 inline i32x16 dot4(u8x64 w, i8x64 x) {
-#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+#if KESTREL_INT8_DOT == 512
   return i32x16(_mm512_dpbusd_epi32(_mm512_setzero_si512(), __m512i(w), __m512i(x)));
-#elif defined(__AVXVNNI__)
+#elif KESTREL_INT8_DOT == 256
   __m256i w2[2], x2[2], out[2];
   std::memcpy(w2, &w, 64), std::memcpy(x2, &x, 64);
   for (int h = 0; h < 2; ++h) out[h] = _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), w2[h], x2[h]);
@@ -37,13 +47,6 @@ inline i32x16 dot4(u8x64 w, i8x64 x) {
   return sums;
 #endif
 }
-
-constexpr bool FAST_INT8_DOT =
-#if (defined(__AVX512VNNI__) && defined(__AVX512BW__)) || defined(__AVXVNNI__)
-    true;
-#else
-    false;
-#endif
 
 template <class T>
 constexpr int group_of() {

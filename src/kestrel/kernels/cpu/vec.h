@@ -56,10 +56,11 @@ inline float hsum(f32x16 v) {
 inline float hmax(f32x16 v) {
 #if defined(__AVX512F__)
   return _mm512_reduce_max_ps(__m512(v));
-#endif
+#else
   float m = v[0];
   for (int l = 1; l < 16; ++l) m = v[l] > m ? v[l] : m;
   return m;
+#endif
 }
 
 // e^x to about 2e-7 relative (x clamped to [-87, 88]; e^-inf = 0): 2^(x log2 e) as 2^i times
