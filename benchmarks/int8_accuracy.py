@@ -11,6 +11,7 @@ path's margin there (its top two log-probs' difference): a near tie, or not. One
 """
 
 import argparse
+import contextlib
 import json
 import os
 
@@ -24,12 +25,28 @@ PROMPTS = (
 )
 
 
+@contextlib.contextmanager
+def int8_path(on: bool):
+    """The user's switch KESTREL_CPU_INT8 (which gguf_mm asks at every call) set within the
+    block, and what it was put back after (the tests call `compare` in a shared process)."""
+    before = os.environ.get("KESTREL_CPU_INT8")
+    os.environ["KESTREL_CPU_INT8"] = "1" if on else "0"
+    cpu_native.int8_activations.cache_clear()
+    try:
+        yield
+    finally:
+        if before is None:
+            del os.environ["KESTREL_CPU_INT8"]
+        else:
+            os.environ["KESTREL_CPU_INT8"] = before
+        cpu_native.int8_activations.cache_clear()
+
+
 def decode(llm: LLM, prompt: str, steps: int, int8: bool):
     """(token ids, per-step {id: log-prob}) of `steps` greedy tokens through one path."""
-    os.environ["KESTREL_CPU_INT8"] = "1" if int8 else "0"  # the user's switch, read anew:
-    cpu_native.int8_activations.cache_clear()  # gguf_mm asks it at every call
     params = SamplingParams(temperature=0, max_tokens=steps, ignore_eos=True, logprobs=5)
-    out = llm.generate([prompt], params)[0].outputs[0]
+    with int8_path(int8):
+        out = llm.generate([prompt], params)[0].outputs[0]
     return out.token_ids, out.logprobs
 
 
