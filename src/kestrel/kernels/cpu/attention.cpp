@@ -123,7 +123,7 @@ void score(const float* qf, int64_t R, int64_t D, const T* const* keys, const bo
   }
   for (int64_t r = 0; r < R; ++r) {
     f32x16 v = {};
-    for (int64_t i = 0; i < D; ++i) v += qf[r * D + i] * load<f32x16>(kt + i * KEYS);
+    for (int64_t i = 0; i < D; ++i) v += splat(qf[r * D + i]) * load<f32x16>(kt + i * KEYS);
     s[r] = v;
   }
 }
