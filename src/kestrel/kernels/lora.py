@@ -5,12 +5,10 @@ by side (a fused q/k/v has three: part p's rows of y take A's rows [pR, (p+1)R) 
 that part), slot 0 all zeros (the base model). `slots` (T,) is each token's slot.
 
 - CUDA: two Triton kernels after Punica's BGMV/SGMV split. `shrink` computes s = x A[slot]^T
-  into float32 partial sums, a program per block of tokens, slice of K and slot (a program whose
-  slot no token of its block has returns at once; the others write their slot's rows alone, so
-  no sum runs across slots and a row's result does not depend on its neighbours): short
-  programs, enough of them to fill the GPU at decode's few tokens; `expand` sums the K slices
-  and adds s B[slot]^T into y in place, each block of output rows within one part. Graphs
-  capture both once for any mix of slots.
+  for each block of tokens, one pass per slot present in the block (rows of other slots load as
+  zeros), split along K so that a decode step fills the GPU, into float32 partial sums;
+  `expand` sums them and adds s B[slot]^T into y in place, each block of output rows within one
+  part. Slots absent from a block cost a branch: graphs capture them once for any mix.
 - The CPU (and any shape the kernels do not take): the tokens grouped by slot, two matmuls each.
 """
 
@@ -29,9 +27,9 @@ except ImportError:  # CPU-only installs
 # without a GPU (slowly)
 INTERPRETED = triton is not None and os.environ.get("TRITON_INTERPRET") == "1"
 BLOCK_K = 64
-# input columns per shrink program: short programs (a few BLOCK_K steps) keep a decode step's
-# kernel from waiting on a few long ones; the expand kernel sums the K / SPLIT_K partial sums
-SPLIT_K = 256
+# input columns per shrink program: a decode step's few tokens still spread over K / SPLIT_K
+# programs, and the expand kernel sums the K / SPLIT_K partial sums in one unrolled pass
+SPLIT_K = 512
 
 
 def add_lora(y, x, a, b, slots, parts: list[int], groups=None, part_of=None) -> None:
@@ -101,13 +99,11 @@ def _triton_lora(y, x, a, b, slots, parts: list[int], part_of: torch.Tensor) -> 
     block_m = 16 if t <= 64 else 64
     m_blocks = triton.cdiv(t, block_m)
     split = triton.cdiv(k, SPLIT_K)
-    # each row's partial sums come from its own slot's programs alone (base rows: never written,
-    # and never read: the expand kernel adds nothing for them)
     partial = torch.empty(split, t, r_total, dtype=torch.float32, device=x.device)
     ieee = x.dtype == torch.float32  # float32 models: no TF32 rounding in the dots
-    _shrink[(m_blocks, split, a.shape[0] - 1)](
+    _shrink[(m_blocks, split)](
         x, a, slots, partial, t, k, r_total, x.stride(0), a.stride(0), a.stride(1),
-        SPLIT_K, block_m, BLOCK_K, max(16, triton.next_power_of_2(r_total)), ieee,
+        a.shape[0], SPLIT_K, block_m, BLOCK_K, max(16, triton.next_power_of_2(r_total)), ieee,
     )  # fmt: skip
     block_n = _block_n(parts)
     _expand[(m_blocks, y.shape[1] // block_n)](
@@ -134,59 +130,56 @@ if triton is not None:
     @triton.jit
     def _shrink(
         x_ptr, a_ptr, slot_ptr, out_ptr, T, K, R_TOTAL, stride_x, stride_as, stride_ar,
-        SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
+        NUM_SLOTS, SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
         BLOCK_R: tl.constexpr, IEEE: tl.constexpr,
     ):  # fmt: skip
-        # out[split, rows of slot s] = x[those rows, split's K] @ A[s]^T (float32 partial sums)
+        # out[split, rows] = x[rows, split's K] @ A[slot of the row]^T (float32 partial sums);
+        # rows of other slots load as zeros, so each slot's pass adds only its own rows
         rows, row_ok, slots = _token_rows(slot_ptr, T, BLOCK_M)
-        s = tl.program_id(2) + 1
-        mine = (slots == s) & row_ok
-        if tl.max(mine.to(tl.int32), axis=0) > 0:
-            r = tl.arange(0, BLOCK_R)
-            r_ok = r < R_TOTAL
-            acc = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
-            k_start = tl.program_id(1) * SPLIT_K
-            for k0 in tl.static_range(0, SPLIT_K, BLOCK_K):
-                ks = k_start + k0 + tl.arange(0, BLOCK_K)
-                k_ok = ks < K
-                xb = tl.load(
-                    x_ptr + rows[:, None] * stride_x + ks[None, :],
-                    mask=mine[:, None] & k_ok[None, :],
-                    other=0.0,
-                )
-                ab = tl.load(
-                    a_ptr + s * stride_as + r[None, :] * stride_ar + ks[:, None],
-                    mask=r_ok[None, :] & k_ok[:, None],
-                    other=0.0,
-                )
-                acc += _dot(xb, ab, IEEE)
-            out = out_ptr + tl.program_id(1) * T * R_TOTAL + rows[:, None] * R_TOTAL + r[None, :]
-            tl.store(out, acc, mask=mine[:, None] & r_ok[None, :])
+        r = tl.arange(0, BLOCK_R)
+        r_ok = r < R_TOTAL
+        acc = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
+        k_start = tl.program_id(1) * SPLIT_K
+        for s in range(1, NUM_SLOTS):
+            mine = (slots == s) & row_ok
+            if tl.max(mine.to(tl.int32), axis=0) > 0:
+                for k0 in tl.static_range(0, SPLIT_K, BLOCK_K):
+                    ks = k_start + k0 + tl.arange(0, BLOCK_K)
+                    k_ok = ks < K
+                    xb = tl.load(
+                        x_ptr + rows[:, None] * stride_x + ks[None, :],
+                        mask=mine[:, None] & k_ok[None, :],
+                        other=0.0,
+                    )
+                    ab = tl.load(
+                        a_ptr + s * stride_as + r[None, :] * stride_ar + ks[:, None],
+                        mask=r_ok[None, :] & k_ok[:, None],
+                        other=0.0,
+                    )
+                    acc += _dot(xb, ab, IEEE)
+        out = out_ptr + tl.program_id(1) * T * R_TOTAL + rows[:, None] * R_TOTAL + r[None, :]
+        tl.store(out, acc, mask=row_ok[:, None] & r_ok[None, :])
 
     @triton.jit
     def _expand(
         s_ptr, b_ptr, slot_ptr, y_ptr, part_ptr, T, R, R_TOTAL, stride_bs, stride_bn, stride_y,
-        NUM_SLOTS: tl.constexpr, SPLIT: tl.constexpr, BLOCK_M: tl.constexpr,
-        BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, IEEE: tl.constexpr,
+        NUM_SLOTS, SPLIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+        BLOCK_R: tl.constexpr, IEEE: tl.constexpr,
     ):  # fmt: skip
         # y[rows, cols] += (the splits' sum of s[rows, the part's R]) @ B[slot, cols]^T
         rows, row_ok, slots = _token_rows(slot_ptr, T, BLOCK_M)
-        adapted = (slots > 0) & row_ok
-        if tl.max(adapted.to(tl.int32), axis=0) > 0:  # a block of base-model tokens adds nothing
+        if tl.max(slots, axis=0) > 0:  # a block of base-model tokens adds nothing
             cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-            y = y_ptr + rows[:, None] * stride_y + cols[None, :]
-            old = tl.load(y, mask=row_ok[:, None])  # issued early: nothing below depends on it
             r = tl.arange(0, BLOCK_R)
             r_ok = r < R
             part = tl.load(part_ptr + tl.program_id(1))
             s_rows = s_ptr + rows[:, None] * R_TOTAL + part * R + r[None, :]
-            s_ok = adapted[:, None] & r_ok[None, :]  # base rows' partial sums were never written
             sv = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
             for i in tl.static_range(SPLIT):  # unrolled: the loads go out together
-                sv += tl.load(s_rows + i * T * R_TOTAL, mask=s_ok, other=0.0)
+                sv += tl.load(s_rows + i * T * R_TOTAL, mask=row_ok[:, None] & r_ok[None, :])
             acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-            for s in tl.static_range(1, NUM_SLOTS):
-                mine = slots == s
+            for s in range(1, NUM_SLOTS):
+                mine = (slots == s) & row_ok
                 if tl.max(mine.to(tl.int32), axis=0) > 0:
                     bb = tl.load(
                         b_ptr + s * stride_bs + cols[None, :] * stride_bn + r[:, None],
@@ -195,4 +188,6 @@ if triton is not None:
                     )
                     sm = tl.where(mine[:, None], sv, 0.0).to(bb.dtype)
                     acc += _dot(sm, bb, IEEE)
+            y = y_ptr + rows[:, None] * stride_y + cols[None, :]
+            old = tl.load(y, mask=row_ok[:, None])
             tl.store(y, (old.to(tl.float32) + acc).to(old.dtype), mask=row_ok[:, None])

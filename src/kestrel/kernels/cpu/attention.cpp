@@ -123,7 +123,7 @@ void score(const float* qf, int64_t R, int64_t D, const T* const* keys, const bo
   }
   for (int64_t r = 0; r < R; ++r) {
     f32x16 v = {};
-    for (int64_t i = 0; i < D; ++i) v += splat(qf[r * D + i]) * load<f32x16>(kt + i * KEYS);
+    for (int64_t i = 0; i < D; ++i) v += qf[r * D + i] * load<f32x16>(kt + i * KEYS);
     s[r] = v;
   }
 }
@@ -143,7 +143,7 @@ inline void add_values(const f32x16* p, int64_t Rp, const float* const* v, float
       for (int t = 0; t < KEYS; ++t) {
         if (!v[t]) continue;
         const f32x16 x = load<f32x16>(v[t] + i);
-        for (int j = 0; j < VALUE_ROWS; ++j) a[j] += splat(p[r0 + j][t]) * x;
+        for (int j = 0; j < VALUE_ROWS; ++j) a[j] += p[r0 + j][t] * x;
       }
       for (int j = 0; j < VALUE_ROWS; ++j) store(a0 + j * Dp + i, a[j]);
     }
@@ -211,8 +211,8 @@ void attend_item(const T* q, const T* k_cache, const T* v_cache, T* out, const S
     if (!any) continue;
     score(qf.data(), R, D, keys, cand, kt.data(), buf.data(), s.data());
     for (int64_t r = 0; r < R; ++r) {
-      i32x16 seen = live & (pk <= splat<i32x16>(qpos[r]));
-      if (window) seen &= (splat<i32x16>(qpos[r]) - pk) < int32_t(window);
+      i32x16 seen = live & (pk <= qpos[r]);
+      if (window) seen &= (qpos[r] - pk) < int32_t(window);
       const f32x16 sr = seen ? s[r] : NEG_INF;
       const float best = hmax(sr);
       if (best == NEG_INF) {  // none of these keys visible to this row
@@ -223,10 +223,10 @@ void attend_item(const T* q, const T* k_cache, const T* v_cache, T* out, const S
       if (best > m[r]) {  // a new maximum: rescale what the row has summed so far
         const float correction = std::exp(m[r] - best);
         l[r] *= correction;
-        for (int64_t i = 0; i < Dp; i += 16) store(a + i, load<f32x16>(a + i) * splat(correction));
+        for (int64_t i = 0; i < Dp; i += 16) store(a + i, load<f32x16>(a + i) * correction);
         m[r] = best;
       }
-      s[r] = exp16(sr - splat(m[r]));  // the row's probabilities (unnormalized)
+      s[r] = exp16(sr - m[r]);  // the row's probabilities (unnormalized)
       l[r] += hsum(s[r]);
     }
     const float* v[KEYS];  // the value rows as floats (other dtypes converted once), or null

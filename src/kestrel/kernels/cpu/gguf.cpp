@@ -31,7 +31,7 @@ void dequantize_rows(const uint8_t* bp, int64_t row_bytes, int64_t cols, int64_t
       const int64_t n = begin + k / per_row, j = k % per_row;
       T::decode(bp + n * row_bytes + j * T::bytes, q, s, b);
       for (int v = 0; v < T::elements / 16; ++v) {
-        const f32x16 wv = splat(s[v]) * q[v] + splat(b[v]);
+        const f32x16 wv = s[v] * q[v] + b[v];
         std::memcpy(w + k * T::elements + 16 * v, &wv, sizeof(wv));
       }
     }
@@ -60,8 +60,7 @@ void mm_batch(const float* x, const uint8_t* bp, int64_t row_bytes, int64_t N, i
           // one computes (W streams from memory; the hardware prefetcher alone leaves it idle)
           __builtin_prefetch(block + R * row_bytes);
           T::decode(block, q, s, b);
-          for (int v = 0; v < V; ++v)
-            w[r][v] = T::bias ? splat(s[v]) * q[v] + splat(b[v]) : splat(s[v]) * q[v];
+          for (int v = 0; v < V; ++v) w[r][v] = T::bias ? s[v] * q[v] + b[v] : s[v] * q[v];
         }
         for (int v = 0; v < V; ++v)
           for (int m = 0; m < M; ++m) {

@@ -10,7 +10,7 @@
 
 #include <ATen/ATen.h>
 
-#if defined(__F16C__) || defined(__AVX2__) || defined(__AVX512F__)
+#if defined(__F16C__) || defined(__AVX512F__)
 #include <immintrin.h>
 #endif
 
@@ -43,17 +43,10 @@ inline u8x16 bytes16(const uint8_t* p) {
   return v;
 }
 
-// bytes widen to int32 first: GCC scalarizes a direct byte-to-float vector conversion, and
-// without AVX-512 the widening too (a byte at a time: 10x slower decode on an AVX2 CPU)
+// bytes widen to int32 first: GCC scalarizes a direct byte-to-float vector conversion
 inline i32x16 ints(u8x16 v) {
 #if defined(__AVX512F__)
   return i32x16(_mm512_cvtepu8_epi32(__m128i(v)));  // GCC sometimes widens lane by lane
-#elif defined(__AVX2__)
-  typedef int32_t i32x8 __attribute__((vector_size(32)));
-  const __m128i bytes = __m128i(v);
-  const i32x8 low = i32x8(_mm256_cvtepu8_epi32(bytes));
-  const i32x8 high = i32x8(_mm256_cvtepu8_epi32(_mm_unpackhi_epi64(bytes, bytes)));
-  return concat<i32x16>(low, high);
 #else
   return __builtin_convertvector(v, i32x16);
 #endif
@@ -65,7 +58,7 @@ inline f32x16 signed_floats(u8x16 v) { return floats((ints(v) ^ 128) - 128); }  
 // bit `first + lane` of `bits`, in each of 16 lanes
 inline i32x16 bit_lanes(uint32_t bits, int first) {
   const i32x16 lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
-  return splat<i32x16>(int32_t(bits >> first)) >> lane & 1;
+  return (i32x16{} + int32_t(bits >> first)) >> lane & 1;
 }
 
 // 16 in byte i where bit i of the little-endian uint32 at p is set (the fifth bits of Q5_0/Q5_1)

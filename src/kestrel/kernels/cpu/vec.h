@@ -6,7 +6,7 @@
 #include <c10/util/Half.h>
 
 #include <cstdint>
-#if defined(__AVX2__) || defined(__AVX512F__)
+#if defined(__AVX512F__)
 #include <immintrin.h>
 #endif
 #include <cstring>
@@ -30,28 +30,6 @@ inline V load(const void* p) {
 }
 
 inline void store(float* p, f32x16 v) { std::memcpy(p, &v, sizeof(v)); }
-
-// s in every lane. Without AVX-512, GCC spreads a runtime scalar over a 16-lane vector (`s * v`)
-// by storing it 16 times and loading the vector back, a store-forwarding stall each time: on an
-// AVX2 CPU that was most of a decode step (5x slower matmuls). Two 8-lane broadcasts instead.
-template <class V, class S>
-inline V splat(S s) {
-#if defined(__AVX2__) && !defined(__AVX512F__)
-  __m256 half;
-  if constexpr (std::is_same_v<S, float>)
-    half = _mm256_set1_ps(s);
-  else
-    half = _mm256_castsi256_ps(_mm256_set1_epi32(s));
-  V v;
-  static_assert(sizeof(V) == 2 * sizeof(half));
-  std::memcpy(&v, &half, sizeof(half));
-  std::memcpy(reinterpret_cast<char*>(&v) + sizeof(half), &half, sizeof(half));
-  return v;
-#else
-  return V{} + s;
-#endif
-}
-inline f32x16 splat(float s) { return splat<f32x16>(s); }
 
 // a then b in one vector twice their size (a shuffle: through memory, the two stores and the
 // wider load stall store-to-load forwarding, 3x slower)
